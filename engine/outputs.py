@@ -1,0 +1,28 @@
+"""What the engine hands back per request."""
+from dataclasses import dataclass, field
+
+# One position's logprobs: {token_id: logprob}, the chosen token first, then
+# the top-k alternatives in descending order (a token may appear in both).
+Logprobs = dict[int, float]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[Logprobs] | None = None          # one per generated token
+    finish_reason: str | None = None                # "stop" | "length" | "abort" | None (running)
+    stop_reason: int | str | None = None            # the stop string or stop token id that matched
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    prompt_logprobs: list[Logprobs | None] | None = None   # first entry None (no context), as vLLM
+    finished: bool = False
+    num_cached_tokens: int = 0
+    metrics: dict = field(default_factory=dict)     # arrival/first_token/finish times, queue time

@@ -1,0 +1,73 @@
+"""Per-request sampling parameters, in the shape vLLM users know."""
+from dataclasses import dataclass, field
+
+
+class SamplingError(ValueError):
+    """An invalid sampling value; the message names the field."""
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    max_tokens: int | None = 16          # None = up to the context length
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                        # 0 or -1 = off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None           # top-k alternatives per generated token (0 = only the chosen one)
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
+        if self.top_k == -1:
+            self.top_k = 0
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(name, why):
+            raise SamplingError(f"{name} {why}, got {getattr(self, name)!r}")
+        if self.n < 1:
+            bad("n", "must be at least 1")
+        if self.max_tokens is not None and self.max_tokens < 0:
+            bad("max_tokens", "must be >= 0")
+        if self.min_tokens < 0:
+            bad("min_tokens", "must be >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+        if not self.temperature >= 0:
+            bad("temperature", "must be >= 0")
+        if not 0 < self.top_p <= 1:
+            bad("top_p", "must be in (0, 1]")
+        if self.top_k < 0:
+            bad("top_k", "must be -1 (off), 0 (off) or positive")
+        if not 0 <= self.min_p <= 1:
+            bad("min_p", "must be in [0, 1]")
+        if not -2 <= self.presence_penalty <= 2:
+            bad("presence_penalty", "must be in [-2, 2]")
+        if not -2 <= self.frequency_penalty <= 2:
+            bad("frequency_penalty", "must be in [-2, 2]")
+        if not self.repetition_penalty > 0:
+            bad("repetition_penalty", "must be > 0")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            bad("logprobs", "must be in [0, 20]")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            bad("prompt_logprobs", "must be in [0, 20]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5

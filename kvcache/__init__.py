@@ -1,0 +1,1 @@
+"""Paged KV cache: block pool, per-layer storage formats, attention backends."""

@@ -1,0 +1,90 @@
+"""Uncompressed (f32 / f16 / bf16) paged KV storage for one layer, and its attention.
+
+This is the reference format: TurboQuant formats keep the same interface
+(write / attention / nbytes) so the pool never changes shape for them.
+"""
+import torch
+import torch.nn.functional as F
+
+from kvcache.metadata import AttentionMetadata, GroupMetadata
+
+
+class DenseLayerCache:
+    def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, group_id: int, sliding_window: int | None = None,
+                 device: str | torch.device = "cpu"):
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.group_id = group_id
+        self.sliding_window = sliding_window
+        self.k = torch.zeros(num_blocks * block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+    def write(self, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k.index_copy_(0, slot_mapping, k.to(self.k.dtype))
+        self.v.index_copy_(0, slot_mapping, v.to(self.v.dtype))
+
+    def _gather(self, block_table: torch.Tensor, first_block: int, num_blocks: int, dtype):
+        """K/V for blocks [first_block, first_block + num_blocks) of one or more block tables."""
+        bs = self.block_size
+        cols = block_table[..., first_block:first_block + num_blocks]
+        slots = (cols.unsqueeze(-1) * bs + torch.arange(bs)).flatten(-2)
+        return self.k[slots].to(dtype), self.v[slots].to(dtype)
+
+    def attention(self, q: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q: [T, Hq, D] for the whole flat batch -> [T, Hq, D]."""
+        group: GroupMetadata = meta.groups[self.group_id]
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = self._decode(q[:nd], group.block_tables[:nd], meta.seq_lens_t[:nd], scale)
+        for i in range(nd, meta.num_seqs):
+            s, e = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+            out[s:e] = self._prefill(q[s:e], group.block_tables[i], meta.seq_lens[i], scale)
+        return out
+
+    def _window_blocks(self, lo_pos: int, hi_pos: int) -> tuple[int, int]:
+        """Blocks that hold key positions [lo_pos, hi_pos)."""
+        bs = self.block_size
+        first = lo_pos // bs
+        return first, (hi_pos + bs - 1) // bs - first
+
+    def _decode(self, q, block_tables, seq_lens, scale):
+        B, Hq, D = q.shape
+        H = self.num_kv_heads
+        max_len = int(seq_lens.max())
+        lo = 0
+        if self.sliding_window is not None:
+            lo = max(0, int(seq_lens.min()) - self.sliding_window)
+        first, nblk = self._window_blocks(lo, max_len)
+        k, v = self._gather(block_tables, first, nblk, q.dtype)        # [B, L, H, D]
+        pos = torch.arange(first * self.block_size, (first + nblk) * self.block_size)
+        valid = pos[None, :] < seq_lens[:, None]
+        if self.sliding_window is not None:
+            valid &= pos[None, :] > (seq_lens[:, None] - 1 - self.sliding_window)
+        qg = q.view(B, H, Hq // H, D)
+        scores = torch.einsum("bhgd,blhd->bhgl", qg, k) * scale
+        scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        return torch.einsum("bhgl,blhd->bhgd", probs, v).reshape(B, Hq, D)
+
+    def _prefill(self, q, block_table, seq_len, scale):
+        Lq = q.shape[0]
+        start = seq_len - Lq
+        lo = 0 if self.sliding_window is None else max(0, start - self.sliding_window + 1)
+        first, nblk = self._window_blocks(lo, seq_len)
+        k, v = self._gather(block_table, first, nblk, q.dtype)         # [L, H, D]
+        kpos = torch.arange(first * self.block_size, (first + nblk) * self.block_size)
+        qpos = torch.arange(start, seq_len)
+        mask = kpos[None, :] <= qpos[:, None]
+        if self.sliding_window is not None:
+            mask &= kpos[None, :] > qpos[:, None] - self.sliding_window
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+            attn_mask=mask, scale=scale, enable_gqa=True)
+        return o.transpose(0, 1)
