@@ -1,0 +1,166 @@
+"""The asyncio client of the engine-core process, used by the API server."""
+import asyncio
+import itertools
+import logging
+import multiprocessing as mp
+import threading
+import time
+from collections.abc import AsyncIterator
+
+from engine.core_process import run_engine_core
+from engine.engine_args import EngineArgs
+from engine.engine_core import EngineStats, ModelInfo, check_request
+from engine.errors import EngineDeadError, InvalidRequest
+from engine.output_processor import OutputProcessor, child_params
+from engine.outputs import RequestOutput
+from engine.request import EngineRequest
+from engine.sampling_params import SamplingParams
+
+log = logging.getLogger("tqserve.engine")
+
+
+class AsyncLLM:
+    def __init__(self, args: EngineArgs):
+        args.validate()
+        self.args = args
+        self.model_name = args.model
+        self.tokenizer = None
+        self.chat_template = None
+        self.info: ModelInfo | None = None
+        self._stats = EngineStats()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._ids = itertools.count()
+        self._dead: str | None = None
+        self.processor: OutputProcessor | None = None
+
+    # -- lifecycle ------------------------------------------------------------
+    async def start(self) -> None:
+        from model_zoo.resolve import open_model
+        loop = asyncio.get_running_loop()
+        ctx = mp.get_context("spawn")
+        self._in, self._out = ctx.Queue(), ctx.Queue()
+        self._proc = ctx.Process(target=run_engine_core, args=(self.args, self._in, self._out),
+                                 name="tqserve-engine-core", daemon=True)
+        self._proc.start()
+        # The tokenizer and template load here while the core loads weights.
+        source = await loop.run_in_executor(None, open_model, self.args.model)
+        self.tokenizer, self.chat_template = source.tokenizer, source.chat_template
+        self.processor = OutputProcessor(self.tokenizer)
+        msg = await loop.run_in_executor(None, self._out.get)
+        if msg[0] != "ready":
+            self._proc.join(timeout=5)
+            raise RuntimeError(f"engine failed to start: {msg[1]}")
+        self.info = msg[1]
+        self._loop = loop
+        self._reader = threading.Thread(target=self._read, name="tqserve-engine-reader", daemon=True)
+        self._reader.start()
+
+    async def shutdown(self) -> None:
+        if getattr(self, "_proc", None) is None:
+            return
+        if self._proc.is_alive():
+            self._in.put(("shutdown",))
+            await asyncio.get_running_loop().run_in_executor(None, self._proc.join, 10)
+            if self._proc.is_alive():
+                self._proc.kill()
+        self._proc = None
+
+    @property
+    def max_model_len(self) -> int:
+        return self.info.max_model_len
+
+    @property
+    def kv_info(self) -> dict:
+        i = self.info
+        return {"capacity_tokens": i.capacity_tokens, "bytes_per_token": i.bytes_per_token,
+                "block_size": i.block_size, "bytes_per_token_by_kind": dict(i.bytes_per_token_by_kind),
+                "total_bytes": i.kv_total_bytes}
+
+    def stats(self) -> dict:
+        return dict(self._stats.__dict__)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._dead is None and getattr(self, "_proc", None) is not None and self._proc.is_alive()
+
+    # -- the reader thread ----------------------------------------------------
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = self._out.get()
+            except (EOFError, OSError):
+                msg = ("dead", "engine output queue closed")
+            self._loop.call_soon_threadsafe(self._dispatch, msg)
+            if msg[0] == "dead":
+                return
+
+    def _dispatch(self, msg) -> None:
+        kind = msg[0]
+        if kind == "outputs":
+            self._stats = msg[2]
+            results, to_abort = self.processor.process(msg[1])
+            if to_abort:
+                self._in.put(("abort", to_abort))
+            for r in results:
+                q = self._streams.get(r.request_id)
+                if q is not None:
+                    q.put_nowait(r)
+        elif kind == "reject":
+            pid = self.processor.child_to_parent.get(msg[1])
+            if pid in self._streams:
+                self._in.put(("abort", self.processor.remove(pid)))
+                self._streams[pid].put_nowait(InvalidRequest(msg[2]))
+        elif kind == "dead":
+            self._dead = msg[1]
+            log.error("engine core died:\n%s", msg[1])
+            for q in self._streams.values():
+                q.put_nowait(EngineDeadError("the engine core process died"))
+
+    # -- requests -------------------------------------------------------------
+    def encode(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequest("this model has no tokenizer: give prompts as token ids")
+            return prompt, self.tokenizer.encode(prompt)
+        return None, list(prompt)
+
+    async def generate(self, prompt, params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        if self._dead is not None:
+            raise EngineDeadError("the engine core process died")
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self._streams:
+            raise InvalidRequest(f"request id {rid!r} is already running")
+        text, ids = self.encode(prompt)
+        check_request(ids, params, self.info.max_model_len, self.info.vocab_size)
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[rid] = q
+        now = time.monotonic()
+        cids = self.processor.add(rid, text, ids, params, now)
+        for i, cid in enumerate(cids):
+            self._in.put(("add", EngineRequest(cid, ids, child_params(params, i), arrival_time=now)))
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, Exception):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    break
+        finally:
+            self._streams.pop(rid, None)
+            if not finished:
+                self._abort_parent(rid)
+
+    def _abort_parent(self, rid: str) -> None:
+        ids = self.processor.remove(rid)
+        if ids and self._dead is None:
+            self._in.put(("abort", ids))
+
+    async def abort(self, request_id: str) -> None:
+        self._abort_parent(request_id)
+        q = self._streams.get(request_id)
+        if q is not None:
+            q.put_nowait(InvalidRequest(f"request {request_id} was aborted"))

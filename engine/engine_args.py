@@ -1,0 +1,33 @@
+"""Engine configuration, shared by the offline LLM, the async client and the CLI."""
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class EngineArgs:
+    model: str = "smollm2-135m"
+    max_model_len: int | None = None              # None = the model's own, capped by KV capacity
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    long_prefill_token_threshold: int = 0         # cap on one request's chunk per step (0 = budget only)
+    kv_cache_memory: int | float | None = None    # bytes, or a fraction (< 1) of available memory
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"                  # auto (model dtype) | f32 | f16 | bf16
+    dtype: str = "float32"
+    seed: int = 0
+    num_threads: int | None = None                # torch intra-op threads in the engine core
+
+    def validate(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.kv_cache_memory is not None and not self.kv_cache_memory > 0:
+            raise ValueError(f"kv_cache_memory must be > 0, got {self.kv_cache_memory}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)

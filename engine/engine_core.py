@@ -1,0 +1,196 @@
+"""The engine core: scheduler + KV pool + model runner, stepped in a loop.
+
+It runs either in the caller's process (offline LLM, tests) or in its own
+process behind the async client (core_process.py)."""
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.engine_args import EngineArgs
+from engine.errors import InvalidRequest
+from engine.model_runner import ModelRunner
+from engine.request import EngineRequest, Request
+from engine.scheduler import Scheduler
+from kvcache.kv_manager import KVCacheManager
+from kvcache.pool_plan import allocate_kv_caches, kv_dtype, plan_kv_pool
+from model_zoo.models import build_model
+from model_zoo.resolve import open_model
+
+log = logging.getLogger("tqserve.engine")
+
+DEFAULT_KV_BYTES = 2 << 30
+
+
+@dataclass
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[dict] | None = None
+    prompt_logprobs: list | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    first_scheduled_time: float | None = None
+
+
+@dataclass
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions_total: int = 0
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    steps_total: int = 0
+
+
+@dataclass
+class ModelInfo:
+    """What a client needs to know about the loaded engine."""
+    max_model_len: int
+    eos_token_ids: list[int]
+    capacity_tokens: int
+    bytes_per_token: int
+    bytes_per_token_by_kind: dict
+    block_size: int
+    num_blocks: list[int]
+    kv_total_bytes: int
+    vocab_size: int
+
+
+def check_request(prompt_token_ids: list[int], params, max_model_len: int, vocab_size: int) -> None:
+    """Raise InvalidRequest for a request that can never run."""
+    n = len(prompt_token_ids)
+    if n == 0:
+        raise InvalidRequest("the prompt is empty")
+    if n >= max_model_len:
+        raise InvalidRequest(f"this model's maximum context length is {max_model_len} tokens, "
+                             f"but the prompt has {n} tokens (no room for output)")
+    mt = params.max_tokens
+    if mt is not None and n + mt > max_model_len:
+        raise InvalidRequest(f"this model's maximum context length is {max_model_len} tokens; "
+                             f"the prompt has {n} tokens and max_tokens is {mt}, {n + mt} in total")
+    if vocab_size and (min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size):
+        raise InvalidRequest(f"prompt token ids must be in [0, {vocab_size})")
+
+
+def available_memory() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 8 << 30
+
+
+def kv_budget(setting) -> int:
+    if setting is None:
+        return min(DEFAULT_KV_BYTES, available_memory() // 4)
+    if isinstance(setting, float) and setting < 1:
+        return int(available_memory() * setting)
+    return int(setting)
+
+
+class EngineCore:
+    def __init__(self, args: EngineArgs, source=None):
+        args.validate()
+        self.args = args
+        if args.num_threads:
+            torch.set_num_threads(args.num_threads)
+        torch.manual_seed(args.seed)
+        t0 = time.monotonic()
+        self.source = source or open_model(args.model)
+        dtype = getattr(torch, args.dtype)
+        self.model = build_model(self.source.config).to(dtype)
+        self.model.load_weights(self.source.weights())
+        self.model.eval()
+        specs = self.model.kv_cache_spec()
+        cdtype = kv_dtype(args.kv_cache_dtype, dtype)
+        self.plan = plan_kv_pool(specs, kv_budget(args.kv_cache_memory), args.block_size, cdtype,
+                                 args.max_num_seqs, args.max_num_batched_tokens)
+        caches = allocate_kv_caches(specs, self.plan, cdtype)
+        model_len = int(self.source.config.get("max_position_embeddings") or 4096)
+        if args.max_model_len is not None:
+            if args.max_model_len > self.plan.capacity_tokens:
+                raise ValueError(f"max_model_len {args.max_model_len} exceeds the KV cache capacity of "
+                                 f"{self.plan.capacity_tokens} tokens; raise kv_cache_memory")
+            self.max_model_len = args.max_model_len
+        else:
+            self.max_model_len = min(model_len, self.plan.capacity_tokens)
+        self.kv = KVCacheManager(self.plan.groups, self.plan.num_blocks, args.block_size,
+                                 args.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.max_num_batched_tokens,
+                                   args.long_prefill_token_threshold)
+        self.runner = ModelRunner(self.model, self.kv, caches)
+        self.stats = EngineStats()
+        self.info = ModelInfo(
+            max_model_len=self.max_model_len, eos_token_ids=list(self.source.eos_token_ids),
+            capacity_tokens=self.plan.capacity_tokens, bytes_per_token=self.plan.bytes_per_token,
+            bytes_per_token_by_kind=self.plan.bytes_per_token_by_kind(), block_size=args.block_size,
+            num_blocks=list(self.plan.num_blocks), kv_total_bytes=self.plan.total_bytes,
+            vocab_size=int(self.source.config.get("vocab_size", 0)))
+        log.info("engine ready in %.1fs: %s, max_model_len %d, KV %d tokens x %d B/token (%s), %.1f MiB",
+                 time.monotonic() - t0, args.model, self.max_model_len, self.plan.capacity_tokens,
+                 self.plan.bytes_per_token, self.plan.bytes_per_token_by_kind(),
+                 self.plan.total_bytes / 2**20)
+
+    # -- requests -------------------------------------------------------------
+    def add_request(self, er: EngineRequest) -> None:
+        check_request(er.prompt_token_ids, er.params, self.max_model_len, self.info.vocab_size)
+        if er.request_id in self.scheduler.requests:
+            raise InvalidRequest(f"request id {er.request_id!r} is already running")
+        if not er.eos_token_ids:
+            er.eos_token_ids = self.info.eos_token_ids
+        self.scheduler.add(Request(er, self.max_model_len))
+
+    def abort(self, request_ids) -> None:
+        for rid in request_ids:
+            self.scheduler.abort(rid)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- one step -------------------------------------------------------------
+    def step(self) -> list[EngineCoreOutput]:
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        results = self.runner.execute(sched)
+        self.scheduler.update(sched)
+        self.stats.steps_total += 1
+        outputs = []
+        for s in sched.scheduled:
+            req = s.req
+            out = None
+            if req.request_id in results and req.max_tokens > 0:
+                tok, lp = results[req.request_id]
+                req.append(tok)
+                self.stats.generation_tokens_total += 1
+                out = EngineCoreOutput(req.request_id, [tok], [lp] if lp is not None else None)
+            elif req.request_id in results:        # max_tokens == 0: prompt only (scoring)
+                req.finish_reason = "length"
+                out = EngineCoreOutput(req.request_id)
+            if out is not None:
+                if req.num_output_tokens <= 1:
+                    out.num_cached_tokens = req.num_cached_tokens
+                    out.first_scheduled_time = req.first_scheduled_time
+                    out.prompt_logprobs = req.prompt_logprobs
+                if req.finish_reason is not None:
+                    out.finish_reason, out.stop_reason = req.finish_reason, req.stop_reason
+                    self.scheduler.finish(req)
+                outputs.append(out)
+        return outputs
+
+    def get_stats(self) -> EngineStats:
+        s, st = self.scheduler, self.stats
+        st.num_running, st.num_waiting = len(s.running), len(s.waiting)
+        st.kv_cache_usage = self.kv.usage
+        st.num_preemptions_total = s.stats.num_preemptions
+        st.prefix_cache_queries_total = s.stats.prefix_cache_queries
+        st.prefix_cache_hits_total = s.stats.prefix_cache_hits
+        st.prompt_tokens_total = s.stats.prompt_tokens
+        return st

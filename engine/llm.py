@@ -1,0 +1,92 @@
+"""Offline batch inference in the shape vLLM users know:
+
+    from engine import LLM, SamplingParams
+    outs = LLM("smollm2-135m").generate(["Hello"], SamplingParams(max_tokens=32))
+"""
+import itertools
+import sys
+import time
+
+from engine.engine_args import EngineArgs
+from engine.engine_core import EngineCore, check_request
+from engine.errors import InvalidRequest
+from engine.output_processor import OutputProcessor, child_params
+from engine.outputs import RequestOutput
+from engine.request import EngineRequest
+from engine.sampling_params import SamplingParams
+
+
+def is_token_prompt(p) -> bool:
+    return isinstance(p, (list, tuple)) and all(isinstance(t, int) for t in p)
+
+
+class LLM:
+    def __init__(self, model: str, **engine_args):
+        self.core = EngineCore(EngineArgs(model=model, **engine_args))
+        self.tokenizer = self.core.source.tokenizer
+        self.chat_template = self.core.source.chat_template
+        self.processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    def encode(self, prompt) -> tuple[str | None, list[int]]:
+        if is_token_prompt(prompt):
+            return None, list(prompt)
+        if not isinstance(prompt, str):
+            raise InvalidRequest(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
+        if self.tokenizer is None:
+            raise InvalidRequest("this model has no tokenizer: give prompts as token ids")
+        return prompt, self.tokenizer.encode(prompt)
+
+    def add_request(self, prompt, params: SamplingParams, request_id: str | None = None) -> str:
+        text, ids = self.encode(prompt)
+        return self._add(text, ids, params, request_id)
+
+    def _add(self, text, ids, params, request_id=None) -> str:
+        rid = request_id or str(next(self._ids))
+        check_request(ids, params, self.core.max_model_len, self.core.info.vocab_size)
+        now = time.monotonic()
+        cids = self.processor.add(rid, text, ids, params, now)
+        for i, cid in enumerate(cids):
+            self.core.add_request(EngineRequest(cid, ids, child_params(params, i), arrival_time=now))
+        return rid
+
+    def step(self) -> list[RequestOutput]:
+        outs, to_abort = self.processor.process(self.core.step())
+        self.core.abort(to_abort)
+        return outs
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        if isinstance(prompts, str) or is_token_prompt(prompts):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise InvalidRequest(f"{len(prompts)} prompts but {len(params)} sampling params")
+        # Validate every prompt before queueing any, so a bad one disturbs none.
+        encoded = [self.encode(p) for p in prompts]
+        for (_, ids), sp in zip(encoded, params):
+            check_request(ids, sp, self.core.max_model_len, self.core.info.vocab_size)
+        order = [self._add(text, ids, sp) for (text, ids), sp in zip(encoded, params)]
+        done: dict[str, RequestOutput] = {}
+        t0 = time.monotonic()
+        while self.core.has_work():
+            for o in self.step():
+                if o.finished:
+                    done[o.request_id] = o
+            if use_tqdm:
+                print(f"\r{len(done)}/{len(order)} requests, {time.monotonic() - t0:.1f}s",
+                      end="", file=sys.stderr, flush=True)
+        if use_tqdm:
+            print(file=sys.stderr)
+        return [done[r] for r in order]
+
+    def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
+             **template_kwargs) -> RequestOutput:
+        from model_zoo.chat_template import render_chat
+        if self.chat_template is None:
+            raise InvalidRequest("this model has no chat template")
+        text = render_chat(self.chat_template, messages, bos_token=self.tokenizer.bos_token,
+                           eos_token=self.tokenizer.eos_token, **template_kwargs)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return self.generate([ids], sampling_params)[0]

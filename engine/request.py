@@ -1,0 +1,77 @@
+"""Request state inside the engine core."""
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+@dataclass
+class EngineRequest:
+    """What a client sends to the engine core: one sequence (n is fanned out
+    by the client into n requests)."""
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: list[int] = field(default_factory=list)
+    arrival_time: float = field(default_factory=time.monotonic)
+
+
+class Request:
+    def __init__(self, er: EngineRequest, max_model_len: int):
+        self.request_id = er.request_id
+        self.params = er.params
+        self.prompt_token_ids = list(er.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.token_ids = list(er.prompt_token_ids)    # prompt + generated
+        self.eos_token_ids = set() if er.params.ignore_eos else set(er.eos_token_ids)
+        self.stop_token_ids = set(er.params.stop_token_ids)
+        self.arrival_time = er.arrival_time
+        self.status = Status.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1                  # prefix-cache hit at first schedule
+        self.num_preemptions = 0
+        self.first_scheduled_time: float | None = None
+        mt = er.params.max_tokens
+        room = max_model_len - self.num_prompt_tokens
+        self.max_tokens = room if mt is None else min(mt, room)
+        self.generator: torch.Generator | None = None
+        if er.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(er.params.seed)
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        # Prompt logprobs are computed chunk by chunk and sent once complete.
+        self.prompt_logprobs: list | None = [None] if er.params.prompt_logprobs is not None else None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    def append(self, token: int) -> None:
+        """Add a sampled token; sets finish_reason when it ends the request."""
+        self.token_ids.append(token)
+        n = self.num_output_tokens
+        if n >= self.params.min_tokens:
+            if token in self.eos_token_ids:
+                self.finish_reason = "stop"
+            elif token in self.stop_token_ids:
+                self.finish_reason, self.stop_reason = "stop", token
+        if self.finish_reason is None and n >= self.max_tokens:
+            self.finish_reason = "length"

@@ -1,0 +1,137 @@
+"""Continuous batching with one token budget per step (vLLM v1's shape):
+running requests first (decodes and unfinished prefill chunks), then waiting
+requests FCFS, chunked when the budget is short; preemption by recompute of
+the newest running request when KV blocks run out."""
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.request import Request, Status
+from kvcache.kv_manager import KVCacheManager
+
+
+@dataclass
+class ScheduledRequest:
+    req: Request
+    num_new_tokens: int
+    start: int          # num_computed_tokens when scheduled
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+@dataclass
+class SchedulerStats:
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0     # prompt tokens looked up
+    prefix_cache_hits: int = 0        # of which found cached
+    prompt_tokens: int = 0
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 long_prefill_token_threshold: int = 0):
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.stats = SchedulerStats()
+
+    def add(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _chunk(self, n: int, budget: int) -> int:
+        if self.long_prefill_token_threshold:
+            n = min(n, self.long_prefill_token_threshold)
+        return min(n, budget)
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        self.kv.free(req.request_id)
+        req.status = Status.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.preempted.append(req.request_id)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        # 1. Running requests, oldest first; the newest is preempted to make room.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate(req.request_id, req.token_ids, req.num_computed_tokens, n):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is req:
+                    n = 0
+                    break
+            if n == 0:
+                break
+            out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens))
+            budget -= n
+            i += 1
+        # 2. Waiting requests, FCFS, never by preempting others.
+        if not out.preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                req = self.waiting[0]
+                hit = 0
+                if req.num_computed_tokens == 0:
+                    if req.params.prompt_logprobs is None:
+                        hit = self.kv.find_prefix_hit(req.request_id, req.token_ids)
+                n = self._chunk(req.num_tokens - hit, budget)
+                if not self.kv.allocate(req.request_id, req.token_ids, hit, n, num_prefix_hit=hit):
+                    break
+                self.waiting.popleft()
+                if req.num_cached_tokens < 0:
+                    self.stats.prefix_cache_queries += req.num_tokens
+                    self.stats.prefix_cache_hits += hit
+                    self.stats.prompt_tokens += req.num_prompt_tokens
+                    req.num_cached_tokens = hit
+                    req.first_scheduled_time = time.monotonic()
+                req.num_computed_tokens = hit
+                req.status = Status.RUNNING
+                self.running.append(req)
+                out.scheduled.append(ScheduledRequest(req, n, hit))
+                budget -= n
+        return out
+
+    def update(self, out: SchedulerOutput) -> None:
+        """After the forward: advance computed counts and register full blocks."""
+        for s in out.scheduled:
+            req = s.req
+            req.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_full_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
+
+    def finish(self, req: Request) -> None:
+        if req.status == Status.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = Status.FINISHED
+        self.kv.free(req.request_id)
+        self.requests.pop(req.request_id, None)
+
+    def abort(self, request_id: str) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is not None:
+            req.finish_reason = req.finish_reason or "abort"
+            self.finish(req)
+        return req

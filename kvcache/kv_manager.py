@@ -1,0 +1,165 @@
+"""Block tables per request over one block pool per KV-cache group.
+
+Layers that share an attention shape of context (all full-attention layers;
+all sliding-window layers with one window) form a group with its own pool and
+block tables, as in vLLM's hybrid allocator: a sliding-window group frees the
+blocks that fall out of its window while the full group keeps them.
+"""
+from dataclasses import dataclass, field
+
+from kvcache.block_pool import BlockPool
+from kvcache.spec import LayerSpec
+
+NULL_BLOCK = -1   # a table entry whose block was freed (out of window); masked by attention
+
+
+@dataclass
+class KVGroup:
+    sliding_window: int | None
+    layer_ids: list[int]
+
+
+def group_layers(specs: list[LayerSpec]) -> list[KVGroup]:
+    groups: dict[int | None, KVGroup] = {}
+    for s in specs:
+        groups.setdefault(s.sliding_window, KVGroup(s.sliding_window, [])).layer_ids.append(s.layer_idx)
+    # Full attention first: group 0 is the one whose capacity bounds context.
+    return sorted(groups.values(), key=lambda g: (g.sliding_window is not None, g.sliding_window or 0))
+
+
+@dataclass
+class _ReqBlocks:
+    tables: list[list[int]]                     # per group
+    hashes: list[int] = field(default_factory=list)   # chained hash of each full block
+    num_cached: int = 0                         # full blocks already registered in the pools
+
+
+class KVCacheManager:
+    def __init__(self, groups: list[KVGroup], num_blocks: list[int], block_size: int,
+                 enable_caching: bool = True):
+        self.groups = groups
+        self.block_size = block_size
+        self.pools = [BlockPool(n, enable_caching) for n in num_blocks]
+        self.enable_caching = enable_caching
+        self.reqs: dict[str, _ReqBlocks] = {}
+
+    # -- prefix cache ---------------------------------------------------------
+    def _hashes(self, token_ids: list[int], num_full: int, rb: _ReqBlocks) -> list[int]:
+        bs = self.block_size
+        while len(rb.hashes) < num_full:
+            i = len(rb.hashes)
+            parent = rb.hashes[-1] if rb.hashes else 0
+            rb.hashes.append(hash((parent, tuple(token_ids[i * bs:(i + 1) * bs]))))
+        return rb.hashes
+
+    def _window_start_block(self, g: KVGroup, num_tokens: int) -> int:
+        """First block a query at position num_tokens still needs in group g."""
+        if g.sliding_window is None:
+            return 0
+        return max(0, num_tokens - g.sliding_window + 1) // self.block_size
+
+    def find_prefix_hit(self, req_id: str, token_ids: list[int]) -> int:
+        """Number of leading tokens whose KV is cached in every group (a
+        multiple of block_size, leaving at least one token to compute)."""
+        rb = self.reqs.setdefault(req_id, _ReqBlocks([[] for _ in self.groups]))
+        if not self.enable_caching:
+            return 0
+        hashes = self._hashes(token_ids, (len(token_ids) - 1) // self.block_size, rb)
+        n = 0
+        while n < len(hashes) and self.pools[0].lookup(hashes[n]) is not None:
+            n += 1
+        # Sliding groups need only the blocks inside the window of the hit end.
+        while n > 0 and not all(
+                self.pools[gi].lookup(hashes[j]) is not None
+                for gi, g in enumerate(self.groups)
+                for j in range(self._window_start_block(g, n * self.block_size), n)):
+            n -= 1
+        return n * self.block_size
+
+    # -- allocation -----------------------------------------------------------
+    def allocate(self, req_id: str, token_ids: list[int], num_computed: int, num_new: int,
+                 num_prefix_hit: int = 0) -> bool:
+        """Make every group's table cover positions [0, num_computed + num_new).
+
+        num_prefix_hit (only on a request's first allocation) adopts the cached
+        blocks found by find_prefix_hit. Returns False, changing nothing, when
+        a pool has too few free blocks.
+        """
+        rb = self.reqs.setdefault(req_id, _ReqBlocks([[] for _ in self.groups]))
+        bs = self.block_size
+        end = num_computed + num_new
+        hit_blocks = num_prefix_hit // bs
+        plans = []
+        for gi, g in enumerate(self.groups):
+            pool, table = self.pools[gi], rb.tables[gi]
+            first = self._window_start_block(g, num_computed)
+            need_total = (end + bs - 1) // bs
+            adopting = hit_blocks > 0 and not table
+            adopt = list(range(first, hit_blocks)) if adopting else []
+            live = [b for j, b in enumerate(table) if j < first and b != NULL_BLOCK]
+            new = need_total - (hit_blocks if adopting else len(table))
+            # Cached blocks sitting unreferenced in the free queue are not free to us.
+            adopt_from_free = sum(1 for j in adopt if pool.ref_cnt[pool.lookup(rb.hashes[j])] == 0)
+            avail = pool.num_free - adopt_from_free + sum(1 for b in live if pool.ref_cnt[b] == 1)
+            if max(new, 0) > avail:
+                return False
+            plans.append((gi, first, need_total, adopt))
+        for gi, first, need_total, adopt in plans:
+            pool, table = self.pools[gi], rb.tables[gi]
+            if not table and hit_blocks:
+                table.extend([NULL_BLOCK] * hit_blocks)
+                for j in adopt:
+                    b = pool.lookup(rb.hashes[j])
+                    pool.touch(b)
+                    table[j] = b
+            for j in range(min(first, len(table))):
+                if table[j] != NULL_BLOCK:
+                    pool.free(table[j])
+                    table[j] = NULL_BLOCK
+            while len(table) < need_total:
+                table.append(pool.allocate())
+        if hit_blocks:
+            rb.num_cached = max(rb.num_cached, hit_blocks)
+        return True
+
+    def cache_full_blocks(self, req_id: str, token_ids: list[int], num_computed: int) -> None:
+        """Register blocks that became full (their KV is written) for reuse."""
+        if not self.enable_caching:
+            return
+        rb = self.reqs[req_id]
+        num_full = num_computed // self.block_size
+        if num_full <= rb.num_cached:
+            return
+        hashes = self._hashes(token_ids, num_full, rb)
+        for gi in range(len(self.groups)):
+            table = rb.tables[gi]
+            for j in range(rb.num_cached, num_full):
+                if table[j] != NULL_BLOCK:
+                    self.pools[gi].cache(table[j], hashes[j])
+        rb.num_cached = num_full
+
+    def free(self, req_id: str) -> None:
+        rb = self.reqs.pop(req_id, None)
+        if rb is None:
+            return
+        for gi, table in enumerate(rb.tables):
+            # Free the tail first so that the prefix stays cached longest.
+            for b in reversed(table):
+                if b != NULL_BLOCK:
+                    self.pools[gi].free(b)
+
+    def block_table(self, req_id: str, group: int) -> list[int]:
+        return self.reqs[req_id].tables[group]
+
+    @property
+    def usage(self) -> float:
+        used = sum(p.num_blocks - p.num_free for p in self.pools)
+        return used / sum(p.num_blocks for p in self.pools)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return sum(p.num_blocks - p.num_free for p in self.pools)
+
+    def reset_prefix_cache(self) -> None:
+        for p in self.pools:
+            p.reset_prefix_cache()

@@ -1,0 +1,94 @@
+"""Size the KV pool from a memory budget, with bytes measured on real tensors."""
+from dataclasses import dataclass
+
+import torch
+
+from kvcache.dense_cache import DenseLayerCache
+from kvcache.kv_manager import KVGroup, group_layers
+from kvcache.spec import LayerSpec
+
+DTYPES = {"f32": torch.float32, "float32": torch.float32, "f16": torch.float16,
+          "float16": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+
+
+def kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    if name == "auto":
+        return model_dtype
+    if name not in DTYPES:
+        raise ValueError(f"unknown kv_cache_dtype {name!r}; supported: auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def make_layer_cache(spec: LayerSpec, num_blocks: int, block_size: int, dtype: torch.dtype,
+                     group_id: int):
+    return DenseLayerCache(num_blocks, block_size, spec.num_kv_heads, spec.head_dim, dtype,
+                           group_id, spec.sliding_window)
+
+
+@dataclass
+class KVPlan:
+    groups: list[KVGroup]
+    num_blocks: list[int]             # per group
+    block_bytes: list[int]            # per group: bytes of one block across the group's layers
+    block_size: int
+    layer_bytes_per_token: dict[int, int]   # per layer
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Context tokens the pool holds (bounded by the full-attention group)."""
+        return self.num_blocks[0] * self.block_size
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes one more token of context costs in layers whose cache grows with context."""
+        g = self.groups[0]
+        return sum(self.layer_bytes_per_token[i] for i in g.layer_ids)
+
+    def bytes_per_token_by_kind(self) -> dict[str, int]:
+        out = {}
+        for g in self.groups:
+            kind = "full" if g.sliding_window is None else f"sliding_{g.sliding_window}"
+            out[kind] = sum(self.layer_bytes_per_token[i] for i in g.layer_ids)
+        return out
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(n * b for n, b in zip(self.num_blocks, self.block_bytes))
+
+
+def plan_kv_pool(specs: list[LayerSpec], budget_bytes: int, block_size: int, dtype: torch.dtype,
+                 max_num_seqs: int, max_num_batched_tokens: int) -> KVPlan:
+    groups = group_layers(specs)
+    by_idx = {s.layer_idx: s for s in specs}
+    # Measure one block of each layer's real storage.
+    layer_block = {i: make_layer_cache(s, 1, block_size, dtype, 0).nbytes for i, s in by_idx.items()}
+    block_bytes = [sum(layer_block[i] for i in g.layer_ids) for g in groups]
+    # Sliding groups never need more than their windows (plus one step's chunk)
+    # for every running sequence; give them that, or an equal-token share if the
+    # budget is tighter, and the rest to the group that grows with context.
+    per_token_all = sum(block_bytes) / block_size
+    equal_share_blocks = max(1, int(budget_bytes / per_token_all) // block_size)
+    num_blocks = [0] * len(groups)
+    rest = budget_bytes
+    for gi, g in enumerate(groups):
+        if g.sliding_window is None or gi == 0:
+            continue
+        need = max_num_seqs * (-(-(g.sliding_window - 1) // block_size) + 2) + \
+            -(-max_num_batched_tokens // block_size)
+        num_blocks[gi] = max(1, min(need, equal_share_blocks))
+        rest -= num_blocks[gi] * block_bytes[gi]
+    num_blocks[0] = int(rest // block_bytes[0])
+    if num_blocks[0] < 1:
+        raise ValueError(f"KV cache budget {budget_bytes} bytes is too small for one block "
+                         f"({block_bytes[0]} bytes)")
+    return KVPlan(groups, num_blocks, block_bytes, block_size,
+                  {i: layer_block[i] // block_size for i in by_idx})
+
+
+def allocate_kv_caches(specs: list[LayerSpec], plan: KVPlan, dtype: torch.dtype) -> list:
+    caches = [None] * (max(s.layer_idx for s in specs) + 1)
+    by_idx = {s.layer_idx: s for s in specs}
+    for gi, g in enumerate(plan.groups):
+        for i in g.layer_ids:
+            caches[i] = make_layer_cache(by_idx[i], plan.num_blocks[gi], plan.block_size, dtype, gi)
+    return caches
