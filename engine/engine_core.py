@@ -105,7 +105,12 @@ class EngineCore:
         t0 = time.monotonic()
         self.source = source or open_model(args.model)
         dtype = getattr(torch, args.dtype)
-        self.model = build_model(self.source.config).to(dtype)
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            self.model = build_model(self.source.config)
+        finally:
+            torch.set_default_dtype(prev)
         self.model.load_weights(self.source.weights())
         self.model.eval()
         specs = self.model.kv_cache_spec()

@@ -1,0 +1,172 @@
+"""Offline throughput on SmolLM2-135M: tqserve's engine vs transformers
+`generate` (batched, padded) vs llama-cpp-python (sequential, same GGUF),
+in one run on one machine.
+
+    .venv/bin/python tests/bench/offline_throughput.py [--num-prompts 64] \
+        [--llama-cpp-python /path/to/venv/bin/python]
+
+llama-cpp-python is not a project dependency (it compiles for minutes); build
+it once in its own venv (see tests/bench/README.md) and pass its python.
+Writes tests/bench/results/offline_throughput.{json,md}.
+"""
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+DATA = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+OUT = ROOT / "tests" / "bench" / "results"
+
+
+def log(msg):
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def make_prompts(tok, n, lo, hi, seed):
+    text = DATA.read_text()
+    ids = tok.encode(text[:400_000], add_special_tokens=False)
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        L = rng.randrange(lo, hi + 1)
+        s = rng.randrange(0, len(ids) - L)
+        out.append(ids[s:s + L])
+    return out
+
+
+def bench_tqserve(prompts, out_len, threads):
+    import torch
+    from engine import LLM, SamplingParams
+    torch.set_num_threads(threads)
+    llm = LLM("smollm2-135m", max_num_seqs=64, max_num_batched_tokens=2048, kv_cache_memory=4 << 30,
+              enable_prefix_caching=False)
+    sp = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp)
+    dt = time.perf_counter() - t0
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    # Prefill throughput: the same prompts, one output token each.
+    t0 = time.perf_counter()
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    pdt = time.perf_counter() - t0
+    # Single-stream decode: time between the first and the last token.
+    llm.add_request(prompts[0], sp)
+    times = []
+    while llm.core.has_work():
+        if llm.step():
+            times.append(time.perf_counter())
+    decode = (len(times) - 1) / (times[-1] - times[0])
+    return {"output_tok_s": n_out / dt, "total_s": dt,
+            "prefill_tok_s": sum(map(len, prompts)) / pdt, "single_stream_decode_tok_s": decode}
+
+
+def bench_transformers(prompts, out_len, threads, batch):
+    import torch
+    from transformers import AutoModelForCausalLM
+    from model_zoo.resolve import resolve_path
+    torch.set_num_threads(threads)
+    gguf = resolve_path("smollm2-135m")
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    model.eval()
+    n_out, t0 = 0, time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        chunk = prompts[i:i + batch]
+        L = max(map(len, chunk))
+        ids = torch.tensor([[0] * (L - len(p)) + p for p in chunk])
+        mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in chunk])
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=out_len, min_new_tokens=out_len,
+                                 do_sample=False, pad_token_id=0)
+        n_out += (out.shape[1] - L) * len(chunk)
+        log(f"transformers: {min(i + batch, len(prompts))}/{len(prompts)} prompts")
+    dt = time.perf_counter() - t0
+    return {"output_tok_s": n_out / dt, "total_s": dt, "batch": batch}
+
+
+LLAMA_CPP_SCRIPT = textwrap.dedent("""
+    import json, sys, time
+    from llama_cpp import Llama
+    path, threads, out_len = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    prompts = json.load(sys.stdin)
+    llm = Llama(model_path=path, n_ctx=1024, n_threads=threads, n_batch=512, verbose=False)
+    n_out = n_pre = 0; pre_s = dec_s = 0.0
+    t0 = time.perf_counter()
+    for p in prompts:
+        llm.reset()
+        a = time.perf_counter()
+        llm.eval(p)
+        b = time.perf_counter()
+        tok = None
+        for i, tok in enumerate(llm.generate(p, top_k=1)):
+            if i + 1 >= out_len:
+                break
+        c = time.perf_counter()
+        n_pre += len(p); pre_s += b - a; dec_s += c - b; n_out += out_len
+    dt = time.perf_counter() - t0
+    print(json.dumps({"output_tok_s": n_out / dt, "total_s": dt, "prefill_tok_s": n_pre / pre_s,
+                      "single_stream_decode_tok_s": n_out / dec_s}))
+""")
+
+
+def bench_llama_cpp(python, prompts, out_len, threads):
+    from model_zoo.resolve import resolve_path
+    gguf = resolve_path("smollm2-135m")
+    r = subprocess.run([python, "-c", LLAMA_CPP_SCRIPT, str(gguf), str(threads), str(out_len)],
+                       input=json.dumps(prompts), capture_output=True, text=True, check=True)
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--min-len", type=int, default=128)
+    ap.add_argument("--max-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--hf-batch", type=int, default=16)
+    ap.add_argument("--hf-prompts", type=int, default=32, help="transformers is slow: a subset")
+    ap.add_argument("--llama-cpp-prompts", type=int, default=16)
+    ap.add_argument("--llama-cpp-python", default=None, help="python of a venv with llama-cpp-python")
+    ap.add_argument("--seed", type=int, default=int(time.time()))
+    args = ap.parse_args()
+    from model_zoo.resolve import open_model
+    tok = open_model("smollm2-135m").tokenizer
+    prompts = make_prompts(tok, args.num_prompts, args.min_len, args.max_len, args.seed)
+    res = {"config": vars(args), "machine": {"cpus": os.cpu_count()}}
+    log(f"tqserve: {len(prompts)} prompts ...")
+    res["tqserve"] = bench_tqserve(prompts, args.output_len, args.threads)
+    log(f"tqserve: {res['tqserve']}")
+    if args.hf_prompts:
+        res["transformers"] = bench_transformers(prompts[:args.hf_prompts], args.output_len, args.threads,
+                                                 args.hf_batch)
+        log(f"transformers: {res['transformers']}")
+    if args.llama_cpp_python:
+        res["llama_cpp_python"] = bench_llama_cpp(args.llama_cpp_python, prompts[:args.llama_cpp_prompts],
+                                                  args.output_len, args.threads)
+        log(f"llama-cpp-python: {res['llama_cpp_python']}")
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "offline_throughput.json").write_text(json.dumps(res, indent=2))
+    rows = ["| system | output tok/s | prefill tok/s | single-stream decode tok/s |", "|---|---|---|---|"]
+    for k in ("tqserve", "transformers", "llama_cpp_python"):
+        if k in res:
+            r = res[k]
+            f = lambda x: f"{r[x]:.1f}" if x in r else "-"
+            rows.append(f"| {k} | {f('output_tok_s')} | {f('prefill_tok_s')} | {f('single_stream_decode_tok_s')} |")
+    (OUT / "offline_throughput.md").write_text(
+        f"SmolLM2-135M, {args.num_prompts} prompts of {args.min_len}-{args.max_len} tokens, "
+        f"{args.output_len} output tokens, ignore_eos, {args.threads} threads "
+        f"(transformers: {args.hf_prompts} prompts at batch {args.hf_batch}; llama-cpp-python: "
+        f"{args.llama_cpp_prompts} prompts sequentially).\n\n" + "\n".join(rows) + "\n")
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
