@@ -1,0 +1,178 @@
+"""Gemma 3 (text): transformers' Gemma3ForCausalLM (model_type gemma3_text).
+
+What sets it apart from llama:
+  - RMSNorm scales by (1 + w), in fp32;
+  - four norms per layer: the attention and MLP outputs are normed again
+    before they join the residual stream;
+  - per-head RMSNorm on q and k before RoPE;
+  - most layers use a sliding window (layer_types, or 5 of every
+    `sliding_window_pattern` = 6), with their own RoPE base (local 1e4 vs
+    global 1e6, the global one possibly linearly scaled);
+  - embeddings multiplied by sqrt(hidden_size), rounded to the weight dtype;
+  - attention scale query_pre_attn_scalar ** -0.5, not head_dim ** -0.5;
+  - gelu (tanh approximation) gated MLP; tied embeddings.
+"""
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from kvcache.attention import Attention
+from kvcache.spec import LayerSpec
+from model_zoo.layers import GeluAndMul, GemmaRMSNorm, RotaryEmbedding, load_packed_weights
+from parallel.linear import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
+                             RowParallelLinear, VocabParallelEmbedding)
+
+PACKED = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+def layer_types(config: dict) -> list[str]:
+    n = config["num_hidden_layers"]
+    if config.get("layer_types"):
+        return list(config["layer_types"])
+    pattern = config.get("sliding_window_pattern", 6)
+    return [SLIDING if (i + 1) % pattern else FULL for i in range(n)]
+
+
+def rope_parameters(config: dict) -> dict[str, dict]:
+    """{layer type: rope dict}, from transformers 5's nested `rope_parameters`
+    or the older rope_theta / rope_local_base_freq / rope_scaling keys (the
+    scaling applies to global layers only, as in transformers)."""
+    nested = config.get("rope_parameters") or {}
+    full = dict(nested.get(FULL) or {"rope_type": "default"})
+    if config.get("rope_scaling"):
+        full.update(config["rope_scaling"])
+    full.setdefault("rope_theta", config.get("rope_theta", 1_000_000.0))
+    sliding = dict(nested.get(SLIDING) or {"rope_type": "default"})
+    sliding.setdefault("rope_theta", config.get("rope_local_base_freq", 10_000.0))
+    return {FULL: full, SLIDING: sliding}
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(self, config: dict, layer_idx: int, rope: RotaryEmbedding, sliding_window: int | None):
+        super().__init__()
+        hidden = config["hidden_size"]
+        num_heads = config["num_attention_heads"]
+        num_kv_heads = config.get("num_key_value_heads", 4)
+        head_dim = config.get("head_dim", 256)
+        bias = config.get("attention_bias", False)
+        eps = config.get("rms_norm_eps", 1e-6)
+        self.head_dim = head_dim
+        self.qkv_proj = QKVParallelLinear(hidden, head_dim, num_heads, num_kv_heads, bias=bias)
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, bias=bias)
+        self.q_norm = GemmaRMSNorm(head_dim, eps)
+        self.k_norm = GemmaRMSNorm(head_dim, eps)
+        self.rotary_emb = rope
+        scale = config.get("query_pre_attn_scalar", 256) ** -0.5
+        self.attn = Attention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim,
+                              scale, layer_idx, sliding_window)
+
+    def forward(self, positions, x, attn_metadata):
+        T = x.shape[0]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = self.q_norm(q.view(T, -1, self.head_dim)).view(T, -1)
+        k = self.k_norm(k.view(T, -1, self.head_dim)).view(T, -1)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, attn_metadata))
+
+
+class Gemma3MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2)
+        self.down_proj = RowParallelLinear(intermediate, hidden)
+        self.act = GeluAndMul()
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, config: dict, layer_idx: int, rope: RotaryEmbedding, sliding_window: int | None):
+        super().__init__()
+        hidden = config["hidden_size"]
+        eps = config.get("rms_norm_eps", 1e-6)
+        self.self_attn = Gemma3Attention(config, layer_idx, rope, sliding_window)
+        self.mlp = Gemma3MLP(hidden, config["intermediate_size"])
+        self.input_layernorm = GemmaRMSNorm(hidden, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
+
+    def forward(self, positions, x, attn_metadata):
+        h = self.self_attn(positions, self.input_layernorm(x), attn_metadata)
+        x = x + self.post_attention_layernorm(h)
+        h = self.mlp(self.pre_feedforward_layernorm(x))
+        return x + self.post_feedforward_layernorm(h)
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, config: dict):
+        super().__init__()
+        hidden = config["hidden_size"]
+        self.embed_tokens = VocabParallelEmbedding(config["vocab_size"], hidden)
+        self.embed_scale = hidden ** 0.5
+        ropes = {t: RotaryEmbedding(config.get("head_dim", 256), p) for t, p in rope_parameters(config).items()}
+        window = config.get("sliding_window", 4096)
+        self.layers = nn.ModuleList(
+            Gemma3DecoderLayer(config, i, ropes[t], window if t == SLIDING else None)
+            for i, t in enumerate(layer_types(config)))
+        self.norm = GemmaRMSNorm(hidden, config.get("rms_norm_eps", 1e-6))
+
+    def forward(self, input_ids, positions, attn_metadata):
+        x = self.embed_tokens(input_ids)
+        # transformers rounds the scale to the weight dtype first (sqrt(640) in
+        # bf16 is 25.25, not 25.298); match it.
+        x = x * torch.tensor(self.embed_scale, dtype=torch.float32).to(x.dtype)
+        for layer in self.layers:
+            x = layer(positions, x, attn_metadata)
+        return self.norm(x)
+
+
+class Gemma3ForCausalLM(nn.Module):
+    def __init__(self, config: dict):
+        super().__init__()
+        act = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
+        if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+            raise ValueError(f"unsupported hidden_activation {act!r} (supported: gelu_pytorch_tanh)")
+        if config.get("attn_logit_softcapping") is not None:
+            raise ValueError("Gemma3 attn_logit_softcapping is not supported by the attention backend")
+        if config.get("use_bidirectional_attention"):
+            raise ValueError("Gemma3 use_bidirectional_attention is not supported (causal LM only)")
+        if len(layer_types(config)) != config["num_hidden_layers"]:
+            raise ValueError("layer_types must have num_hidden_layers entries")
+        self.config = config
+        self.final_logit_softcapping = config.get("final_logit_softcapping")
+        self.model = Gemma3Model(config)
+        self.tie_word_embeddings = config.get("tie_word_embeddings", True)
+        self.lm_head = ParallelLMHead(config["vocab_size"], config["hidden_size"])
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata) -> torch.Tensor:
+        return self.model(input_ids, positions, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden).float()
+        if self.final_logit_softcapping is not None:
+            cap = self.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        # lm_head.weight with tied embeddings: the same tensor as embed_tokens.
+        ignore = ("lm_head.weight",) if self.tie_word_embeddings else ()
+        load_packed_weights(self, weights, PACKED, ignore)
+
+    def kv_cache_spec(self) -> list[LayerSpec]:
+        return [LayerSpec(layer.self_attn.attn.layer_idx, layer.self_attn.attn.num_kv_heads,
+                          layer.self_attn.head_dim, layer.self_attn.attn.sliding_window)
+                for layer in self.model.layers]

@@ -1,0 +1,193 @@
+"""Building blocks shared by the model files: norms, rotary embedding,
+gated activations, and the checkpoint load loop.
+
+Numerics follow transformers' modeling code exactly (which dtype each step
+runs in), because logit parity with it is the model zoo's contract.
+"""
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Llama/Qwen RMSNorm: normalise in fp32, cast back, then scale by w."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma RMSNorm: scale by (1 + w), all in fp32, cast back at the end.
+
+    The stored weight is the offset from 1 (HF checkpoints; GGUF stores w + 1).
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class SiluAndMul(nn.Module):
+    """[..., 2n] (gate, up) -> silu(gate) * up."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class GeluAndMul(nn.Module):
+    """[..., 2n] (gate, up) -> gelu_tanh(gate) * up (Gemma's gelu_pytorch_tanh)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+
+# ---------------------------------------------------------------- rotary
+
+def rope_inv_freq(head_dim: int, rope: dict) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2] for one rope parameter dict
+    (transformers' `rope_parameters` shape: rope_type, rope_theta, factor, ...)."""
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    base = rope["rope_theta"]
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        # Scaling positions by 1/factor is the same as scaling frequencies.
+        return inv_freq / rope["factor"]
+    if rope_type == "llama3":
+        # Llama 3.1: long wavelengths slowed by `factor`, short ones kept,
+        # a smooth blend in between.
+        factor = rope["factor"]
+        low, high = rope["low_freq_factor"], rope["high_freq_factor"]
+        old_len = rope["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, linear, llama3)")
+
+
+def rope_parameters(config: dict, default_theta: float = 10000.0) -> dict:
+    """The single rope dict of a llama-style config.json, old or new format.
+
+    transformers 5 writes `rope_parameters`; older files have `rope_theta` and
+    an optional `rope_scaling` dict next to it.
+    """
+    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    rope.setdefault("rope_theta", config.get("rope_theta", default_theta))
+    rope.setdefault("rope_type", rope.get("type", "default"))
+    if rope["rope_type"] == "llama3":
+        rope.setdefault("original_max_position_embeddings", config.get("max_position_embeddings"))
+    return rope
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding (rotate_half over the whole head), as HF llama.
+
+    cos/sin are computed per call from the positions, in fp32 like
+    transformers, then cast to the activations' dtype: exact at any position
+    without a table sized by max_position_embeddings.
+    """
+
+    def __init__(self, head_dim: int, rope: dict):
+        super().__init__()
+        self.head_dim = head_dim
+        # A plain attribute, not a buffer, so model.to(bfloat16) cannot round
+        # the frequencies; it follows the positions' device on first use.
+        self.inv_freq = rope_inv_freq(head_dim, rope)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """positions [T]; q [T, Hq*D], k [T, Hkv*D] -> rotated q, k (same shapes)."""
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(q.dtype)[:, None, :], emb.sin().to(q.dtype)[:, None, :]
+        return self._apply(q, cos, sin), self._apply(k, cos, sin)
+
+    def _apply(self, x, cos, sin):
+        T = x.shape[0]
+        x = x.view(T, -1, self.head_dim)
+        x1, x2 = x.chunk(2, dim=-1)
+        rotated = torch.cat((-x2, x1), dim=-1)
+        return (x * cos + rotated * sin).view(T, -1)
+
+
+# ---------------------------------------------------------------- loading
+
+def load_packed_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                        packed: dict[str, tuple[str, object]], ignore: tuple[str, ...] = ()) -> None:
+    """Load HF-named tensors into `model`, whose module names mirror the HF ones
+    except for fused projections.
+
+    packed maps an HF sub-name to (our sub-name, shard id), e.g.
+    {"q_proj": ("qkv_proj", "q"), "gate_proj": ("gate_up_proj", 0)}.
+    Names ending in one of `ignore` are skipped. An unknown name, a wrong
+    shape, or an expected tensor that never arrives raises ValueError naming it.
+    """
+    params = dict(model.named_parameters())
+    unpacked: dict[str, list[tuple[str, object]]] = {}
+    for src, (dst, shard) in packed.items():
+        unpacked.setdefault(dst, []).append((src, shard))
+
+    expected = set()
+    for name in params:
+        module, _, leaf = name.rpartition(".")
+        parent, _, last = module.rpartition(".")
+        if last in unpacked:
+            expected.update(f"{parent}.{src}.{leaf}" for src, _ in unpacked[last])
+        else:
+            expected.add(name)
+
+    seen = set()
+    for hf_name, tensor in weights:
+        if hf_name.endswith(ignore):
+            continue
+        module, _, leaf = hf_name.rpartition(".")
+        parent, _, last = module.rpartition(".")
+        name, shard = hf_name, None
+        if last in packed:
+            dst, shard = packed[last]
+            name = f"{parent}.{dst}.{leaf}"
+        param = params.get(name)
+        if param is None:
+            raise ValueError(f"unknown checkpoint tensor {hf_name!r} for {type(model).__name__}")
+        loader = getattr(param, "weight_loader", None)
+        try:
+            with torch.no_grad():
+                if loader is None:
+                    if param.shape != tensor.shape:
+                        raise ValueError(f"shape mismatch: expected {tuple(param.shape)}, got {tuple(tensor.shape)}")
+                    param.data.copy_(tensor)
+                elif shard is None:
+                    loader(param, tensor)
+                else:
+                    loader(param, tensor, shard)
+        except ValueError as e:
+            raise ValueError(f"{hf_name}: {e}") from e
+        seen.add(hf_name)
+
+    missing = sorted(expected - seen)
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} tensor(s) for {type(model).__name__}: "
+                         f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")

@@ -1,0 +1,201 @@
+"""Tensor-parallel linear and embedding layers.
+
+Each layer allocates only this rank's shard and knows how to cut it out of a
+full checkpoint tensor: `weight_loader(param, loaded_weight, shard_id=None)`
+is set on every parameter, so a model's load loop calls
+`param.weight_loader(param, hf_tensor[, shard_id])` without knowing the layout.
+
+Megatron layout: column-parallel layers (q/k/v, gate/up) split their output
+features and need no communication; the row-parallel layer after them
+(o_proj, down_proj) splits its input features and all-reduces its partial
+sums. The vocabulary is split into contiguous ranges for the embedding (masked
+lookup + all-reduce) and the head (local logits + all-gather).
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from parallel.state import all_gather, all_reduce, get_tp_rank, get_tp_size
+
+
+def _divide(n: int, d: int, what: str) -> int:
+    if n % d:
+        raise ValueError(f"{what} ({n}) is not divisible by the tensor-parallel size ({d})")
+    return n // d
+
+
+def _check(loaded: torch.Tensor, *full_shape: int) -> torch.Tensor:
+    """The checkpoint tensor must have the whole (unsharded) shape."""
+    if tuple(loaded.shape) != full_shape:
+        raise ValueError(f"shape mismatch: expected {full_shape}, got {tuple(loaded.shape)}")
+    return loaded
+
+
+class LinearBase(nn.Module):
+    """y = x W^T + b with W [output_size, input_size] of this rank's shard."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool):
+        super().__init__()
+        self.tp_size = get_tp_size()
+        self.tp_rank = get_tp_rank()
+        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    """Every rank holds the whole matrix."""
+
+    def weight_loader(self, param, loaded_weight, shard_id=None):
+        param.data.copy_(_check(loaded_weight, *param.shape))
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks; output stays sharded."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(input_size, _divide(output_size, get_tp_size(), "output size"), bias)
+
+    def weight_loader(self, param, loaded_weight, shard_id=None):
+        n = param.shape[0]
+        _check(loaded_weight, n * self.tp_size, *param.shape[1:])
+        param.data.copy_(loaded_weight.narrow(0, self.tp_rank * n, n))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs in one matmul (gate_proj + up_proj).
+
+    Each rank's weight is [its shard of output 0; its shard of output 1; ...],
+    so the per-rank output can be split with .chunk() after the matmul.
+    """
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
+        for n in output_sizes:
+            _divide(n, get_tp_size(), "output size")
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias)
+
+    def weight_loader(self, param, loaded_weight, shard_id=None):
+        tp = self.tp_size
+        _check(loaded_weight, self.output_sizes[shard_id], *param.shape[1:])
+        offset = sum(self.output_sizes[:shard_id]) // tp
+        size = self.output_sizes[shard_id] // tp
+        param.data.narrow(0, offset, size).copy_(loaded_weight.narrow(0, self.tp_rank * size, size))
+
+
+class QKVParallelLinear(LinearBase):
+    """q_proj, k_proj and v_proj fused, split by attention head.
+
+    Each rank gets num_heads / tp query heads and the KV heads they read. When
+    there are fewer KV heads than ranks, each KV head is replicated on
+    tp / num_kv_heads consecutive ranks (so GQA groups stay on one rank).
+    """
+
+    def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int,
+                 total_num_kv_heads: int, bias: bool = False):
+        tp = get_tp_size()
+        self.head_dim = head_dim
+        self.total_num_heads = total_num_heads
+        self.total_num_kv_heads = total_num_kv_heads
+        self.num_heads = _divide(total_num_heads, tp, "number of attention heads")
+        if total_num_kv_heads >= tp:
+            self.num_kv_heads = _divide(total_num_kv_heads, tp, "number of KV heads")
+            self.kv_replicas = 1
+        else:
+            self.num_kv_heads = 1
+            self.kv_replicas = _divide(tp, total_num_kv_heads, "tp over KV heads")
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        super().__init__(hidden_size, self.q_size + 2 * self.kv_size, bias)
+
+    def weight_loader(self, param, loaded_weight, shard_id=None):
+        if shard_id == "q":
+            offset, size, start = 0, self.q_size, self.tp_rank * self.q_size
+            heads = self.total_num_heads
+        elif shard_id in ("k", "v"):
+            offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
+            size = self.kv_size
+            start = (self.tp_rank // self.kv_replicas) * self.kv_size
+            heads = self.total_num_kv_heads
+        else:
+            raise ValueError(f"QKVParallelLinear shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
+        _check(loaded_weight, heads * self.head_dim, *param.shape[1:])
+        param.data.narrow(0, offset, size).copy_(loaded_weight.narrow(0, start, size))
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; partial outputs summed by all-reduce."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(_divide(input_size, get_tp_size(), "input size"), output_size, bias)
+
+    def weight_loader(self, param, loaded_weight, shard_id=None):
+        if param.dim() == 1:        # bias: whole, added once (on rank 0) after the sum
+            param.data.copy_(_check(loaded_weight, *param.shape))
+            return
+        n = param.shape[1]
+        _check(loaded_weight, param.shape[0], n * self.tp_size)
+        param.data.copy_(loaded_weight.narrow(1, self.tp_rank * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        return all_reduce(y)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split into contiguous vocabulary ranges.
+
+    Each rank holds ceil(vocab / tp) rows; the last rank's tail rows are zero
+    padding that no token id reaches.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        super().__init__()
+        self.tp_size = get_tp_size()
+        self.tp_rank = get_tp_rank()
+        self.num_embeddings = num_embeddings
+        self.rows_per_rank = -(-num_embeddings // self.tp_size)
+        self.vocab_start = self.tp_rank * self.rows_per_rank
+        self.vocab_end = min(self.vocab_start + self.rows_per_rank, num_embeddings)
+        self.weight = nn.Parameter(torch.empty(self.rows_per_rank, embedding_dim), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param, loaded_weight, shard_id=None):
+        _check(loaded_weight, self.num_embeddings, param.shape[1])
+        n = self.vocab_end - self.vocab_start
+        param.data[:n].copy_(loaded_weight[self.vocab_start:self.vocab_end])
+        param.data[n:].zero_()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        y = F.embedding((input_ids - self.vocab_start) * mine, self.weight)
+        y = y * mine.unsqueeze(-1).to(y.dtype)
+        return all_reduce(y)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Output projection onto the vocabulary: local logits, then all-gather.
+
+    Shares the embedding's layout, so tied embeddings can share the Parameter.
+    """
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        if self.tp_size > 1:
+            logits = all_gather(logits, dim=-1)[..., :self.num_embeddings]
+        return logits
