@@ -1,0 +1,207 @@
+"""The FastAPI app: routes, auth, body limits, errors in OpenAI's shape.
+
+`create_app(state)` takes a ServerState around anything with AsyncLLM's
+interface; the CLI (server.cli) builds the real engine, starts uvicorn and
+flips `state.ready` once the model has loaded.
+"""
+import hmac
+import json
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from server import serving
+from server.errors import APIError, api_error_response, error_response, from_validation_error
+from server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from server.state import ServerState
+
+log = logging.getLogger("tqserve.server")
+
+VERSION = "0.1.0"
+
+
+class _Gate:
+    """Pure ASGI middleware (streaming-safe): API key on /v1, Content-Length limit."""
+
+    def __init__(self, app, state: ServerState):
+        self.app = app
+        self.state = state
+        self.keys = [k.encode() for k in state.config.api_keys]
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        headers = dict(scope.get("headers") or [])
+        if self.keys and path.startswith("/v1"):
+            auth = headers.get(b"authorization", b"")
+            token = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
+            if not any(hmac.compare_digest(token, k) for k in self.keys):
+                msg = ("Missing API key: send it as 'Authorization: Bearer <key>'." if not token
+                       else "Incorrect API key provided.")
+                return await error_response(401, msg, headers={"WWW-Authenticate": "Bearer"})(
+                    scope, receive, send)
+        length = headers.get(b"content-length")
+        if length is not None:
+            try:
+                too_big = int(length) > self.state.config.max_body_bytes
+            except ValueError:
+                return await error_response(400, "Invalid Content-Length header.")(scope, receive, send)
+            if too_big:
+                return await _too_large(self.state)(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+def _too_large(state: ServerState) -> JSONResponse:
+    return error_response(413, f"Request body too large: the limit is {state.config.max_body_bytes} bytes.",
+                          headers={"Connection": "close"})
+
+
+async def parse_body(request: Request, state: ServerState, model: type[BaseModel]):
+    """Read the body (bounded, also without Content-Length) and validate it."""
+    limit = state.config.max_body_bytes
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"Request body too large: the limit is {limit} bytes.",
+                           headers={"Connection": "close"})
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    try:
+        obj = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"Malformed JSON in the request body: {e}") from None
+    if not isinstance(obj, dict):
+        raise APIError(400, "The request body must be a JSON object.")
+    try:
+        return model.model_validate(obj)
+    except ValidationError as e:
+        raise from_validation_error(e) from None
+
+
+def create_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="tqserve", version=VERSION, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.tq = state
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        return api_error_response(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        msg = {404: f"Not found: {request.method} {request.url.path}",
+               405: f"Method {request.method} not allowed on {request.url.path}"}.get(e.status_code, str(e.detail))
+        return error_response(e.status_code, msg, headers=getattr(e, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError):
+        return error_response(400, str(e))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception):
+        log.exception("unhandled error on %s", request.url.path)
+        return error_response(500, f"Internal server error: {type(e).__name__}: {e}")
+
+    async def generation(request: Request, prefix: str, kind: str, model, handler):
+        rlog = serving.RequestLog(prefix, kind)
+        try:
+            req = await parse_body(request, state, model)
+            return await handler(state, request, req, rlog)
+        except APIError as e:
+            rlog.done(e.status)
+            raise
+        except serving.ClientGone:
+            rlog.done("aborted")
+            return Response(status_code=499)
+        except Exception:
+            rlog.done(500)
+            raise
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generation(request, "chatcmpl", "chat", ChatCompletionRequest, serving.chat_completion)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generation(request, "cmpl", "completion", CompletionRequest, serving.completion)
+
+    @app.get("/v1/models")
+    async def models():
+        if not state.ready:
+            raise APIError(503, "The model is still loading.", headers={"Retry-After": "5"})
+        root = getattr(state.llm, "model_name", state.model_name)
+        data = [{"id": name, "object": "model", "created": int(state.started), "owned_by": "tqserve",
+                 "root": root, "parent": None, "max_model_len": state.llm.max_model_len}
+                for name in state.config.model_names]
+        return {"object": "list", "data": data}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        listing = await models()
+        for m in listing["data"]:
+            if m["id"] == model_id:
+                return m
+        raise APIError(404, f"The model `{model_id}` does not exist.", param="model")
+
+    @app.get("/health")
+    async def health():
+        if state.load_error:
+            return error_response(503, f"The model failed to load: {state.load_error}")
+        if state.draining:
+            return error_response(503, "The server is shutting down.")
+        if not state.ready:
+            return error_response(503, "The model is still loading.", headers={"Retry-After": "5"})
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": VERSION}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def _tokenizer():
+        if not state.ready:
+            raise APIError(503, "The model is still loading.", headers={"Retry-After": "5"})
+        tok = state.llm.tokenizer
+        if tok is None:
+            raise APIError(400, "This model has no tokenizer.")
+        return tok
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        req = await parse_body(request, state, TokenizeRequest)
+        serving.check_model(state, req.model)
+        tok = _tokenizer()
+        if req.messages is not None:
+            text, ids = serving.chat_prompt(state, req)
+            if req.add_special_tokens:
+                ids = tok.encode(text, add_special_tokens=True)
+        else:
+            ids = tok.encode(req.prompt, add_special_tokens=True if req.add_special_tokens is None
+                             else req.add_special_tokens)
+        body = {"count": len(ids), "max_model_len": state.llm.max_model_len, "tokens": ids}
+        if req.return_token_strs:
+            body["token_strs"] = tok.convert_ids_to_tokens(ids)
+        return body
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        req = await parse_body(request, state, DetokenizeRequest)
+        serving.check_model(state, req.model)
+        tok = _tokenizer()
+        vocab = getattr(tok, "vocab_size", None)
+        if vocab:
+            bad = [t for t in req.tokens if t >= vocab]
+            if bad:
+                raise APIError(400, f"token id {bad[0]} is out of vocabulary (size {vocab})", param="tokens")
+        return {"prompt": tok.decode(req.tokens, skip_special_tokens=False)}
+
+    return _Gate(app, state)
+

@@ -1,0 +1,217 @@
+"""`tqserve` command line: `tqserve serve --model NAME_OR_PATH ...`.
+
+The HTTP socket is bound first (so /health answers 503 while the model loads
+and a bad port fails before any loading), then the engine starts; SIGTERM or
+Ctrl-C drains: new requests get 503, in-flight ones finish within
+--drain-timeout seconds or are aborted, and the process exits 0.
+"""
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import socket
+import sys
+
+log = logging.getLogger("tqserve")
+
+ENV_API_KEY = "TQSERVE_API_KEY"
+
+
+def parse_bytes_or_fraction(s: str) -> int | float:
+    """'0.3' -> 0.3 (fraction of free memory); '2000000', '512MiB', '2G', '1.5GB' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([KMGT]?)(i?)(B?)\s*", s, re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"expected bytes (e.g. 2000000, 512MiB, 2GB) or a fraction < 1, got {s!r}")
+    value, unit, binary, _ = m.groups()
+    v = float(value)
+    if not unit:
+        if v < 1:
+            if v <= 0:
+                raise argparse.ArgumentTypeError(f"must be > 0, got {s!r}")
+            return v
+        return int(v)
+    # K/M/G/T alone or with iB are binary (as `free -h` shows them); with B alone, decimal.
+    base = 1000 if (not binary and _) else 1024
+    return int(v * base ** ("KMGT".index(unit.upper()) + 1))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tqserve", description="OpenAI-compatible LLM server.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    s = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    s.add_argument("model_tag", nargs="?", help="same as --model")
+    s.add_argument("--model", default=None,
+                   help="model name (smollm2-135m, gemma3-270m), HF directory or .gguf path "
+                        "[default: smollm2-135m]")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000, help="0 picks a free port (the startup line shows it)")
+    s.add_argument("--api-key", nargs="+", action="extend", default=None,
+                   help=f"accepted API key(s) for /v1 routes; also ${ENV_API_KEY}")
+    s.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) clients use as `model`; the first is reported")
+    s.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    s.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
+    s.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per engine step")
+    s.add_argument("--kv-cache-memory", type=parse_bytes_or_fraction, default=None,
+                   help="KV pool size: bytes (2000000, 512MiB, 2GB) or a fraction < 1 of free memory")
+    s.add_argument("--block-size", type=int, default=16)
+    s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    s.add_argument("--kv-cache-dtype", default="auto")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--num-threads", type=int, default=None, help="torch threads in the engine core")
+    s.add_argument("--max-queue", type=int, default=256,
+                   help="waiting requests before new ones get 429 (0 = unbounded)")
+    s.add_argument("--max-request-bytes", type=parse_bytes_or_fraction, default=8 << 20,
+                   help="largest request body; larger gets 413")
+    s.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    # Room for `tqserve bench` and `tqserve plan` (see tests/bench/serving_bench.py meanwhile).
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return serve(args)
+    return 2
+
+
+# --------------------------------------------------------------------------
+def serve(args) -> int:
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    model = args.model or args.model_tag or "smollm2-135m"
+    keys = list(args.api_key or [])
+    if os.environ.get(ENV_API_KEY):
+        keys.append(os.environ[ENV_API_KEY])
+    try:
+        sock = _bind(args.host, args.port)
+    except OSError as e:
+        log.error("cannot listen on %s:%s: %s", args.host, args.port, e)
+        return 1
+    host = sock.getsockname()[0]
+    url = f"http://{'[' + host + ']' if ':' in host else host}:{sock.getsockname()[1]}"
+    log.info("listening on %s; loading %s (/health is 503 until it is ready)", url, model)
+
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        rc, clean = loop.run_until_complete(_serve(args, model, keys, sock, url))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+    finally:
+        loop.close()
+    if not clean:
+        # The engine was stopped mid-load; a worker thread may still wait on it.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    return rc
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+async def _serve(args, model: str, keys: list[str], sock: socket.socket, url: str) -> tuple[int, bool]:
+    import uvicorn
+
+    from engine import AsyncLLM, EngineArgs
+    from server.app import create_app
+    from server.state import ServerConfig, ServerState
+
+    try:
+        engine_args = EngineArgs(
+            model=model, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
+            block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
+            kv_cache_dtype=args.kv_cache_dtype, seed=args.seed, num_threads=args.num_threads)
+        llm = AsyncLLM(engine_args)
+    except ValueError as e:
+        log.error("bad engine settings: %s", e)
+        return 2, True
+    names = args.served_model_name or [model]
+    state = ServerState(llm, ServerConfig(model_names=names, api_keys=keys,
+                                          max_queue=args.max_queue or None,
+                                          max_body_bytes=int(args.max_request_bytes),
+                                          max_num_seqs=args.max_num_seqs))
+    config = uvicorn.Config(create_app(state), lifespan="off", access_log=False, log_config=None,
+                            log_level=args.log_level, timeout_graceful_shutdown=args.drain_timeout,
+                            timeout_keep_alive=5)
+    server = _Server(config, state)
+    serve_task = asyncio.create_task(server.serve(sockets=[sock]))
+    load_task = asyncio.create_task(llm.start())
+    await asyncio.wait({serve_task, load_task}, return_when=asyncio.FIRST_COMPLETED)
+    rc, clean = 0, True
+    if load_task.done():
+        exc = load_task.exception()
+        if exc is not None:
+            state.load_error = f"{type(exc).__name__}: {exc}"
+            log.error("the model failed to load: %s", state.load_error)
+            server.should_exit = True
+            rc = 1
+        else:
+            state.set_ready()
+            kv = llm.kv_info or {}
+            log.info("ready: model %s (served as %s) | context %d tokens | KV cache %d tokens, %s bytes/token"
+                     " | %s", model, ", ".join(names), llm.max_model_len, kv.get("capacity_tokens", 0),
+                     _fmt(kv.get("bytes_per_token", 0)), url)
+        await serve_task
+    else:
+        log.info("stopped while loading")
+        load_task.cancel()
+        with contextlib.suppress(BaseException):
+            await load_task
+        clean = False
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(llm.shutdown(), timeout=30)
+    log.info("stopped")
+    return rc, clean
+
+
+def _fmt(x) -> str:
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn, with draining: a signal marks the app as draining (503 for new
+        requests), then uvicorn stops accepting, waits for in-flight requests up to
+        timeout_graceful_shutdown and cancels the rest. A drained exit is a clean exit
+        (uvicorn would re-raise the signal and die by it)."""
+
+        def __init__(self, config, state):
+            super().__init__(config)
+            self.tq_state = state
+
+        def handle_exit(self, sig, frame):
+            if not self.tq_state.draining:
+                log.info("signal %s: draining (in-flight requests get %.0fs)", sig,
+                         self.config.timeout_graceful_shutdown or 0)
+            self.tq_state.draining = True
+            super().handle_exit(sig, frame)
+            captured = getattr(self, "_captured_signals", None)
+            if isinstance(captured, list):
+                captured.clear()
+
+    return Server
+
+
+def _Server(config, state):
+    return _server_class()(config, state)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

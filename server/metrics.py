@@ -1,0 +1,153 @@
+"""Prometheus metrics under the `tqserve:` prefix, named as vLLM names them.
+
+Per-request counters and histograms are fed by the server as requests finish;
+engine-wide gauges and counters (running/waiting, KV usage, preemptions,
+prefix cache) are read from `AsyncLLM.stats()` at scrape time. Every series
+carries a `model_name` label, as in vLLM. The registry is our own (not the
+process-global default one), so several apps can live in one process.
+"""
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+P = "tqserve:"
+
+disable_created_metrics()     # no *_created series (as vLLM): they double the scrape for nothing
+
+# Buckets as vLLM uses them.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                   120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+def _token_buckets(max_len: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to max_len (vLLM's build_1_2_5_buckets)."""
+    out, exp = [], 0
+    while True:
+        for m in (1, 2, 5):
+            v = m * 10 ** exp
+            if v > max_len:
+                return out
+            out.append(v)
+        exp += 1
+
+
+class Metrics:
+    def __init__(self, model_name: str, max_model_len: int = 8192,
+                 stats: Callable[[], dict] | None = None, kv_info: Callable[[], dict | None] | None = None):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
+        self._stats = stats or (lambda: {})
+        self._kv_info = kv_info or (lambda: None)
+        r, L = self.registry, ["model_name"]
+        self.prompt_tokens = Counter(P + "prompt_tokens", "Number of prefill tokens processed.", L, registry=r)
+        self.generation_tokens = Counter(P + "generation_tokens", "Number of generation tokens processed.",
+                                         L, registry=r)
+        self.request_success = Counter(P + "request_success", "Count of successfully processed requests.",
+                                       L + ["finished_reason"], registry=r)
+        self.ttft = Histogram(P + "time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              L, buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram(P + "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             L, buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram(P + "e2e_request_latency_seconds",
+                             "Histogram of e2e request latency in seconds.", L, buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram(P + "request_queue_time_seconds",
+                                    "Histogram of time spent in WAITING phase for request.", L,
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        tb = _token_buckets(max(max_model_len, 1))
+        self.req_prompt_tokens = Histogram(P + "request_prompt_tokens", "Number of prefill tokens processed.",
+                                           L, buckets=tb, registry=r)
+        self.req_gen_tokens = Histogram(P + "request_generation_tokens",
+                                        "Number of generation tokens processed.", L, buckets=tb, registry=r)
+        r.register(_EngineCollector(self))
+        # Children, so the label lookup is done once.
+        m = model_name
+        self._prompt_tokens = self.prompt_tokens.labels(m)
+        self._generation_tokens = self.generation_tokens.labels(m)
+        self._ttft = self.ttft.labels(m)
+        self._itl = self.itl.labels(m)
+        self._e2e = self.e2e.labels(m)
+        self._queue = self.queue_time.labels(m)
+        self._req_prompt = self.req_prompt_tokens.labels(m)
+        self._req_gen = self.req_gen_tokens.labels(m)
+        for reason in ("stop", "length", "abort"):
+            self.request_success.labels(m, reason)
+
+    # --- fed by the server -------------------------------------------------
+    def observe_itl(self, seconds: float, count: int = 1) -> None:
+        for _ in range(count):
+            self._itl.observe(seconds)
+
+    def observe_finished(self, *, prompt_tokens: int, generation_tokens: int,
+                         finish_reasons: list[str], ttft: float | None, e2e: float,
+                         queue_time: float | None) -> None:
+        self._prompt_tokens.inc(prompt_tokens)
+        self._generation_tokens.inc(generation_tokens)
+        for reason in finish_reasons:
+            self.request_success.labels(self.model_name, reason or "abort").inc()
+        if ttft is not None:
+            self._ttft.observe(ttft)
+        self._e2e.observe(e2e)
+        if queue_time is not None:
+            self._queue.observe(queue_time)
+        self._req_prompt.observe(prompt_tokens)
+        self._req_gen.observe(generation_tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    """Engine-wide values, read from the engine at scrape time."""
+
+    def __init__(self, metrics: Metrics):
+        self.m = metrics
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        s = self.m._stats() or {}
+        name = self.m.model_name
+
+        def gauge(metric, doc, value):
+            g = GaugeMetricFamily(P + metric, doc, labels=["model_name"])
+            g.add_metric([name], float(value))
+            return g
+
+        def counter(metric, doc, value):
+            c = CounterMetricFamily(P + metric, doc, labels=["model_name"])
+            c.add_metric([name], float(value))
+            return c
+
+        yield gauge("num_requests_running", "Number of requests in model execution batches.",
+                    s.get("num_running", 0))
+        yield gauge("num_requests_waiting", "Number of requests waiting to be processed.",
+                    s.get("num_waiting", 0))
+        yield gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                    s.get("kv_cache_usage", 0.0))
+        yield counter("num_preemptions", "Cumulative number of preemptions from the engine.",
+                      s.get("num_preemptions_total", 0))
+        yield counter("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+                      s.get("prefix_cache_queries_total", 0))
+        yield counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                      s.get("prefix_cache_hits_total", 0))
+        info = self.m._kv_info() or {}
+        if info:
+            yield gauge("kv_cache_capacity_tokens", "Number of tokens the KV cache pool holds.",
+                        info.get("capacity_tokens", 0))
+            g = GaugeMetricFamily(P + "kv_cache_bytes_per_token",
+                                  "KV cache bytes per token, all layers (kind=all) and per layer kind.",
+                                  labels=["model_name", "kind"])
+            g.add_metric([name, "all"], float(info.get("bytes_per_token", 0)))
+            for kind, b in (info.get("bytes_per_token_by_kind") or {}).items():
+                g.add_metric([name, str(kind)], float(b))
+            yield g
+            if info.get("compression_ratio") is not None:
+                yield gauge("kv_cache_compression_ratio",
+                            "Uncompressed (16-bit) KV bytes per token over stored bytes per token.",
+                            info["compression_ratio"])

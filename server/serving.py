@@ -1,0 +1,726 @@
+"""Chat and text completions: request -> prompt ids + SamplingParams -> engine ->
+OpenAI response or SSE stream.
+
+The engine yields cumulative RequestOutputs; here they become deltas. Every
+engine request goes through `_generate`, which keeps the numbers for metrics
+and makes sure an abandoned request (client gone, error) is aborted in the
+engine, even when the surrounding task is being cancelled.
+"""
+import asyncio
+import json
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import anyio
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from engine import SamplingError, SamplingParams
+from engine.errors import InvalidRequest
+from server.errors import APIError, error_body
+from server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from server.state import ServerState
+
+log = logging.getLogger("tqserve.request")
+
+MIN_LOGPROB = -9999.0           # JSON has no -inf
+
+
+class ClientGone(Exception):
+    """The client disconnected before the response was ready."""
+
+
+# --------------------------------------------------------------------------
+# One HTTP request: its log line.
+# --------------------------------------------------------------------------
+class RequestLog:
+    def __init__(self, prefix: str, kind: str):
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.kind = kind
+        self.t0 = time.monotonic()
+        self.prompt_tokens = 0
+        self.output_tokens = 0
+        self.first_token: float | None = None
+        self._done = False
+
+    def token_seen(self) -> None:
+        if self.first_token is None:
+            self.first_token = time.monotonic()
+
+    def done(self, status) -> None:
+        if self._done:
+            return
+        self._done = True
+        ttft = f"{self.first_token - self.t0:.3f}s" if self.first_token is not None else "-"
+        log.info("%s %s prompt_tokens=%d output_tokens=%d ttft=%s total=%.3fs status=%s",
+                 self.id, self.kind, self.prompt_tokens, self.output_tokens, ttft,
+                 time.monotonic() - self.t0, status)
+
+
+# --------------------------------------------------------------------------
+# Engine requests.
+# --------------------------------------------------------------------------
+async def _generate(state: ServerState, prompt_ids: list[int], params: SamplingParams,
+                    request_id: str, rlog: RequestLog) -> AsyncIterator:
+    """llm.generate with metrics; aborts the engine request if left unfinished."""
+    llm, metrics = state.llm, state.metrics
+    t0 = time.monotonic()
+    first = last = None
+    seen = 0
+    final = None
+    state.start_request(request_id)
+    gen = llm.generate(prompt_ids, params, request_id)
+    try:
+        async for out in gen:
+            now = time.monotonic()
+            ntok = sum(len(o.token_ids) for o in out.outputs)
+            if ntok > seen:
+                if first is None:
+                    first = now
+                    rlog.token_seen()
+                else:
+                    metrics.observe_itl((now - last) / (ntok - seen), ntok - seen)
+                last, seen = now, ntok
+            final = out
+            yield out
+    finally:
+        state.end_request()
+        with anyio.CancelScope(shield=True):
+            try:
+                await gen.aclose()
+                if final is None or not final.finished:
+                    await llm.abort(request_id)
+            except Exception:
+                log.exception("aborting %s failed", request_id)
+        if final is not None:
+            _record(state, final, t0, first)
+
+
+def _record(state: ServerState, out, t0: float, first: float | None) -> None:
+    m = out.metrics or {}
+    now = time.monotonic()
+    arrival = m.get("arrival_time", t0)
+    ttft = (m["first_token_time"] - arrival) if "first_token_time" in m else (
+        first - t0 if first is not None else None)
+    queue = m["first_scheduled_time"] - arrival if "first_scheduled_time" in m else None
+    e2e = m.get("finished_time", now) - arrival
+    reasons = [o.finish_reason or "abort" for o in out.outputs]
+    state.metrics.observe_finished(
+        prompt_tokens=len(out.prompt_token_ids),
+        generation_tokens=sum(len(o.token_ids) for o in out.outputs),
+        finish_reasons=reasons, ttft=ttft, e2e=e2e, queue_time=queue)
+
+
+async def _merge(gens: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
+    """Interleave several async iterators; yields (which, item)."""
+    if len(gens) == 1:
+        try:
+            async for item in gens[0]:
+                yield 0, item
+        finally:
+            with anyio.CancelScope(shield=True):
+                await gens[0].aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    DONE = object()
+
+    async def pump(i, g):
+        try:
+            async for item in g:
+                await queue.put((i, item, None))
+        except BaseException as e:       # noqa: BLE001 - handed to the consumer
+            await queue.put((i, DONE, e))
+            return
+        await queue.put((i, DONE, None))
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item, exc = await queue.get()
+            if item is DONE:
+                remaining -= 1
+                if exc is not None and not isinstance(exc, asyncio.CancelledError):
+                    raise exc
+                continue
+            yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for g in gens:
+                await g.aclose()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def until_disconnect(request: Request, awaitable):
+    """Await `awaitable`, cancelling it (and raising ClientGone) if the client goes away."""
+    task = asyncio.ensure_future(awaitable)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        watcher.cancel()
+        raise
+    if task in done:
+        watcher.cancel()
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except BaseException:       # noqa: BLE001 - the task's own end does not matter now
+        pass
+    raise ClientGone()
+
+
+# --------------------------------------------------------------------------
+# Request -> engine inputs.
+# --------------------------------------------------------------------------
+def check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model not in state.config.model_names:
+        raise APIError(404, f"The model `{model}` does not exist.", param="model")
+
+
+def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int | None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
+    kw = dict(n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens,
+              stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+              stop_token_ids=list(req.stop_token_ids or []),
+              include_stop_str_in_output=req.include_stop_str_in_output,
+              ignore_eos=req.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+              logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()},
+              skip_special_tokens=req.skip_special_tokens, seed=req.seed)
+    for name, default in (("temperature", 1.0), ("top_p", 1.0), ("top_k", 0), ("min_p", 0.0),
+                          ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+                          ("repetition_penalty", 1.0)):
+        v = getattr(req, name)
+        kw[name] = default if v is None else v
+    if max_tokens is not None and kw["min_tokens"] > max_tokens:
+        raise APIError(400, f"min_tokens ({kw['min_tokens']}) must be <= max_tokens ({max_tokens})",
+                       param="min_tokens")
+    try:
+        return SamplingParams(**kw)
+    except SamplingError as e:
+        raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
+
+
+def check_length(state: ServerState, n_prompt: int, max_tokens: int | None, what: str = "input") -> None:
+    ctx = state.llm.max_model_len
+    if n_prompt > ctx or (n_prompt == ctx and max_tokens != 0):
+        raise APIError(400, f"This model's maximum context length is {ctx} tokens. However, your "
+                            f"request has {n_prompt} {what} tokens. Please reduce the length of the input.",
+                       param="messages" if what == "input" else "prompt")
+    if max_tokens is not None and n_prompt + max_tokens > ctx:
+        raise APIError(400, f"This model's maximum context length is {ctx} tokens. However, you "
+                            f"requested {n_prompt + max_tokens} tokens ({n_prompt} in the {what}, "
+                            f"{max_tokens} in the completion). Please reduce the length of the input "
+                            f"or max_tokens.", param="max_tokens")
+
+
+def check_vocab(state: ServerState, req: _SamplingFields, prompts: list[list[int]] = ()) -> None:
+    tok = state.llm.tokenizer
+    vocab = getattr(tok, "vocab_size", None) if tok is not None else None
+    if not vocab:
+        return
+    for p in prompts:
+        bad = [t for t in p if t >= vocab]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is out of vocabulary (size {vocab})", param="prompt")
+    for t in (req.stop_token_ids or []):
+        if t >= vocab:
+            raise APIError(400, f"stop_token_ids: token id {t} is out of vocabulary (size {vocab})",
+                           param="stop_token_ids")
+    for k in (req.logit_bias or {}):
+        if int(k) >= vocab:
+            raise APIError(400, f"logit_bias: token id {k} is out of vocabulary (size {vocab})",
+                           param="logit_bias")
+
+
+def admit(state: ServerState, request_ids: list[str]) -> None:
+    """503 while loading or draining, 429 when the waiting queue is full; then
+    counts `request_ids` as about to be submitted (see ServerState.queue_depth)."""
+    if state.draining:
+        raise APIError(503, "The server is shutting down.", headers={"Retry-After": "5"})
+    if not state.ready:
+        raise APIError(503, "The model is still loading.", headers={"Retry-After": "5"})
+    limit = state.config.max_queue
+    if limit is not None:
+        depth = state.queue_depth()
+        if depth >= limit:
+            raise APIError(429, f"The server is overloaded: {depth} requests are waiting "
+                                f"(limit {limit}). Retry later.",
+                           headers={"Retry-After": str(max(1, min(60, depth // max(1, state.config.max_num_seqs))))})
+    state.reserve(request_ids)
+
+
+def chat_prompt(state: ServerState, req) -> tuple[str, list[int]]:
+    """Render the model's chat template and tokenize as transformers does."""
+    llm = state.llm
+    tok = llm.tokenizer
+    if tok is None:
+        raise APIError(400, "This model has no tokenizer, so it cannot serve chat; use "
+                            "/v1/completions with token ids.")
+    template = llm.chat_template
+    if not template:
+        raise APIError(400, "This model has no chat template; use /v1/completions.")
+    messages = [_template_message(m.to_template()) for m in req.messages]
+    try:
+        text = render_chat(template, messages,
+                           add_generation_prompt=req.add_generation_prompt,
+                           continue_final_message=req.continue_final_message,
+                           bos_token=getattr(tok, "bos_token", None),
+                           eos_token=getattr(tok, "eos_token", None),
+                           tools=getattr(req, "tools", None), **(req.chat_template_kwargs or {}))
+    except (ValueError, TypeError, LookupError) as e:
+        raise APIError(400, f"Chat template rendering failed: {e}", param="messages") from None
+    except Exception as e:     # jinja2 TemplateError (raise_exception in templates) and friends
+        if type(e).__module__.startswith("jinja2"):
+            raise APIError(400, f"Chat template rendering failed: {e}", param="messages") from None
+        raise
+    return text, tok.encode(text, add_special_tokens=False)
+
+
+def render_chat(template, messages, **kw) -> str:
+    try:
+        from model_zoo.chat_template import render_chat as render
+    except ImportError:         # until the model zoo has its renderer
+        render = _render_chat_fallback
+    return render(template, messages, **kw)
+
+
+def _render_chat_fallback(template, messages, add_generation_prompt=True, continue_final_message=False,
+                          bos_token=None, eos_token=None, tools=None, **kwargs) -> str:
+    """transformers' apply_chat_template rendering, in short."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(msg):
+        raise jinja2.exceptions.TemplateError(msg)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
+        x, indent=indent, ensure_ascii=ensure_ascii)
+    env.globals["raise_exception"] = raise_exception
+    text = env.from_string(template).render(
+        messages=messages, add_generation_prompt=add_generation_prompt and not continue_final_message,
+        bos_token=bos_token or "", eos_token=eos_token or "", tools=tools, **kwargs)
+    if continue_final_message:
+        last = (messages[-1].get("content") or "").strip()
+        i = text.rfind(last)
+        if last and i >= 0:
+            text = text[:i + len(last)]
+    return text
+
+
+def _template_message(m: dict) -> dict:
+    # Templates expect tool-call arguments as a mapping (as vLLM and transformers pass them).
+    for call in m.get("tool_calls") or []:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+            try:
+                fn["arguments"] = json.loads(fn["arguments"])
+            except ValueError:
+                pass
+    return m
+
+
+# --------------------------------------------------------------------------
+# Output formatting.
+# --------------------------------------------------------------------------
+def _lp(x: float) -> float:
+    return MIN_LOGPROB if x is None or math.isnan(x) or x < MIN_LOGPROB else float(x)
+
+
+def _top(d: dict, k: int) -> list[tuple[int, float]]:
+    return sorted(d.items(), key=lambda kv: -kv[1])[:k] if k else []
+
+
+def chat_logprobs(state: ServerState, token_ids: list[int], lps: list[dict], top_k: int) -> list[dict]:
+    out = []
+    for tid, d in zip(token_ids, lps):
+        s = state.tok_str(tid)
+        out.append({"token": s, "logprob": _lp(d.get(tid)), "bytes": list(s.encode("utf-8", "replace")),
+                    "top_logprobs": [{"token": (ts := state.tok_str(t)), "logprob": _lp(v),
+                                      "bytes": list(ts.encode("utf-8", "replace"))} for t, v in _top(d, top_k)]})
+    return out
+
+
+def completion_logprobs(state: ServerState, token_ids: list[int], lps: list, top_k: int,
+                        offset: int) -> dict:
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for tid, d in zip(token_ids, lps):
+        s = state.tok_str(tid)
+        tokens.append(s)
+        offsets.append(offset)
+        offset += len(s)
+        if d is None:
+            token_lps.append(None)
+            tops.append(None)
+            continue
+        token_lps.append(_lp(d.get(tid)))
+        top = {s: _lp(d.get(tid))}
+        for t, v in _top(d, top_k):
+            top.setdefault(state.tok_str(t), _lp(v))
+        tops.append(top)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached: int | None = None) -> dict:
+    u = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+         "total_tokens": prompt_tokens + completion_tokens}
+    if cached:
+        u["prompt_tokens_details"] = {"cached_tokens": cached}
+    return u
+
+
+def sse(obj) -> str:
+    return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+# --------------------------------------------------------------------------
+# /v1/chat/completions
+# --------------------------------------------------------------------------
+async def chat_completion(state: ServerState, request: Request, req: ChatCompletionRequest,
+                          rlog: RequestLog) -> Response:
+    check_model(state, req.model)
+    admit(state, [])
+    _, prompt_ids = chat_prompt(state, req)
+    rlog.prompt_tokens = len(prompt_ids)
+    max_tokens = req.output_limit()
+    check_length(state, len(prompt_ids), max_tokens)
+    check_vocab(state, req)
+    top_k = (req.top_logprobs or 0) if req.logprobs else 0
+    params = sampling_params(req, max_tokens, top_k if req.logprobs else None)
+    admit(state, [rlog.id])
+    gen = _generate(state, prompt_ids, params, rlog.id, rlog)
+    created = int(time.time())
+    model = req.model or state.model_name
+    if req.stream:
+        first = await _first(request, gen)
+        return StreamingResponse(_chat_stream(state, req, rlog, gen, first, created, model, top_k),
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
+
+    async def run():
+        final = None
+        async for out in gen:
+            final = out
+        return final
+    final = await _run_to_end(request, gen, run())
+    choices = []
+    for o in final.outputs:
+        msg = {"role": "assistant", "content": o.text, "tool_calls": []}
+        lp = ({"content": chat_logprobs(state, o.token_ids, o.logprobs or [], top_k)}
+              if req.logprobs else None)
+        choices.append({"index": o.index, "message": msg, "logprobs": lp,
+                        "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
+    n_out = sum(len(o.token_ids) for o in final.outputs)
+    rlog.output_tokens = n_out
+    body = {"id": rlog.id, "object": "chat.completion", "created": created, "model": model,
+            "choices": choices, "usage": usage(len(prompt_ids), n_out, final.num_cached_tokens)}
+    rlog.done(200)
+    return JSONResponse(body)
+
+
+async def _first(request: Request, gen):
+    """The first output, before any header is sent, so that engine-side request
+    errors still become a proper 400 (and a client gone meanwhile aborts)."""
+    try:
+        return await until_disconnect(request, gen.__anext__())
+    except StopAsyncIteration:
+        return None
+    except InvalidRequest as e:
+        raise APIError(400, str(e)) from None
+
+
+async def _run_to_end(request: Request, gen, coro):
+    try:
+        return await until_disconnect(request, coro)
+    except InvalidRequest as e:
+        raise APIError(400, str(e)) from None
+    finally:
+        with anyio.CancelScope(shield=True):
+            await gen.aclose()
+
+
+async def _chat_stream(state, req, rlog, gen, first, created, model, top_k):
+    opts = req.stream_options
+    include_usage = bool(opts and opts.include_usage)
+    continuous = bool(opts and opts.continuous_usage_stats)
+    n_prompt = rlog.prompt_tokens
+    sent_text = [0] * req.n
+    sent_tok = [0] * req.n
+    started = [False] * req.n
+    finished = [False] * req.n
+    status = "aborted"
+
+    def chunk(index, delta, logprobs=None, finish_reason=None, stop_reason=None, n_out=0):
+        c = {"id": rlog.id, "object": "chat.completion.chunk", "created": created, "model": model,
+             "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                          "finish_reason": finish_reason, **({"stop_reason": stop_reason} if finish_reason else {})}]}
+        if continuous:
+            c["usage"] = usage(n_prompt, n_out)
+        elif include_usage:
+            c["usage"] = None
+        return sse(c)
+
+    try:
+        out = first
+        final = None
+        while out is not None:
+            final = out
+            n_out = sum(len(o.token_ids) for o in out.outputs)
+            parts = []
+            for o in out.outputs:
+                i = o.index
+                if finished[i]:
+                    continue
+                if not started[i]:
+                    started[i] = True
+                    parts.append(chunk(i, {"role": "assistant", "content": ""}, n_out=n_out))
+                text = o.text[sent_text[i]:]
+                new_ids = o.token_ids[sent_tok[i]:]
+                lp = None
+                if req.logprobs and new_ids:
+                    lp = {"content": chat_logprobs(state, new_ids, (o.logprobs or [])[sent_tok[i]:], top_k)}
+                if text or lp:
+                    parts.append(chunk(i, {"content": text}, lp, n_out=n_out))
+                sent_text[i] = len(o.text)
+                sent_tok[i] = len(o.token_ids)
+                if o.finish_reason is not None:
+                    finished[i] = True
+                    parts.append(chunk(i, {}, None, o.finish_reason, o.stop_reason, n_out=n_out))
+            if parts:
+                yield "".join(parts)
+            try:
+                out = await gen.__anext__()
+            except StopAsyncIteration:
+                out = None
+        n_out = sum(len(o.token_ids) for o in final.outputs) if final else 0
+        rlog.output_tokens = n_out
+        if include_usage:
+            yield sse({"id": rlog.id, "object": "chat.completion.chunk", "created": created, "model": model,
+                       "choices": [], "usage": usage(n_prompt, n_out, final.num_cached_tokens if final else None)})
+        yield SSE_DONE
+        status = 200
+    except InvalidRequest as e:
+        status = 400
+        yield sse(error_body(400, str(e)))
+        yield SSE_DONE
+    except Exception as e:
+        status = 500
+        log.exception("stream %s failed", rlog.id)
+        yield sse(error_body(500, f"internal error: {type(e).__name__}: {e}"))
+        yield SSE_DONE
+    finally:
+        with anyio.CancelScope(shield=True):
+            await gen.aclose()
+        rlog.done(status)
+
+
+# --------------------------------------------------------------------------
+# /v1/completions
+# --------------------------------------------------------------------------
+async def completion(state: ServerState, request: Request, req: CompletionRequest,
+                     rlog: RequestLog) -> Response:
+    check_model(state, req.model)
+    admit(state, [])
+    tok = state.llm.tokenizer
+    prompts = req.prompts()
+    texts: list[str | None] = []
+    ids: list[list[int]] = []
+    for p in prompts:
+        if isinstance(p, str):
+            if tok is None:
+                raise APIError(400, "This model has no tokenizer; send the prompt as token ids.",
+                               param="prompt")
+            texts.append(p)
+            ids.append(tok.encode(p, add_special_tokens=True))
+        else:
+            texts.append(None)
+            ids.append(list(p))
+    for p in ids:
+        if not p:
+            raise APIError(400, "The prompt is empty (no tokens).", param="prompt")
+        check_length(state, len(p), req.max_tokens, what="prompt")
+    check_vocab(state, req, ids)
+    rlog.prompt_tokens = sum(len(p) for p in ids)
+    echo_lp = req.echo and req.logprobs is not None
+    prompt_lp = req.prompt_logprobs
+    if echo_lp:
+        prompt_lp = max(req.logprobs, prompt_lp or 0)
+    # max_tokens 0 (echo only): the engine still takes one step for the prompt's logprobs;
+    # the token it samples is dropped here.
+    engine_max = 1 if req.max_tokens == 0 else req.max_tokens
+    params = sampling_params(req, engine_max, req.logprobs, prompt_lp)
+    rids = [rlog.id if len(ids) == 1 else f"{rlog.id}-{i}" for i in range(len(ids))]
+    admit(state, rids)
+    gens = [_generate(state, p, params, rid, rlog) for p, rid in zip(ids, rids)]
+    merged = _merge(gens)
+    created = int(time.time())
+    model = req.model or state.model_name
+
+    def echo_text(i):
+        if texts[i] is None:
+            texts[i] = tok.decode(ids[i], skip_special_tokens=False) if tok is not None else ""
+        return texts[i]
+
+    if req.stream:
+        first = await _first(request, merged)
+        return StreamingResponse(_completion_stream(state, req, rlog, merged, first, ids, echo_text,
+                                                    created, model),
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
+
+    async def run():
+        finals = [None] * len(ids)
+        async for i, out in merged:
+            finals[i] = out
+        return finals
+    finals = await _run_to_end(request, merged, run())
+    choices = []
+    n_out = 0
+    cached = 0
+    for i, final in enumerate(finals):
+        cached += final.num_cached_tokens
+        for o in final.outputs:
+            tids, lps, text, reason = _visible(req, o)
+            n_out += len(tids)
+            lp = None
+            prefix = ""
+            if req.echo:
+                prefix = echo_text(i)
+            if req.logprobs is not None:
+                if req.echo:
+                    plp = final.prompt_logprobs or [None] * len(ids[i])
+                    lp = completion_logprobs(state, ids[i] + tids, list(plp) + lps, req.logprobs, 0)
+                else:
+                    lp = completion_logprobs(state, tids, lps, req.logprobs, 0)
+            choice = {"index": i * req.n + o.index, "text": prefix + text, "logprobs": lp,
+                      "finish_reason": reason, "stop_reason": o.stop_reason}
+            if req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = _vllm_prompt_logprobs(state, ids[i], final.prompt_logprobs)
+            choices.append(choice)
+    rlog.output_tokens = n_out
+    body = {"id": rlog.id, "object": "text_completion", "created": created, "model": model,
+            "choices": choices, "usage": usage(rlog.prompt_tokens, n_out, cached)}
+    rlog.done(200)
+    return JSONResponse(body)
+
+
+def _visible(req: CompletionRequest, o):
+    """Token ids, logprobs, text and finish reason the client sees (max_tokens 0 drops the step)."""
+    if req.max_tokens == 0:
+        return [], [], "", "length"
+    return list(o.token_ids), list(o.logprobs or [None] * len(o.token_ids)), o.text, o.finish_reason
+
+
+def _vllm_prompt_logprobs(state, prompt_ids, plp):
+    if plp is None:
+        return None
+    return [None if d is None else {str(t): {"logprob": _lp(v), "decoded_token": state.tok_str(t)}
+                                    for t, v in d.items()} for d in plp]
+
+
+async def _completion_stream(state, req, rlog, merged, first, ids, echo_text, created, model):
+    opts = req.stream_options
+    include_usage = bool(opts and opts.include_usage)
+    continuous = bool(opts and opts.continuous_usage_stats)
+    n = req.n
+    slots = len(ids) * n
+    sent_text = [0] * slots
+    sent_tok = [0] * slots
+    offsets = [0] * slots
+    started = [False] * slots
+    finished = [False] * slots
+    n_out_by_prompt = [0] * len(ids)
+    cached = [0] * len(ids)
+    status = "aborted"
+
+    def chunk(index, text, lp, finish_reason=None, stop_reason=None):
+        c = {"id": rlog.id, "object": "text_completion", "created": created, "model": model,
+             "choices": [{"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason,
+                          "stop_reason": stop_reason}]}
+        if continuous:
+            c["usage"] = usage(rlog.prompt_tokens, sum(n_out_by_prompt))
+        elif include_usage:
+            c["usage"] = None
+        return sse(c)
+
+    try:
+        item = first
+        while item is not None:
+            p, out = item
+            cached[p] = out.num_cached_tokens
+            parts = []
+            n_out_by_prompt[p] = 0 if req.max_tokens == 0 else sum(len(o.token_ids) for o in out.outputs)
+            for o in out.outputs:
+                s = p * n + o.index
+                if finished[s]:
+                    continue
+                tids, lps, text, reason = _visible(req, o)
+                if reason is not None and not out.finished and req.max_tokens == 0:
+                    reason = None
+                if not started[s]:
+                    started[s] = True
+                    if req.echo:
+                        # The prompt first, in a chunk of its own (with its logprobs when asked).
+                        ptext = echo_text(p)
+                        lp = None
+                        if req.logprobs is not None:
+                            plp = out.prompt_logprobs or [None] * len(ids[p])
+                            lp = completion_logprobs(state, ids[p], list(plp), req.logprobs, 0)
+                            offsets[s] = sum(len(t) for t in lp["tokens"])
+                        parts.append(chunk(s, ptext, lp))
+                new_text = text[sent_text[s]:]
+                new_ids = tids[sent_tok[s]:]
+                lp = None
+                if req.logprobs is not None and new_ids:
+                    lp = completion_logprobs(state, new_ids, lps[sent_tok[s]:], req.logprobs, offsets[s])
+                    offsets[s] += sum(len(t) for t in lp["tokens"])
+                sent_text[s] = len(text)
+                sent_tok[s] = len(tids)
+                if reason is not None and (out.finished or o.finish_reason is not None):
+                    finished[s] = True
+                    parts.append(chunk(s, new_text, lp, reason, o.stop_reason))
+                elif new_text or lp:
+                    parts.append(chunk(s, new_text, lp))
+            if parts:
+                yield "".join(parts)
+            try:
+                item = await merged.__anext__()
+            except StopAsyncIteration:
+                item = None
+        rlog.output_tokens = sum(n_out_by_prompt)
+        if include_usage:
+            yield sse({"id": rlog.id, "object": "text_completion", "created": created, "model": model,
+                       "choices": [], "usage": usage(rlog.prompt_tokens, sum(n_out_by_prompt), sum(cached))})
+        yield SSE_DONE
+        status = 200
+    except InvalidRequest as e:
+        status = 400
+        yield sse(error_body(400, str(e)))
+        yield SSE_DONE
+    except Exception as e:
+        status = 500
+        log.exception("stream %s failed", rlog.id)
+        yield sse(error_body(500, f"internal error: {type(e).__name__}: {e}"))
+        yield SSE_DONE
+    finally:
+        with anyio.CancelScope(shield=True):
+            await merged.aclose()
+        rlog.done(status)

@@ -1,0 +1,93 @@
+"""What the HTTP app knows about its engine and its own settings."""
+import logging
+import time
+from dataclasses import dataclass, field
+
+from server.metrics import Metrics
+
+log = logging.getLogger("tqserve.server")
+
+
+@dataclass
+class ServerConfig:
+    model_names: list[str]                  # served names; the first is reported as `model`
+    api_keys: list[str] = field(default_factory=list)
+    max_queue: int | None = 256             # waiting requests before a 429; None = unbounded
+    max_body_bytes: int = 8 * 1024 * 1024
+    max_num_seqs: int = 64                  # the engine's; bounds how many requests run at once
+
+
+class ServerState:
+    """Shared by all handlers: the engine, readiness, counters for overload."""
+
+    def __init__(self, llm, config: ServerConfig):
+        self.llm = llm
+        self.config = config
+        self.ready = False
+        self.draining = False
+        self.load_error: str | None = None
+        self.started = time.time()
+        self.inflight = 0                   # engine requests submitted and not yet finished
+        self._pending: dict[str, float] = {}  # admitted, not yet submitted: id -> time admitted
+        self.metrics = Metrics(config.model_names[0], stats=self.engine_stats, kv_info=self.kv_info)
+        self._tok_str_cache: dict[int, str] = {}
+
+    # --- engine views (safe while loading) -------------------------------
+    def engine_stats(self) -> dict:
+        if not self.ready:
+            return {}
+        try:
+            return self.llm.stats() or {}
+        except Exception:                   # a scrape must never fail on the engine
+            log.exception("engine stats failed")
+            return {}
+
+    def kv_info(self) -> dict | None:
+        return getattr(self.llm, "kv_info", None) if self.ready else None
+
+    def set_ready(self) -> None:
+        """Called once the engine is up; fixes values that depend on the model."""
+        self.metrics = Metrics(self.config.model_names[0], max_model_len=self.llm.max_model_len,
+                               stats=self.engine_stats, kv_info=self.kv_info)
+        self.ready = True
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model_names[0]
+
+    def queue_depth(self) -> int:
+        """Requests waiting for a slot: the engine's count, or at least what the
+        server has submitted beyond what the engine can run at once (the engine's
+        count lags a burst by a step)."""
+        waiting = int(self.engine_stats().get("num_waiting", 0))
+        now = time.monotonic()
+        for rid in [r for r, t in self._pending.items() if now - t > 2.0]:
+            del self._pending[rid]          # admitted but never submitted (client left early)
+        return max(waiting, self.inflight + len(self._pending) - self.config.max_num_seqs)
+
+    def reserve(self, request_ids: list[str]) -> None:
+        now = time.monotonic()
+        for rid in request_ids:
+            self._pending[rid] = now
+
+    def start_request(self, request_id: str) -> None:
+        self._pending.pop(request_id, None)
+        self.inflight += 1
+
+    def end_request(self) -> None:
+        self.inflight -= 1
+
+    # --- tokens ------------------------------------------------------------
+    def tok_str(self, token_id: int) -> str:
+        s = self._tok_str_cache.get(token_id)
+        if s is None:
+            tok = self.llm.tokenizer
+            if tok is None:
+                s = f"token_id:{token_id}"
+            else:
+                try:
+                    s = tok.decode([token_id], skip_special_tokens=False)
+                except Exception:
+                    s = f"token_id:{token_id}"
+            self._tok_str_cache[token_id] = s
+        return s

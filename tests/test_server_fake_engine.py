@@ -1,0 +1,423 @@
+"""Fast HTTP tests of the server against a stand-in engine (no model, no torch).
+
+FakeAsyncLLM has AsyncLLM's interface and uses the engine's real
+OutputProcessor (detokenization, stop strings, n-way fan-in), so only the
+"model" is fake: a byte-level tokenizer and a deterministic text source. The
+app runs in uvicorn on a thread, so requests go through real HTTP.
+The real-model tests are in test_server_openai.py and friends.
+"""
+import asyncio
+import json
+import random
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from engine.engine_core import EngineCoreOutput
+from engine.errors import InvalidRequest
+from engine.output_processor import OutputProcessor, child_params
+
+CORPUS = ("the quick brown fox jumps over the lazy dog. pack my box with five dozen liquor jugs! "
+          "how vexingly quick daft zebras jump; sphinx of black quartz, judge my vow. ")
+
+
+class FakeTokenizer:
+    """Byte-level: id = byte + 4; 1 = <s>, 2 = <pad>, 3 = </s>."""
+    bos_token, eos_token, eos_token_id = "<s>", "</s>", 3
+    all_special_ids = [1, 2, 3]
+    vocab_size = 260
+    _special = {1: "<s>", 2: "<pad>", 3: "</s>"}
+
+    def encode(self, text, add_special_tokens=True):
+        return ([1] if add_special_tokens else []) + [b + 4 for b in text.encode()]
+
+    def decode(self, ids, skip_special_tokens=True):
+        out, buf = [], bytearray()
+        for i in ids:
+            if i >= 4:
+                buf.append(i - 4)
+                continue
+            out.append(buf.decode("utf-8", "replace"))
+            buf = bytearray()
+            if not skip_special_tokens:
+                out.append(self._special.get(i, ""))
+        out.append(buf.decode("utf-8", "replace"))
+        return "".join(out)
+
+    def convert_ids_to_tokens(self, ids):
+        return [self._special.get(i) or chr(i - 4) for i in ids]
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+class FakeAsyncLLM:
+    """One token per request per step, every `step_s` seconds; greedy text is a
+    deterministic slice of CORPUS chosen by the prompt; eos after `eos_after` tokens."""
+
+    def __init__(self, max_model_len=256, max_num_seqs=8, capacity_tokens=4096, step_s=0.004,
+                 eos_after=40, load_s=0.0):
+        self.model_name = "fake"
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.step_s, self.eos_after, self.load_s = step_s, eos_after, load_s
+        self.tokenizer = FakeTokenizer()
+        self.chat_template = CHAT_TEMPLATE
+        self.kv_info = {"capacity_tokens": capacity_tokens, "bytes_per_token": 46080, "block_size": 16,
+                        "bytes_per_token_by_kind": {"full": 46080}}
+        self.processor = OutputProcessor(self.tokenizer)
+        self.streams: dict[str, asyncio.Queue] = {}
+        self.waiting: list = []
+        self.running: dict[str, dict] = {}
+        self.aborted: list[str] = []
+        self.counters = {"num_preemptions_total": 0, "prefix_cache_queries_total": 0,
+                         "prefix_cache_hits_total": 0}
+        self._task = None
+
+    async def start(self):
+        await asyncio.sleep(self.load_s)
+        self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def shutdown(self):
+        if self._task:
+            self._task.cancel()
+
+    def stats(self):
+        used = sum(len(r["prompt"]) + len(r["out"]) for r in self.running.values())
+        return {"num_running": len(self.running), "num_waiting": len(self.waiting),
+                "kv_cache_usage": used / self.kv_info["capacity_tokens"], **self.counters}
+
+    async def generate(self, prompt, params, request_id):
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequest(f"maximum context length is {self.max_model_len} tokens, "
+                                 f"but the prompt has {len(ids)} tokens")
+        q = asyncio.Queue()
+        self.streams[request_id] = q
+        now = time.monotonic()
+        cids = self.processor.add(request_id, None, ids, params, now)
+        for i, cid in enumerate(cids):
+            p = child_params(params, i)
+            rng = random.Random(p.seed) if p.seed is not None else random.Random()
+            start = sum(ids) % len(CORPUS) if p.greedy else rng.randrange(len(CORPUS))
+            self.waiting.append({"id": cid, "prompt": ids, "params": p, "pos": start, "out": [],
+                                 "arrival": now})
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, Exception):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    break
+        finally:
+            self.streams.pop(request_id, None)
+            if not finished:
+                await self.abort(request_id)
+
+    async def abort(self, request_id):
+        for cid in self.processor.remove(request_id):
+            self.aborted.append(cid)
+            self.running.pop(cid, None)
+            self.waiting = [r for r in self.waiting if r["id"] != cid]
+
+    async def _loop(self):
+        while True:
+            await asyncio.sleep(self.step_s)
+            now = time.monotonic()
+            while self.waiting and len(self.running) < self.max_num_seqs:
+                r = self.waiting.pop(0)
+                r["scheduled"] = now
+                self.running[r["id"]] = r
+            outs = []
+            for cid, r in list(self.running.items()):
+                p = r["params"]
+                eo = EngineCoreOutput(cid, first_scheduled_time=r["scheduled"])
+                if not r["out"] and p.prompt_logprobs is not None:
+                    eo.prompt_logprobs = [None] + [{t: -1.0 - (t % 7) / 10} for t in r["prompt"][1:]]
+                done_len = p.max_tokens is not None and len(r["out"]) >= p.max_tokens
+                if not done_len:
+                    if len(r["out"]) >= self.eos_after and not p.ignore_eos:
+                        tok = 3
+                    else:
+                        tok = ord(CORPUS[r["pos"] % len(CORPUS)]) + 4
+                        r["pos"] += 1
+                    r["out"].append(tok)
+                    eo.new_token_ids = [tok]
+                    if p.logprobs is not None:
+                        lp = {tok: -0.25}
+                        for k in range(p.logprobs):
+                            lp.setdefault(4 + 97 + k, -1.0 - k)
+                        eo.new_logprobs = [lp]
+                    if tok == 3 or tok in p.stop_token_ids:
+                        eo.finish_reason, eo.stop_reason = "stop", (None if tok == 3 else tok)
+                    elif p.max_tokens is not None and len(r["out"]) >= p.max_tokens:
+                        eo.finish_reason = "length"
+                else:
+                    eo.finish_reason = "length"
+                if eo.finish_reason:
+                    del self.running[cid]
+                outs.append(eo)
+            if not outs:
+                continue
+            results, to_abort = self.processor.process(outs)
+            for cid in to_abort:
+                self.running.pop(cid, None)
+            for res in results:
+                q = self.streams.get(res.request_id)
+                if q is not None:
+                    q.put_nowait(res)
+
+
+# --------------------------------------------------------------------------
+# A live server on a thread.
+# --------------------------------------------------------------------------
+class LiveServer:
+    def __init__(self, llm, **config):
+        import uvicorn
+
+        from server.app import create_app
+        from server.state import ServerConfig, ServerState
+        self.llm = llm
+        self.state = ServerState(llm, ServerConfig(model_names=config.pop("model_names", ["fake"]),
+                                                   max_num_seqs=llm.max_num_seqs, **config))
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(128)
+        self.sock = sock
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(create_app(self.state), lifespan="off", log_config=None,
+                                                    access_log=False, timeout_graceful_shutdown=2))
+        self.server.install_signal_handlers = lambda: None
+        self.loop = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 10
+        while not self.state.ready and time.time() < deadline:
+            time.sleep(0.01)
+        assert self.state.ready
+
+    def _run(self):
+        async def main():
+            self.loop = asyncio.get_running_loop()
+            task = asyncio.create_task(self.server.serve(sockets=[self.sock]))
+            await self.llm.start()
+            self.state.set_ready()
+            await task
+            await self.llm.shutdown()
+        asyncio.run(main())
+
+    def call(self, fn):
+        """Run fn() on the server's loop (to look at engine state safely)."""
+        return asyncio.run_coroutine_threadsafe(_wrap(fn), self.loop).result(5)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+async def _wrap(fn):
+    return fn()
+
+
+@pytest.fixture(scope="module")
+def live():
+    srv = LiveServer(FakeAsyncLLM(), api_keys=[], max_queue=6)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(live):
+    from openai import OpenAI
+    return OpenAI(base_url=live.url + "/v1", api_key="none", max_retries=0, timeout=30)
+
+
+# --------------------------------------------------------------------------
+def test_chat_basic_and_usage(client):
+    r = client.chat.completions.create(model="fake", messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=10, temperature=0)
+    c = r.choices[0]
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    assert c.message.role == "assistant" and len(c.message.content) == 10
+    assert c.finish_reason == "length"
+    prompt = "<|user|>hi\n<|assistant|>"
+    assert r.usage.prompt_tokens == len(prompt.encode()) and r.usage.completion_tokens == 10
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 10
+
+
+def test_chat_stream_equals_nonstream(client):
+    kw = dict(model="fake", messages=[{"role": "user", "content": [{"type": "text", "text": "abc"}]}],
+              max_tokens=25, temperature=0)
+    full = client.chat.completions.create(**kw).choices[0].message.content
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 25
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_stream_raw_sse_shape(live):
+    body = {"model": "fake", "messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "stream": True,
+            "n": 2, "temperature": 0.7, "seed": 1}
+    with httpx.stream("POST", live.url + "/v1/chat/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(ln[6:]) for ln in lines[:-1]]
+    for i in (0, 1):
+        mine = [e["choices"][0] for e in events if e["choices"][0]["index"] == i]
+        assert mine[0]["delta"] == {"role": "assistant", "content": ""}
+        assert mine[-1]["finish_reason"] == "length" and mine[-1]["delta"] == {}
+        assert len("".join(c["delta"].get("content", "") for c in mine)) == 3
+
+
+def test_stop_string_and_seed(client):
+    kw = dict(model="fake", messages=[{"role": "user", "content": "q"}], max_tokens=60, temperature=0)
+    full = client.chat.completions.create(**kw).choices[0].message.content
+    stop = full[5:8]
+    r = client.chat.completions.create(stop=[stop], **kw)
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content == full[:full.index(stop)]
+    a = client.chat.completions.create(**{**kw, "temperature": 1.0}, seed=7, n=2)
+    b = client.chat.completions.create(**{**kw, "temperature": 1.0}, seed=7, n=2)
+    assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
+
+
+def test_chat_logprobs(client):
+    r = client.chat.completions.create(model="fake", messages=[{"role": "user", "content": "q"}],
+                                       max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 5
+    assert "".join(t.token for t in content) == r.choices[0].message.content
+    assert all(len(t.top_logprobs) == 2 and t.logprob == -0.25 for t in content)
+
+
+def test_completions_variants(client):
+    r = client.completions.create(model="fake", prompt=["ab", "cd"], max_tokens=4, temperature=0, n=2)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert r.usage.prompt_tokens == 3 + 3 and r.usage.completion_tokens == 16
+    r = client.completions.create(model="fake", prompt=[[1, 70, 71], [1, 72]], max_tokens=2, temperature=0)
+    assert len(r.choices) == 2 and r.usage.prompt_tokens == 5
+    r = client.completions.create(model="fake", prompt="hello", max_tokens=0, echo=True, logprobs=1)
+    c = r.choices[0]
+    assert c.text == "hello" and r.usage.completion_tokens == 0
+    assert c.logprobs.token_logprobs[0] is None and len(c.logprobs.tokens) == 6
+    chunks = list(client.completions.create(model="fake", prompt="hey", max_tokens=6, temperature=0,
+                                            echo=True, stream=True))
+    whole = client.completions.create(model="fake", prompt="hey", max_tokens=6, temperature=0, echo=True)
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+
+
+@pytest.mark.parametrize("body,status,param", [
+    ({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, 400, "temperature"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_p": 2}, 400, "top_p"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
+    ({"messages": []}, 400, "messages"),
+    ({"messages": [{"role": "user", "content": "x"}], "model": "nope"}, 404, "model"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 0}, 400, "n"),
+    ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ({"messages": [{"role": "user", "content": "x" * 300}]}, 400, None),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 5000}, 400, "max_tokens"),
+])
+def test_chat_errors(live, body, status, param):
+    r = httpx.post(live.url + "/v1/chat/completions", json={"model": "fake", **body})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param:
+        assert err["param"] == param
+    if "x" * 300 in json.dumps(body):
+        assert "256" in err["message"] and str(len("<|user|>" + "x" * 300 + "\n<|assistant|>")) in err["message"]
+
+
+def test_malformed_and_misc_errors(live):
+    u = live.url
+    r = httpx.post(u + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = httpx.post(u + "/v1/chat/completions", content=b"[1,2]")
+    assert r.status_code == 400
+    r = httpx.post(u + "/v1/completions", json={"prompt": "x", "suffix": "y"})
+    assert r.status_code == 400 and "suffix" in r.json()["error"]["message"]
+    r = httpx.post(u + "/v1/completions", json={"prompt": "x", "unknown_field": 1, "max_tokens": 1})
+    assert r.status_code == 200
+    r = httpx.post(u + "/v1/completions", content=b'{"prompt": "' + b"x" * (9 << 20) + b'"}')
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    r = httpx.get(u + "/v1/nothing")
+    assert r.status_code == 404 and "error" in r.json()
+
+
+def test_info_routes(live):
+    u = live.url
+    assert httpx.get(u + "/health").status_code == 200
+    assert httpx.get(u + "/version").json()["version"]
+    m = httpx.get(u + "/v1/models").json()
+    assert m["data"][0]["id"] == "fake" and m["data"][0]["max_model_len"] == 256
+    t = httpx.post(u + "/tokenize", json={"prompt": "hi"}).json()
+    assert t["tokens"] == [1, 108, 109] and t["count"] == 3
+    assert httpx.post(u + "/detokenize", json={"tokens": [108, 109]}).json()["prompt"] == "hi"
+    t = httpx.post(u + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert t["count"] == len("<|user|>hi\n<|assistant|>")
+
+
+def test_queue_full_429(live):
+    # 8 run at once, 6 may wait: a burst of 20 long requests overflows.
+    async def burst():
+        async with httpx.AsyncClient(timeout=60) as c:
+            body = {"model": "fake", "prompt": "x", "max_tokens": 30, "ignore_eos": True}
+            return await asyncio.gather(*[c.post(live.url + "/v1/completions", json=body) for _ in range(20)])
+    rs = asyncio.run(burst())
+    codes = sorted(r.status_code for r in rs)
+    assert codes.count(200) >= 8 and codes.count(429) >= 1, codes
+    r429 = next(r for r in rs if r.status_code == 429)
+    assert int(r429.headers["retry-after"]) >= 1 and r429.json()["error"]["type"] == "rate_limit_error"
+
+
+def test_disconnect_aborts(live):
+    before = len(live.llm.aborted)
+    body = {"model": "fake", "prompt": "x", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", live.url + "/v1/completions", json=body, timeout=30) as r:
+        for _ in zip(range(3), r.iter_lines()):
+            pass
+    body["stream"] = False
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(live.url + "/v1/completions", json=body, timeout=0.3)
+    deadline = time.time() + 5
+    while time.time() < deadline and (len(live.llm.aborted) < before + 2 or live.call(lambda: live.llm.running)):
+        time.sleep(0.05)
+    assert len(live.llm.aborted) == before + 2
+    assert live.call(lambda: len(live.llm.running)) == 0 and live.state.inflight == 0
+
+
+def test_metrics_parse(live):
+    from prometheus_client.parser import text_string_to_metric_families
+    text = httpx.get(live.url + "/metrics").text
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens",
+                 "generation_tokens", "request_success", "time_to_first_token_seconds",
+                 "e2e_request_latency_seconds", "kv_cache_capacity_tokens", "kv_cache_bytes_per_token"):
+        assert "tqserve:" + name in fams, name
+
+
+def test_auth():
+    srv = LiveServer(FakeAsyncLLM(), api_keys=["k1", "k2"])
+    try:
+        body = {"model": "fake", "prompt": "x", "max_tokens": 1}
+        r = httpx.post(srv.url + "/v1/completions", json=body)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        r = httpx.get(srv.url + "/v1/models", headers={"Authorization": "Bearer nope"})
+        assert r.status_code == 401
+        for k in ("k1", "k2"):
+            assert httpx.post(srv.url + "/v1/completions", json=body,
+                              headers={"Authorization": f"Bearer {k}"}).status_code == 200
+        assert httpx.get(srv.url + "/health").status_code == 200
+    finally:
+        srv.stop()
