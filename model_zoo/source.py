@@ -1,0 +1,85 @@
+"""What a loaded model is, before any nn.Module exists: its config, tokenizer,
+chat template, stop ids, and a lazy stream of Hugging Face-named weights.
+
+Both loaders (GGUF and HF directory) produce this one shape, so the model
+definitions only ever see HF names and HF config keys.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterator
+
+import torch
+
+if TYPE_CHECKING:
+    from model_zoo.tokenizer import Tokenizer
+
+
+class ModelLoadError(Exception):
+    """A model could not be loaded; the message names the file/tensor/type at fault."""
+
+
+@dataclass
+class ModelSource:
+    path: Path
+    format: str  # "gguf" | "hf"
+    config: dict
+    tokenizer: "Tokenizer | None" = None
+    chat_template: str | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    # Set by the loader: yields (hf_name, float32 tensor) one at a time. Kept a
+    # plain callable so that ModelSource stays a dataclass with no loader state.
+    _weights_fn: Callable[[], Iterator[tuple[str, torch.Tensor]]] | None = field(default=None, repr=False)
+    num_tensors: int = 0
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF-named float32 tensors, read and converted lazily, with progress on stderr."""
+        if self._weights_fn is None:
+            raise ModelLoadError(f"{self.path}: this ModelSource has no weights to load")
+        progress = Progress(f"loading {self.path.name}", self.num_tensors)
+        for name, tensor in self._weights_fn():
+            yield name, tensor
+            progress.step()
+        progress.done()
+
+
+class Progress:
+    """One-line progress on stderr: a live \\r-updated percentage on a terminal,
+    only a start and an end line otherwise (logs stay readable)."""
+
+    def __init__(self, label: str, total: int, stream=None):
+        self.label = label
+        self.total = max(total, 0)
+        self.count = 0
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.start = time.monotonic()
+        self._last_pct = -1
+        self._write(f"{label}: {self.total} tensors ...", final=not self.tty)
+
+    def _write(self, text: str, final: bool) -> None:
+        try:
+            if self.tty:
+                self.stream.write("\r" + text + ("\n" if final else ""))
+            else:
+                self.stream.write(text + "\n")
+            self.stream.flush()
+        except (OSError, ValueError):  # closed stream: progress is never worth failing a load
+            pass
+
+    def step(self) -> None:
+        self.count += 1
+        if not self.tty or not self.total:
+            return
+        pct = 100 * self.count // self.total
+        if pct != self._last_pct:
+            self._last_pct = pct
+            self._write(f"{self.label}: {pct:3d}% ({self.count}/{self.total})", final=False)
+
+    def done(self) -> None:
+        secs = time.monotonic() - self.start
+        self._write(f"{self.label}: done, {self.count} tensors in {secs:.1f}s", final=True)
