@@ -36,7 +36,7 @@ class Attention(nn.Module):
 
     def _no_cache(self, q, k, v):
         T = q.shape[0]
-        pos = torch.arange(T)
+        pos = torch.arange(T, device=q.device)
         mask = pos[None, :] <= pos[:, None]
         if self.sliding_window is not None:
             mask &= pos[None, :] > pos[:, None] - self.sliding_window

@@ -33,7 +33,7 @@ class DenseLayerCache:
         """K/V for blocks [first_block, first_block + num_blocks) of one or more block tables."""
         bs = self.block_size
         cols = block_table[..., first_block:first_block + num_blocks]
-        slots = (cols.unsqueeze(-1) * bs + torch.arange(bs)).flatten(-2)
+        slots = (cols.unsqueeze(-1) * bs + torch.arange(bs, device=cols.device)).flatten(-2)
         return self.k[slots].to(dtype), self.v[slots].to(dtype)
 
     def attention(self, q: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -56,17 +56,24 @@ class DenseLayerCache:
 
     def _decode(self, q, block_tables, seq_lens, scale):
         B, Hq, D = q.shape
-        H = self.num_kv_heads
-        max_len = int(seq_lens.max())
-        lo = 0
+        H, bs, dev = self.num_kv_heads, self.block_size, q.device
+        seq_lens = seq_lens.to(dev)
+        if self.sliding_window is None:
+            nblk = -(-int(seq_lens.max()) // bs)
+            cols = torch.arange(nblk, device=dev).expand(B, nblk)
+        else:
+            # Each sequence reads only the blocks of its own window.
+            nblk = min(-(-(self.sliding_window - 1) // bs) + 1, block_tables.shape[1])
+            first = ((seq_lens - self.sliding_window).clamp(min=0) // bs)
+            first = first.clamp(max=block_tables.shape[1] - nblk)
+            cols = first[:, None] + torch.arange(nblk, device=dev)
+        blocks = block_tables.gather(1, cols)
+        slots = (blocks.unsqueeze(-1) * bs + torch.arange(bs, device=dev)).flatten(1)
+        pos = (cols.unsqueeze(-1) * bs + torch.arange(bs, device=dev)).flatten(1)
+        k, v = self.k[slots].to(q.dtype), self.v[slots].to(q.dtype)     # [B, L, H, D]
+        valid = pos < seq_lens[:, None]
         if self.sliding_window is not None:
-            lo = max(0, int(seq_lens.min()) - self.sliding_window)
-        first, nblk = self._window_blocks(lo, max_len)
-        k, v = self._gather(block_tables, first, nblk, q.dtype)        # [B, L, H, D]
-        pos = torch.arange(first * self.block_size, (first + nblk) * self.block_size)
-        valid = pos[None, :] < seq_lens[:, None]
-        if self.sliding_window is not None:
-            valid &= pos[None, :] > (seq_lens[:, None] - 1 - self.sliding_window)
+            valid &= pos > (seq_lens[:, None] - 1 - self.sliding_window)
         qg = q.view(B, H, Hq // H, D)
         scores = torch.einsum("bhgd,blhd->bhgl", qg, k) * scale
         scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
@@ -79,8 +86,8 @@ class DenseLayerCache:
         lo = 0 if self.sliding_window is None else max(0, start - self.sliding_window + 1)
         first, nblk = self._window_blocks(lo, seq_len)
         k, v = self._gather(block_table, first, nblk, q.dtype)         # [L, H, D]
-        kpos = torch.arange(first * self.block_size, (first + nblk) * self.block_size)
-        qpos = torch.arange(start, seq_len)
+        kpos = torch.arange(first * self.block_size, (first + nblk) * self.block_size, device=q.device)
+        qpos = torch.arange(start, seq_len, device=q.device)
         mask = kpos[None, :] <= qpos[:, None]
         if self.sliding_window is not None:
             mask &= kpos[None, :] > qpos[:, None] - self.sliding_window
