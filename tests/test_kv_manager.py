@@ -1,0 +1,76 @@
+"""Block pool and KV manager: refcounts, prefix hashes, LRU, sliding windows."""
+import torch
+
+from kvcache.block_pool import BlockPool
+from kvcache.kv_manager import NULL_BLOCK, KVCacheManager, group_layers
+from kvcache.pool_plan import allocate_kv_caches, plan_kv_pool
+from kvcache.spec import LayerSpec
+
+
+def test_pool_refcount_and_lru():
+    pool = BlockPool(4)
+    a, b = pool.allocate(), pool.allocate()
+    pool.cache(a, 111)
+    pool.cache(b, 222)
+    pool.free(b)
+    pool.free(a)            # a freed last: evicted last
+    assert pool.num_free == 4 and pool.lookup(111) == a
+    c, d, e = pool.allocate(), pool.allocate(), pool.allocate()
+    assert b in (c, d, e) and pool.lookup(222) is None and pool.lookup(111) == a
+    pool.touch(a)
+    assert pool.ref_cnt[a] == 1 and pool.num_free == 0
+
+
+def manager(num_blocks=16, window=None, caching=True):
+    specs = [LayerSpec(0, 1, 8), LayerSpec(1, 1, 8, window)] if window else [LayerSpec(0, 1, 8)]
+    groups = group_layers(specs)
+    return KVCacheManager(groups, [num_blocks] * len(groups), 4, caching)
+
+
+def test_prefix_hit_and_sharing():
+    kv = manager()
+    toks = list(range(100, 118))             # 18 tokens: 4 full blocks
+    assert kv.find_prefix_hit("a", toks) == 0
+    assert kv.allocate("a", toks, 0, 18)
+    kv.cache_full_blocks("a", toks, 18)
+    hit = kv.find_prefix_hit("b", toks)
+    assert hit == 16
+    assert kv.allocate("b", toks, hit, 2, num_prefix_hit=hit)
+    ta, tb = kv.block_table("a", 0), kv.block_table("b", 0)
+    assert ta[:4] == tb[:4] and ta[4] != tb[4]
+    assert all(kv.pools[0].ref_cnt[x] == 2 for x in ta[:4])
+    # A different token inside block 2 breaks the chain from there on.
+    other = toks[:9] + [1] + toks[10:]
+    assert kv.find_prefix_hit("c", other) == 8
+    kv.free("a"), kv.free("b"), kv.free("c")
+    assert kv.num_used_blocks == 0
+
+
+def test_allocation_fails_cleanly():
+    kv = manager(num_blocks=4)
+    assert kv.allocate("a", [1] * 12, 0, 12)
+    assert not kv.allocate("b", [2] * 8, 0, 8)       # needs 2, has 1
+    assert kv.block_table("b", 0) == [] and kv.pools[0].num_free == 1
+
+
+def test_sliding_window_frees_out_of_window_blocks():
+    kv = manager(num_blocks=64, window=8)
+    toks = list(range(200))
+    kv.allocate("a", toks, 0, 20)
+    for n in range(20, 200):
+        assert kv.allocate("a", toks, n, 1)
+        live = [b for b in kv.block_table("a", 1) if b != NULL_BLOCK]
+        assert len(live) <= 8 // 4 + 2                # window plus the partial blocks at each end
+    assert len(kv.block_table("a", 0)) == 50          # the full group keeps everything
+    assert kv.pools[1].num_blocks - kv.pools[1].num_free <= 4
+
+
+def test_plan_bytes_from_real_tensors():
+    specs = [LayerSpec(i, 3, 64, 512 if i % 2 else None) for i in range(4)]
+    plan = plan_kv_pool(specs, 64 << 20, 16, torch.float16, max_num_seqs=8, max_num_batched_tokens=256)
+    caches = allocate_kv_caches(specs, plan, torch.float16)
+    assert plan.bytes_per_token == 2 * (2 * 3 * 64 * 2)          # two full layers, K and V, f16
+    assert sum(c.nbytes for c in caches) == plan.total_bytes <= 64 << 20
+    # Sliding layers get only what their windows need; the rest grows context.
+    assert plan.num_blocks[1] == 8 * (-(-511 // 16) + 2) + 256 // 16
+    assert plan.capacity_tokens == ((64 << 20) - 288 * 24576) // 24576 * 16
