@@ -1,0 +1,173 @@
+"""Open a Hugging Face model directory as a ModelSource.
+
+Reads config.json, safetensors weights (one file or sharded through
+model.safetensors.index.json), and when present tokenizer.json +
+tokenizer_config.json (+ chat_template.jinja, which transformers 5 writes
+beside it) and generation_config.json (stop ids). A directory without
+tokenizer files loads with tokenizer=None.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from model_zoo.source import ModelLoadError, ModelSource
+from model_zoo.tokenizer import Tokenizer, load_tokenizer_config
+
+try:
+    from safetensors import SafetensorError, safe_open
+except ImportError:  # older safetensors: no exported error type
+    from safetensors import safe_open
+
+    SafetensorError = Exception
+
+# Buffers some older checkpoints saved; derived from the config, never weights.
+_SKIP_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _read_json(path: Path, what: str) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as e:
+        raise ModelLoadError(f"{what} {path} does not exist") from e
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{what} {path} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{what} {path} is not a JSON object")
+    return data
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of a model directory, in shard order."""
+    single = folder / "model.safetensors"
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = _read_json(index, "safetensors index").get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelLoadError(f"safetensors index {index} has no weight_map")
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+    elif single.exists():
+        files = [single]
+    else:
+        raise ModelLoadError(
+            f"no weights in {folder}: expected model.safetensors or model.safetensors.index.json"
+        )
+    for f in files:
+        if not f.exists():
+            raise ModelLoadError(f"safetensors shard {f} does not exist")
+    return files
+
+
+def _tensor_names(files: list[Path]) -> list[tuple[Path, str]]:
+    """(file, tensor name) for every tensor, reading only the headers."""
+    out = []
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                out += [(f, k) for k in st.keys() if not k.endswith(_SKIP_SUFFIXES)]
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ModelLoadError(f"safetensors file {f} is unreadable (truncated or corrupt?): {e}") from e
+    return out
+
+
+def _chat_template(folder: Path, tokenizer_config: dict) -> str | None:
+    jinja = folder / "chat_template.jinja"
+    if jinja.exists():
+        return jinja.read_text(encoding="utf-8")
+    template = tokenizer_config.get("chat_template")
+    if template is None and (folder / "chat_template.json").exists():
+        template = _read_json(folder / "chat_template.json", "chat template").get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    return template if isinstance(template, str) else None
+
+
+def _ids(value) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return [int(v) for v in value]
+    return [int(value)]
+
+
+def fill_derived_config(config: dict) -> dict:
+    """Add the keys model code reads that config.json may leave to class defaults.
+
+    Only fills what is absent: head_dim, flat rope_theta (from rope_parameters
+    when that is how transformers 5 wrote it), and for gemma3 the local rope
+    base.
+    """
+    config = dict(config)
+    if "head_dim" not in config and config.get("hidden_size") and config.get("num_attention_heads"):
+        config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
+    rope = config.get("rope_parameters")
+    if isinstance(rope, dict):
+        if config.get("model_type") == "gemma3_text":
+            full, local = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
+            if "rope_theta" not in config and "rope_theta" in full:
+                config["rope_theta"] = full["rope_theta"]
+            if "rope_local_base_freq" not in config and "rope_theta" in local:
+                config["rope_local_base_freq"] = local["rope_theta"]
+        elif "rope_theta" not in config and "rope_theta" in rope:
+            config["rope_theta"] = rope["rope_theta"]
+    return config
+
+
+def open_hf_dir(folder: str | Path) -> ModelSource:
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ModelLoadError(f"model directory {folder} does not exist")
+    config = fill_derived_config(_read_json(folder / "config.json", "model config"))
+    entries = _tensor_names(weight_files(folder))
+
+    tokenizer = None
+    tokenizer_config: dict = {}
+    try:
+        tokenizer_config = load_tokenizer_config(folder)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"tokenizer config in {folder} is not valid JSON: {e}") from e
+    tokenizer_json = folder / "tokenizer.json"
+    if tokenizer_json.exists():
+        try:
+            tokenizer = Tokenizer.from_file(tokenizer_json, tokenizer_config)
+        except Exception as e:  # tokenizers raises plain Exception subclasses on bad JSON
+            raise ModelLoadError(f"tokenizer {tokenizer_json} cannot be loaded: {e}") from e
+
+    generation_config = {}
+    if (folder / "generation_config.json").exists():
+        generation_config = _read_json(folder / "generation_config.json", "generation config")
+    eos: list[int] = []
+    for value in (generation_config.get("eos_token_id"), config.get("eos_token_id")):
+        eos += [i for i in _ids(value) if i not in eos]
+    if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos.append(tokenizer.eos_token_id)
+
+    by_file: dict[Path, list[str]] = {}
+    for f, name in entries:
+        by_file.setdefault(f, []).append(name)
+
+    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+        for f, names in by_file.items():
+            with safe_open(str(f), framework="pt") as st:
+                for name in names:
+                    try:
+                        tensor = st.get_tensor(name)
+                    except (SafetensorError, OSError, ValueError) as e:
+                        raise ModelLoadError(f"cannot read tensor {name} from {f}: {e}") from e
+                    yield name, tensor.to(torch.float32)
+
+    return ModelSource(
+        path=folder,
+        format="hf",
+        config=config,
+        tokenizer=tokenizer,
+        chat_template=_chat_template(folder, tokenizer_config),
+        eos_token_ids=eos,
+        _weights_fn=weights,
+        num_tensors=len(entries),
+    )
