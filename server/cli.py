@@ -145,10 +145,12 @@ async def _serve(args, model: str, keys: list[str], sock: socket.socket, url: st
                                           max_queue=args.max_queue or None,
                                           max_body_bytes=int(args.max_request_bytes),
                                           max_num_seqs=args.max_num_seqs))
+    # uvicorn's own grace period is a backstop: state.drain aborts what still runs at
+    # --drain-timeout, so that responses end properly (finish_reason "abort", [DONE]).
     config = uvicorn.Config(create_app(state), lifespan="off", access_log=False, log_config=None,
-                            log_level=args.log_level, timeout_graceful_shutdown=args.drain_timeout,
+                            log_level=args.log_level, timeout_graceful_shutdown=args.drain_timeout + 5,
                             timeout_keep_alive=5)
-    server = _Server(config, state)
+    server = _Server(config, state, args.drain_timeout)
     serve_task = asyncio.create_task(server.serve(sockets=[sock]))
     load_task = asyncio.create_task(llm.start())
     await asyncio.wait({serve_task, load_task}, return_when=asyncio.FIRST_COMPLETED)
@@ -167,6 +169,8 @@ async def _serve(args, model: str, keys: list[str], sock: socket.socket, url: st
                      " | %s", model, ", ".join(names), llm.max_model_len, kv.get("capacity_tokens", 0),
                      _fmt(kv.get("bytes_per_token", 0)), url)
         await serve_task
+        for t in server._tasks:
+            t.cancel()
     else:
         log.info("stopped while loading")
         load_task.cancel()
@@ -188,19 +192,31 @@ def _server_class():
 
     class Server(uvicorn.Server):
         """uvicorn, with draining: a signal marks the app as draining (503 for new
-        requests), then uvicorn stops accepting, waits for in-flight requests up to
-        timeout_graceful_shutdown and cancels the rest. A drained exit is a clean exit
-        (uvicorn would re-raise the signal and die by it)."""
+        requests) and starts ServerState.drain, which aborts what still runs after
+        the drain timeout; uvicorn stops accepting and waits for the in-flight
+        responses to end. A drained exit is a clean exit (uvicorn would re-raise
+        the signal and die by it)."""
 
-        def __init__(self, config, state):
+        def __init__(self, config, state, drain_timeout):
             super().__init__(config)
             self.tq_state = state
+            self.drain_timeout = drain_timeout
+            self.loop = None
+            self._tasks = set()
+
+        async def serve(self, sockets=None):
+            self.loop = asyncio.get_running_loop()
+            await super().serve(sockets=sockets)
 
         def handle_exit(self, sig, frame):
-            if not self.tq_state.draining:
-                log.info("signal %s: draining (in-flight requests get %.0fs)", sig,
-                         self.config.timeout_graceful_shutdown or 0)
-            self.tq_state.draining = True
+            state = self.tq_state
+            if not state.draining:
+                log.info("signal %s: draining (in-flight requests get %.0fs)", sig, self.drain_timeout)
+                state.draining = True
+                loop = self.loop
+                if loop is not None:
+                    loop.call_soon_threadsafe(lambda: self._tasks.add(loop.create_task(
+                        state.drain(self.drain_timeout))))
             super().handle_exit(sig, frame)
             captured = getattr(self, "_captured_signals", None)
             if isinstance(captured, list):
@@ -209,8 +225,8 @@ def _server_class():
     return Server
 
 
-def _Server(config, state):
-    return _server_class()(config, state)
+def _Server(config, state, drain_timeout):
+    return _server_class()(config, state, drain_timeout)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from engine import SamplingError, SamplingParams
+from engine import CompletionOutput, RequestOutput, SamplingError, SamplingParams
 from engine.errors import InvalidRequest
 from server.errors import APIError, error_body
 from server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
@@ -74,20 +74,27 @@ async def _generate(state: ServerState, prompt_ids: list[int], params: SamplingP
     state.start_request(request_id)
     gen = llm.generate(prompt_ids, params, request_id)
     try:
-        async for out in gen:
-            now = time.monotonic()
-            ntok = sum(len(o.token_ids) for o in out.outputs)
-            if ntok > seen:
-                if first is None:
-                    first = now
-                    rlog.token_seen()
-                else:
-                    metrics.observe_itl((now - last) / (ntok - seen), ntok - seen)
-                last, seen = now, ntok
-            final = out
-            yield out
+        try:
+            async for out in gen:
+                now = time.monotonic()
+                ntok = sum(len(o.token_ids) for o in out.outputs)
+                if ntok > seen:
+                    if first is None:
+                        first = now
+                        rlog.token_seen()
+                    else:
+                        metrics.observe_itl((now - last) / (ntok - seen), ntok - seen)
+                    last, seen = now, ntok
+                final = out
+                yield out
+        except InvalidRequest:
+            if request_id not in state.drain_aborted:
+                raise
+            # Aborted by the end of a drain: finish normally, with finish_reason "abort".
+            final = _aborted(final, prompt_ids, params.n, request_id)
+            yield final
     finally:
-        state.end_request()
+        state.end_request(request_id)
         with anyio.CancelScope(shield=True):
             try:
                 await gen.aclose()
@@ -95,11 +102,24 @@ async def _generate(state: ServerState, prompt_ids: list[int], params: SamplingP
                     await llm.abort(request_id)
             except Exception:
                 log.exception("aborting %s failed", request_id)
-        if final is not None:
-            _record(state, final, t0, first)
+        _record(state, final, len(prompt_ids), params.n, t0, first)
 
 
-def _record(state: ServerState, out, t0: float, first: float | None) -> None:
+def _aborted(out, prompt_ids: list[int], n: int, request_id: str):
+    if out is None:
+        return RequestOutput(request_id, None, list(prompt_ids),
+                             [CompletionOutput(i, finish_reason="abort") for i in range(n)], finished=True)
+    outs = [CompletionOutput(o.index, o.token_ids, o.text, o.logprobs, o.finish_reason or "abort", o.stop_reason)
+            for o in out.outputs]
+    return RequestOutput(out.request_id, out.prompt, out.prompt_token_ids, outs, out.prompt_logprobs, True,
+                         out.num_cached_tokens, out.metrics)
+
+
+def _record(state: ServerState, out, n_prompt: int, n: int, t0: float, first: float | None) -> None:
+    if out is None:         # gone before the engine said anything
+        state.metrics.observe_finished(prompt_tokens=n_prompt, generation_tokens=0, finish_reasons=["abort"] * n,
+                                       ttft=None, e2e=time.monotonic() - t0, queue_time=None)
+        return
     m = out.metrics or {}
     now = time.monotonic()
     arrival = m.get("arrival_time", t0)
@@ -485,6 +505,7 @@ async def _chat_stream(state, req, rlog, gen, first, created, model, top_k):
         while out is not None:
             final = out
             n_out = sum(len(o.token_ids) for o in out.outputs)
+            rlog.output_tokens = n_out
             parts = []
             for o in out.outputs:
                 i = o.index
@@ -668,6 +689,7 @@ async def _completion_stream(state, req, rlog, merged, first, ids, echo_text, cr
             cached[p] = out.num_cached_tokens
             parts = []
             n_out_by_prompt[p] = 0 if req.max_tokens == 0 else sum(len(o.token_ids) for o in out.outputs)
+            rlog.output_tokens = sum(n_out_by_prompt)
             for o in out.outputs:
                 s = p * n + o.index
                 if finished[s]:

@@ -1,4 +1,5 @@
 """What the HTTP app knows about its engine and its own settings."""
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
@@ -29,6 +30,8 @@ class ServerState:
         self.started = time.time()
         self.inflight = 0                   # engine requests submitted and not yet finished
         self._pending: dict[str, float] = {}  # admitted, not yet submitted: id -> time admitted
+        self.running_ids: set[str] = set()  # submitted to the engine, not finished
+        self.drain_aborted: set[str] = set()  # aborted because a drain ran out of time
         self.metrics = Metrics(config.model_names[0], stats=self.engine_stats, kv_info=self.kv_info)
         self._tok_str_cache: dict[int, str] = {}
 
@@ -72,10 +75,30 @@ class ServerState:
 
     def start_request(self, request_id: str) -> None:
         self._pending.pop(request_id, None)
+        self.running_ids.add(request_id)
         self.inflight += 1
 
-    def end_request(self) -> None:
+    def end_request(self, request_id: str) -> None:
+        self.running_ids.discard(request_id)
+        self.drain_aborted.discard(request_id)
         self.inflight -= 1
+
+    # --- draining ----------------------------------------------------------
+    async def drain(self, timeout: float) -> None:
+        """After `timeout` seconds, abort what is still running: its responses end
+        with finish_reason "abort" (streams get their final chunk and [DONE])."""
+        self.draining = True
+        deadline = time.monotonic() + timeout
+        while self.running_ids and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.running_ids:
+            log.info("drain: aborting %d request(s) still running after %.0fs", len(self.running_ids), timeout)
+        for rid in list(self.running_ids):
+            self.drain_aborted.add(rid)
+            try:
+                await self.llm.abort(rid)
+            except Exception:
+                log.exception("abort %s failed", rid)
 
     # --- tokens ------------------------------------------------------------
     def tok_str(self, token_id: int) -> str:

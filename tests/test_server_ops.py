@@ -1,0 +1,128 @@
+"""Operations on the real server: 503 while loading, API keys (flag and
+TQSERVE_API_KEY), 429 with Retry-After when the waiting queue is full, and
+SIGTERM draining (in-flight work finishes or is cut at the grace period; exit 0)."""
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from test_server_process import SMALL, ServerProcess
+
+MODEL = "smollm2-135m"
+KEYS = ("flag-key", "env-key")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = ServerProcess(tmp_path_factory.mktemp("ops") / "server.log", *SMALL, "--max-num-seqs", "2",
+                        "--max-queue", "2", "--api-key", KEYS[0], "--drain-timeout", "8",
+                        env={"TQSERVE_API_KEY": KEYS[1]}, wait=False)
+    yield srv
+    srv.terminate()
+
+
+def auth(key=KEYS[0]):
+    return {"Authorization": f"Bearer {key}"}
+
+
+def test_503_while_loading_then_ready(server):
+    # The socket is bound before the model loads: the first answers are 503s.
+    r = httpx.get(server.url + "/health", timeout=30)
+    assert r.status_code == 503 and "loading" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "hi"}, headers=auth(), timeout=30)
+    assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+    server.wait_ready()
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_auth_on_every_v1_route(server):
+    u = server.url
+    routes = [("GET", "/v1/models", None),
+              ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 1}),
+              ("POST", "/v1/chat/completions", {"model": MODEL, "max_tokens": 1,
+                                                "messages": [{"role": "user", "content": "hi"}]})]
+    for method, path, body in routes:
+        for headers in ({}, auth("wrong"), {"Authorization": "flag-key"}):
+            r = httpx.request(method, u + path, json=body, headers=headers, timeout=60)
+            assert r.status_code == 401, (path, headers, r.text)
+            err = r.json()["error"]
+            assert err["code"] == "invalid_api_key" and set(err) == {"message", "type", "param", "code"}
+        for key in KEYS:
+            assert httpx.request(method, u + path, json=body, headers=auth(key), timeout=120).status_code == 200
+    # Not behind the key: health, metrics, version.
+    for path in ("/health", "/metrics", "/version"):
+        assert httpx.get(u + path).status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=u + "/v1", api_key="nope", max_retries=0).models.list()
+    assert openai.OpenAI(base_url=u + "/v1", api_key=KEYS[1], max_retries=0).models.list().data[0].id == MODEL
+
+
+def test_429_when_queue_full(server):
+    # 2 run at once and 2 may wait: of 10 simultaneous requests some must get a 429.
+    async def burst():
+        async with httpx.AsyncClient(timeout=300, headers=auth()) as c:
+            body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 12, "ignore_eos": True}
+            return await asyncio.gather(*[c.post(server.url + "/v1/completions", json=body) for _ in range(10)])
+    rs = asyncio.run(burst())
+    codes = [r.status_code for r in rs]
+    assert codes.count(200) >= 4 and codes.count(429) >= 1 and set(codes) <= {200, 429}, codes
+    r = next(r for r in rs if r.status_code == 429)
+    assert int(r.headers["Retry-After"]) >= 1
+    err = r.json()["error"]
+    assert err["type"] == "rate_limit_error" and err["code"] == "rate_limit_exceeded"
+    # The official client sees a RateLimitError (no retries here).
+    assert issubclass(openai.RateLimitError, openai.APIStatusError)
+
+
+def test_sigterm_drains_and_exits_0(server):
+    u = server.url
+    results = {}
+
+    def stream(name, max_tokens):
+        body = {"model": MODEL, "prompt": "The king said", "max_tokens": max_tokens, "ignore_eos": True,
+                "stream": True, "temperature": 0}
+        events, done = [], False
+        try:
+            with httpx.stream("POST", u + "/v1/completions", json=body, headers=auth(), timeout=120) as r:
+                for line in r.iter_lines():
+                    if line == "data: [DONE]":
+                        done = True
+                    elif line.startswith("data: "):
+                        events.append(json.loads(line[6:]))
+        except httpx.HTTPError as e:
+            results[name + "_error"] = repr(e)
+        results[name] = (events, done)
+
+    short = threading.Thread(target=stream, args=("short", 6))
+    long = threading.Thread(target=stream, args=("long", 900))
+    short.start()
+    long.start()
+    # wait until both are generating
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if "tqserve:num_requests_running" in (t := httpx.get(u + "/metrics").text) and \
+                'tqserve:num_requests_running{model_name="smollm2-135m"} 2.0' in t:
+            break
+        time.sleep(0.1)
+    t0 = time.time()
+    server.proc.send_signal(15)
+    time.sleep(1.0)
+    with pytest.raises(httpx.ConnectError):          # no longer accepting
+        httpx.get(u + "/health", timeout=5)
+    short.join(60)
+    long.join(60)
+    rc = server.proc.wait(60)
+    took = time.time() - t0
+    assert rc == 0, server.log()[-3000:]
+    events, done = results["short"]
+    assert done and events[-1]["choices"][0]["finish_reason"] == "length"      # finished within the grace period
+    events, done = results["long"]
+    # cut at the grace period (8 s), yet ended properly
+    assert done and events[-1]["choices"][0]["finish_reason"] == "abort", results
+    assert 8 <= took < 8 + 20, took
+    log = server.log()
+    assert "draining" in log and "drain: aborting 1 request" in log
+    assert "Traceback" not in log, log[-3000:]
