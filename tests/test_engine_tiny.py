@@ -186,3 +186,32 @@ def test_bad_input_is_clear_and_harmless(tiny_dir):
         llm.generate([[5] * 10, [5] * 100], greedy())
     assert not llm.core.has_work()
     assert llm.generate([[5] * 10], greedy())[0].outputs[0].finish_reason == "length"
+
+
+def test_sliding_window_blocks_stay_bounded(tmp_path):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    torch.manual_seed(1)
+    cfg = Gemma3TextConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=8,
+                           max_position_embeddings=1024, query_pre_attn_scalar=32)
+    hf = Gemma3ForCausalLM(cfg).float()
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            p.add_(torch.randn_like(p) * 0.2) if "norm" in n else p.mul_(3.0)
+    hf.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), block_size=4, kv_cache_memory=1 << 20)
+    assert [g.sliding_window for g in llm.core.kv.groups] == [None, 8]
+    p = prompts(1, 30, 31, seed=8)[0]
+    llm.add_request(p, greedy(150))
+    sliding_used, full_used = [], []
+    while llm.core.has_work():
+        llm.step()
+        pools = llm.core.kv.pools
+        sliding_used.append(pools[1].num_blocks - pools[1].num_free)
+        full_used.append(pools[0].num_blocks - pools[0].num_free)
+    # The 30-token prefill needs all its blocks in its step; after that the
+    # window (8 tokens) never holds more than 3 blocks of 4 plus the next one.
+    assert max(sliding_used[1:]) <= 8 // 4 + 2 and sliding_used[0] == 8
+    assert max(full_used) >= (30 + 149) // 4
+    ref = hf_greedy(hf, p, 40)
+    assert llm.generate([p], greedy(40))[0].outputs[0].token_ids == ref
