@@ -291,6 +291,7 @@ def chat_prompt(state: ServerState, req) -> tuple[str, list[int]]:
     if tok is None:
         raise APIError(400, "This model has no tokenizer, so it cannot serve chat; use "
                             "/v1/completions with token ids.")
+    from model_zoo.chat_template import render_chat
     template = llm.chat_template
     if not template:
         raise APIError(400, "This model has no chat template; use /v1/completions.")
@@ -309,39 +310,6 @@ def chat_prompt(state: ServerState, req) -> tuple[str, list[int]]:
             raise APIError(400, f"Chat template rendering failed: {e}", param="messages") from None
         raise
     return text, tok.encode(text, add_special_tokens=False)
-
-
-def render_chat(template, messages, **kw) -> str:
-    try:
-        from model_zoo.chat_template import render_chat as render
-    except ImportError:         # until the model zoo has its renderer
-        render = _render_chat_fallback
-    return render(template, messages, **kw)
-
-
-def _render_chat_fallback(template, messages, add_generation_prompt=True, continue_final_message=False,
-                          bos_token=None, eos_token=None, tools=None, **kwargs) -> str:
-    """transformers' apply_chat_template rendering, in short."""
-    import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(msg):
-        raise jinja2.exceptions.TemplateError(msg)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
-        x, indent=indent, ensure_ascii=ensure_ascii)
-    env.globals["raise_exception"] = raise_exception
-    text = env.from_string(template).render(
-        messages=messages, add_generation_prompt=add_generation_prompt and not continue_final_message,
-        bos_token=bos_token or "", eos_token=eos_token or "", tools=tools, **kwargs)
-    if continue_final_message:
-        last = (messages[-1].get("content") or "").strip()
-        i = text.rfind(last)
-        if last and i >= 0:
-            text = text[:i + len(last)]
-    return text
 
 
 def _template_message(m: dict) -> dict:

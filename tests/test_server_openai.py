@@ -154,6 +154,35 @@ def test_completions_prompt_forms(server, client):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_chat_template_options(server, client):
+    u = server.url
+    partial = [*QUESTION, {"role": "assistant", "content": "The capital of France is"}]
+    ids = httpx.post(u + "/tokenize", json={"messages": partial, "continue_final_message": True,
+                                            "add_generation_prompt": False}).json()["tokens"]
+    text = httpx.post(u + "/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert text.endswith("<|im_start|>assistant\nThe capital of France is"), text
+    r = chat(client, messages=partial, max_tokens=4,
+             extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert "Paris" in r.choices[0].message.content
+    # tool and system roles and text parts reach the template
+    msgs = [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny, 21C"}]
+    ids = httpx.post(u + "/tokenize", json={"messages": msgs}).json()["tokens"]
+    text = httpx.post(u + "/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert "Be brief." in text and "sunny, 21C" in text and text.endswith("<|im_start|>assistant\n")
+    r = chat(client, messages=msgs, max_tokens=2, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert r.usage.prompt_tokens == len(ids)
+    e = httpx.post(u + "/v1/chat/completions", json={"model": MODEL, "messages": QUESTION, "continue_final_message": True,
+                                                     "add_generation_prompt": False})
+    assert e.status_code == 400 and "assistant" in e.json()["error"]["message"]
+    e = httpx.post(u + "/v1/chat/completions", json={"model": MODEL, "messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]})
+    assert e.status_code == 400 and "image_url" in e.json()["error"]["message"]
+
+
 def _transformers_logprobs(ids: list[int]) -> list[float]:
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
