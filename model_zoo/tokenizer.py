@@ -178,7 +178,13 @@ class Tokenizer:
 
     @classmethod
     def from_file(cls, tokenizer_json_path: str | Path, tokenizer_config: dict | None = None) -> "Tokenizer":
-        """tokenizer.json (+ the tokenizer_config.json dict) as transformers' TokenizersBackend reads them."""
+        """tokenizer.json (+ the tokenizer_config.json dict) as transformers' TokenizersBackend reads them.
+
+        The tokenizer.json pipeline is used as written. (transformers 5 rebuilds
+        normalizer/pre-tokenizer/decoder for some `tokenizer_class` values, e.g.
+        LlamaTokenizer; for the models those classes exist for, that rebuild
+        reproduces the file.)
+        """
         backend = _Backend.from_file(str(tokenizer_json_path))
         cfg = dict(tokenizer_config or {})
         named = {name: _token_text(cfg.get(f"{name}_token")) for name in _SPECIAL_NAMES}
@@ -199,13 +205,11 @@ class Tokenizer:
         if extra:
             backend.add_tokens(extra)
 
-        # transformers rewrites the post-processor only when the config says
-        # add_bos/add_eos explicitly, or when the tokenizer.json has none.
-        if "add_bos_token" in cfg or "add_eos_token" in cfg or backend.post_processor is None:
-            _set_bos_eos_processor(
-                backend, named["bos"], named["eos"], bool(cfg.get("add_bos_token", False)),
-                bool(cfg.get("add_eos_token", False)),
-            )
+        # transformers 5 drops tokenizer_config's add_bos_token/add_eos_token
+        # whenever a tokenizer.json exists: the file's post-processor decides,
+        # and a file without one adds nothing.
+        if backend.post_processor is None:
+            _set_bos_eos_processor(backend, named["bos"], named["eos"], False, False)
         return cls(backend, named["bos"], named["eos"], named["pad"], named["unk"])
 
     @classmethod
