@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvcache.dense_cache import expand_kv
 from kvcache.metadata import AttentionMetadata
 
 
@@ -40,6 +41,7 @@ class Attention(nn.Module):
         mask = pos[None, :] <= pos[:, None]
         if self.sliding_window is not None:
             mask &= pos[None, :] > pos[:, None] - self.sliding_window
+        k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
         o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                           attn_mask=mask, scale=self.scale, enable_gqa=True)
+                                           attn_mask=mask, scale=self.scale)
         return o.transpose(0, 1)
