@@ -79,10 +79,10 @@ def gemma3_270m_path() -> Path:
             _write_stamp(stamp, key)
             return target
 
-    target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     digest = hashlib.sha256()
     try:
+        target.parent.mkdir(parents=True, exist_ok=True)
         with tmp.open("wb") as out:
             for chunk in chunks:
                 with chunk.open("rb") as f:
@@ -95,8 +95,13 @@ def gemma3_270m_path() -> Path:
                 f"{digest.hexdigest()}, expected {pkg.EXPECTED_SHA256}"
             )
         os.replace(tmp, target)
+    except OSError as e:
+        raise ModelLoadError(f"cannot assemble gemma3-270m into {target} (set {CACHE_ENV} to a writable folder): {e}") from e
     finally:
-        tmp.unlink(missing_ok=True)
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
     st = target.stat()
     _write_stamp(stamp, f"{pkg.EXPECTED_SHA256} {st.st_size} {st.st_mtime_ns}")
     return target

@@ -134,7 +134,7 @@ QUANTIZABLE = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 
 
 def write_tiny_gguf(path: Path, arch: str = "llama", qtype: str = "F32", extra_tensors=None,
-                    drop: tuple[str, ...] = (), seed: int = 0):
+                    drop: tuple[str, ...] = (), seed: int = 0, tokenizer: str = "gpt2"):
     """A tiny llama-layout GGUF written with gguf.GGUFWriter.
 
     Matrices are stored as `qtype` (norms stay F32, as llama.cpp does); q/k rows
@@ -160,16 +160,32 @@ def write_tiny_gguf(path: Path, arch: str = "llama", qtype: str = "F32", extra_t
     w.add_rope_dimension_count(head_dim)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
+    if tokenizer == "gpt2":
+        # <|endoftext|> is in the vocab as in real byte-level files: transformers' GPT2Tokenizer
+        # builder adds it as special whatever the file says (we only when the vocab has it)
+        tokens = ["<s>", "</s>", "<|end|>"] + [chr(ord("a") + i) for i in range(26)] + [
+            "ab", "abc", "\u0120", "\u0120a", "xy", "<|endoftext|>", "z!"]
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(tokens)
+        w.add_token_types([3, 3, 3] + [1] * (len(tokens) - 5) + [3, 1])
+        w.add_token_merges(["a b", "ab c", "\u0120 a"])
+        w.add_bos_token_id(0)
+        w.add_eos_token_id(1)
+    else:  # llama-style sentencepiece: byte-fallback tokens, scores, no merges in the file
+        pieces = ["\u2581", "a", "b", "c", "h", "e", "l", "o", "w", "r", "d", "ab", "\u2581a", "\u2581ab", "\u2581abc",
+                  "he", "ll", "llo", "hello", "\u2581hello", "or", "\u2581w", "\u2581wor", "\u2581world", "\u2581\u2581"]
+        tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+        vocab = len(tokens)
+        w.add_tokenizer_model("llama")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(tokens)
+        w.add_token_scores([0.0, 0.0, 0.0] + [0.0] * 256 + [-float(i) for i in range(len(pieces))])
+        w.add_token_types([2, 3, 3] + [6] * 256 + [1] * len(pieces))
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_unk_token_id(0)
     w.add_vocab_size(vocab)
-    tokens = ["<s>", "</s>", "<|end|>"] + [chr(ord("a") + i) for i in range(26)] + ["ab", "abc", "\u0120", "\u0120a",
-                                                                                     "x", "y", "z!"]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
-    w.add_token_merges(["a b", "ab c", "\u0120 a"])
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(1)
     w.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
 
     expected: dict[str, np.ndarray] = {}

@@ -197,7 +197,8 @@ def test_tiny_gguf_tokenizer_template_and_eos(tmp_path):
     assert source.tokenizer.encode("abc a") == [30, 32]  # "abc", "Ġa" via the merges
     assert source.tokenizer.decode([30, 32]) == "abc a"
     assert source.chat_template == "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    assert source.eos_token_ids == [1, 2]  # </s>, then <|end|> (a control end-of-generation token)
+    # </s>, then the control tokens llama.cpp treats as end-of-generation: <|endoftext|>, <|end|>
+    assert source.eos_token_ids == [1, 34, 2]
 
 
 def test_weights_are_lazy_and_report_progress(tmp_path, capsys):
@@ -214,6 +215,25 @@ def test_weights_are_lazy_and_report_progress(tmp_path, capsys):
     # not a tty: exactly one start line and one end line
     lines = [line for line in err.splitlines() if "tiny.gguf" in line]
     assert len(lines) == 2 and "12 tensors" in lines[0] and "done" in lines[1]
+
+
+def test_progress_on_a_terminal_is_one_updating_line():
+    import io
+
+    from model_zoo.source import Progress
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    out = Terminal()
+    progress = Progress("loading m.gguf", 4, stream=out)
+    for _ in range(4):
+        progress.step()
+    progress.done()
+    text = out.getvalue()
+    assert text.count("\n") == 1 and text.endswith("\n")  # one line, redrawn with \r
+    assert "\rloading m.gguf:  50% (2/4)" in text and "100% (4/4)" in text and "done, 4 tensors" in text
 
 
 # --------------------------------------------------------------- HF directories
@@ -396,6 +416,14 @@ def test_model_source_without_weights_fails_clearly(tmp_path):
     source = ModelSource(path=tmp_path, format="hf", config={})
     with pytest.raises(ModelLoadError, match=str(tmp_path)):
         list(source.weights())
+
+
+def test_unwritable_cache_dir_is_a_clear_error(monkeypatch, tmp_path):
+    blocker = tmp_path / "file-not-dir"
+    blocker.write_text("x")
+    monkeypatch.setenv("TQSERVE_CACHE_DIR", str(blocker / "sub"))
+    with pytest.raises(ModelLoadError, match="TQSERVE_CACHE_DIR"):
+        gemma3_270m_path()
 
 
 def test_cache_dir_env(monkeypatch, tmp_path):

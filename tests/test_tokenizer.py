@@ -164,3 +164,34 @@ def test_gguf_tokenizer_rejects_unknown_model():
         Tokenizer.from_gguf({"tokenizer.ggml.model": "bert", "tokenizer.ggml.tokens": ["a"],
                              "general.architecture": "bert"})
     assert gguf_path("smollm2-135m").exists()
+
+
+# ------------------------------------------------------- tiny synthetic GGUFs
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_tiny_gguf_tokenizer_equals_transformers(tmp_path, kind):
+    """The two builders the real files do not cover: a bare byte-level vocab, and llama-style
+    sentencepiece (Metaspace, byte fallback, merges rebuilt from scores)."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    from fixtures_models import write_tiny_gguf
+
+    path = tmp_path / f"tiny-{kind}.gguf"
+    write_tiny_gguf(path, tokenizer=kind)
+    ours = Tokenizer.from_gguf(gguf.GGUFReader(path))  # a reader works as well as a metadata dict
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    a, b = json.loads(ours.backend.to_str()), json.loads(theirs.backend_tokenizer.to_str())
+    for part in ("normalizer", "pre_tokenizer", "post_processor", "decoder", "model"):
+        assert a[part] == b[part], part
+    texts = ["hello world", " hello  world ", "abc ab a", "héllo wörld 🤖", "<s>hello</s>", "x\ny z!", ""]
+    for text in texts:
+        for add in (True, False):
+            assert ours.encode(text, add) == theirs.encode(text, add_special_tokens=add), (text, add)
+        ids = theirs.encode(text)
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
+        assert ours.decode(ids, False) == theirs.decode(ids, skip_special_tokens=False)
+    if kind == "llama":
+        assert ours.encode("hello")[0] == ours.bos_token_id == 1  # llama default: add BOS
+        assert "<0xC3>" in ours.convert_ids_to_tokens(ours.encode("é"))  # byte fallback
