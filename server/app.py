@@ -156,6 +156,8 @@ def create_app(state: ServerState) -> FastAPI:
             return error_response(503, "The server is shutting down.")
         if not state.ready:
             return error_response(503, "The model is still loading.", headers={"Retry-After": "5"})
+        if not state.engine_alive():
+            return error_response(503, "The engine core is not running.")
         return Response(status_code=200)
 
     @app.get("/version")

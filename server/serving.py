@@ -84,6 +84,7 @@ async def _generate(state: ServerState, prompt_ids: list[int], params: SamplingP
                         rlog.token_seen()
                     else:
                         metrics.observe_itl((now - last) / (ntok - seen), ntok - seen)
+                    rlog.output_tokens += ntok - seen
                     last, seen = now, ntok
                 final = out
                 yield out
@@ -274,6 +275,8 @@ def admit(state: ServerState, request_ids: list[str]) -> None:
         raise APIError(503, "The server is shutting down.", headers={"Retry-After": "5"})
     if not state.ready:
         raise APIError(503, "The model is still loading.", headers={"Retry-After": "5"})
+    if not state.engine_alive():
+        raise APIError(503, "The engine core is not running.")
     limit = state.config.max_queue
     if limit is not None:
         depth = state.queue_depth()

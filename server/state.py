@@ -45,6 +45,9 @@ class ServerState:
             log.exception("engine stats failed")
             return {}
 
+    def engine_alive(self) -> bool:
+        return getattr(self.llm, "is_alive", True) is not False
+
     def kv_info(self) -> dict | None:
         return getattr(self.llm, "kv_info", None) if self.ready else None
 
