@@ -52,8 +52,23 @@ class _Gate:
             except ValueError:
                 return await error_response(400, "Invalid Content-Length header.")(scope, receive, send)
             if too_big:
+                await discard_body(receive, 8 * self.state.config.max_body_bytes)
                 return await _too_large(self.state)(scope, receive, send)
         return await self.app(scope, receive, send)
+
+
+async def discard_body(receive, limit: int) -> None:
+    """Read what the client is still sending (up to `limit` bytes) before answering:
+    closing a socket with unread data resets the connection, and the client may then
+    lose the answer (a 413) that was already on its way."""
+    seen = 0
+    while seen <= limit:
+        message = await receive()
+        if message["type"] != "http.request":
+            return
+        seen += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return
 
 
 def _too_large(state: ServerState) -> JSONResponse:
@@ -68,6 +83,7 @@ async def parse_body(request: Request, state: ServerState, model: type[BaseModel
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
+            await discard_body(request.receive, 8 * limit)
             raise APIError(413, f"Request body too large: the limit is {limit} bytes.",
                            headers={"Connection": "close"})
         chunks.append(chunk)

@@ -71,6 +71,7 @@ async def _generate(state: ServerState, prompt_ids: list[int], params: SamplingP
     first = last = None
     seen = 0
     final = None
+    rejected = False
     state.start_request(request_id)
     gen = llm.generate(prompt_ids, params, request_id)
     try:
@@ -90,6 +91,7 @@ async def _generate(state: ServerState, prompt_ids: list[int], params: SamplingP
                 yield out
         except InvalidRequest:
             if request_id not in state.drain_aborted:
+                rejected = final is None        # refused up front: a 400, not a finished request
                 raise
             # Aborted by the end of a drain: finish normally, with finish_reason "abort".
             final = _aborted(final, prompt_ids, params.n, request_id)
@@ -103,7 +105,8 @@ async def _generate(state: ServerState, prompt_ids: list[int], params: SamplingP
                     await llm.abort(request_id)
             except Exception:
                 log.exception("aborting %s failed", request_id)
-        _record(state, final, len(prompt_ids), params.n, t0, first)
+        if not rejected:
+            _record(state, final, len(prompt_ids), params.n, t0, first)
 
 
 def _aborted(out, prompt_ids: list[int], n: int, request_id: str):

@@ -62,14 +62,18 @@ class ServerState:
         return self.config.model_names[0]
 
     def queue_depth(self) -> int:
-        """Requests waiting for a slot: the engine's count, or at least what the
-        server has submitted beyond what the engine can run at once (the engine's
-        count lags a burst by a step)."""
-        waiting = int(self.engine_stats().get("num_waiting", 0))
+        """Requests waiting for a slot: what the server has submitted beyond what the
+        engine can run at once. The engine's own waiting count is no measure (a burst
+        waits there for the next step even with slots free, and it lags); it only
+        tells when the KV cache, not max_num_seqs, is what bounds the running set."""
+        s = self.engine_stats()
+        slots = self.config.max_num_seqs
+        if s.get("num_waiting", 0) > 0 and s.get("kv_cache_usage", 0.0) >= 0.9:
+            slots = min(slots, int(s.get("num_running", slots)))
         now = time.monotonic()
         for rid in [r for r, t in self._pending.items() if now - t > 2.0]:
             del self._pending[rid]          # admitted but never submitted (client left early)
-        return max(waiting, self.inflight + len(self._pending) - self.config.max_num_seqs)
+        return self.inflight + len(self._pending) - slots
 
     def reserve(self, request_ids: list[str]) -> None:
         now = time.monotonic()
