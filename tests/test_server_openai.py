@@ -2,7 +2,6 @@
 `openai` client, with `tqserve serve` running as a subprocess on 127.0.0.1."""
 import asyncio
 import importlib.util
-import json
 import math
 import time
 from pathlib import Path
