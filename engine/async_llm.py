@@ -3,6 +3,7 @@ import asyncio
 import itertools
 import logging
 import multiprocessing as mp
+import queue
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -46,7 +47,7 @@ class AsyncLLM:
         source = await loop.run_in_executor(None, open_model, self.args.model)
         self.tokenizer, self.chat_template = source.tokenizer, source.chat_template
         self.processor = OutputProcessor(self.tokenizer)
-        msg = await loop.run_in_executor(None, self._out.get)
+        msg = await loop.run_in_executor(None, self._wait_ready)
         if msg[0] != "ready":
             self._proc.join(timeout=5)
             raise RuntimeError(f"engine failed to start: {msg[1]}")
@@ -54,6 +55,15 @@ class AsyncLLM:
         self._loop = loop
         self._reader = threading.Thread(target=self._read, name="tqserve-engine-reader", daemon=True)
         self._reader.start()
+
+    def _wait_ready(self):
+        # Poll, so that a core that dies while loading is noticed.
+        while True:
+            try:
+                return self._out.get(timeout=0.5)
+            except queue.Empty:
+                if not self._proc.is_alive():
+                    return ("error", f"engine core exited with code {self._proc.exitcode} while loading")
 
     async def shutdown(self) -> None:
         if getattr(self, "_proc", None) is None:
@@ -160,7 +170,10 @@ class AsyncLLM:
             self._in.put(("abort", ids))
 
     async def abort(self, request_id: str) -> None:
+        """Stop a request; its generate() yields a last output whose
+        unfinished choices have finish_reason "abort"."""
+        final = self.processor.aborted_output(request_id)
         self._abort_parent(request_id)
         q = self._streams.get(request_id)
-        if q is not None:
-            q.put_nowait(InvalidRequest(f"request {request_id} was aborted"))
+        if q is not None and final is not None:
+            q.put_nowait(final)

@@ -68,7 +68,8 @@ def check_request(prompt_token_ids: list[int], params, max_model_len: int, vocab
     n = len(prompt_token_ids)
     if n == 0:
         raise InvalidRequest("the prompt is empty")
-    if n >= max_model_len:
+    # A prompt may fill the context only when nothing is generated (scoring).
+    if n > max_model_len or (n == max_model_len and params.max_tokens != 0):
         raise InvalidRequest(f"this model's maximum context length is {max_model_len} tokens, "
                              f"but the prompt has {n} tokens (no room for output)")
     mt = params.max_tokens

@@ -82,6 +82,19 @@ class OutputProcessor:
             self.child_to_parent[cid] = request_id
         return ids
 
+    def aborted_output(self, request_id: str) -> RequestOutput | None:
+        """The parent's output with every unfinished child marked "abort"."""
+        p = self.parents.get(request_id)
+        if p is None:
+            return None
+        for c in p.children.values():
+            if c.out.finish_reason is None:
+                c.out.finish_reason = "abort"
+                c.out.text += c.hold
+                c.hold = ""
+        p.metrics["finished_time"] = time.monotonic()
+        return p.output()
+
     def remove(self, request_id: str) -> list[str]:
         """Forget a parent; returns its unfinished child ids (to abort)."""
         p = self.parents.pop(request_id, None)

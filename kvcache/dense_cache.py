@@ -39,8 +39,8 @@ class DenseLayerCache:
         """K/V for blocks [first_block, first_block + num_blocks) of one or more block tables."""
         bs = self.block_size
         cols = block_table[..., first_block:first_block + num_blocks]
-        slots = (cols.unsqueeze(-1) * bs + torch.arange(bs, device=cols.device)).flatten(-2)
-        return self.k[slots].to(dtype), self.v[slots].to(dtype)
+        slots = (cols.unsqueeze(-1) * bs + torch.arange(bs, device=cols.device)).flatten()
+        return (self.k.index_select(0, slots).to(dtype), self.v.index_select(0, slots).to(dtype))
 
     def attention(self, q: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q: [T, Hq, D] for the whole flat batch -> [T, Hq, D]."""
@@ -74,17 +74,20 @@ class DenseLayerCache:
             first = first.clamp(max=block_tables.shape[1] - nblk)
             cols = first[:, None] + torch.arange(nblk, device=dev)
         blocks = block_tables.gather(1, cols)
-        slots = (blocks.unsqueeze(-1) * bs + torch.arange(bs, device=dev)).flatten(1)
+        slots = (blocks.unsqueeze(-1) * bs + torch.arange(bs, device=dev)).flatten()
         pos = (cols.unsqueeze(-1) * bs + torch.arange(bs, device=dev)).flatten(1)
-        k, v = self.k[slots].to(q.dtype), self.v[slots].to(q.dtype)     # [B, L, H, D]
+        L = pos.shape[1]
+        # index_select is ~10x faster than advanced indexing on CPU; the
+        # [B, H, L, D] views need no copy.
+        k = self.k.index_select(0, slots).view(B, L, H, D).transpose(1, 2).to(q.dtype)
+        v = self.v.index_select(0, slots).view(B, L, H, D).transpose(1, 2).to(q.dtype)
         valid = pos < seq_lens[:, None]
         if self.sliding_window is not None:
             valid &= pos > (seq_lens[:, None] - 1 - self.sliding_window)
-        qg = q.view(B, H, Hq // H, D)
-        scores = torch.einsum("bhgd,blhd->bhgl", qg, k) * scale
-        scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        return torch.einsum("bhgl,blhd->bhgd", probs, v).reshape(B, Hq, D)
+        # GQA without copying K/V: a KV head's G query heads act as G queries.
+        o = F.scaled_dot_product_attention(q.view(B, H, Hq // H, D), k, v,
+                                           attn_mask=valid[:, None, None, :], scale=scale)
+        return o.reshape(B, Hq, D)
 
     def _prefill(self, q, block_table, seq_len, scale):
         Lq = q.shape[0]

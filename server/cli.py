@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--block-size", type=int, default=16)
     s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     s.add_argument("--kv-cache-dtype", default="auto")
+    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="weights and activations (bfloat16: ~2.5-4x faster on CPUs with AVX512-BF16/AMX)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--num-threads", type=int, default=None, help="torch threads in the engine core")
     s.add_argument("--max-queue", type=int, default=256,
@@ -135,7 +137,8 @@ async def _serve(args, model: str, keys: list[str], sock: socket.socket, url: st
             model=model, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
             block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
-            kv_cache_dtype=args.kv_cache_dtype, seed=args.seed, num_threads=args.num_threads)
+            kv_cache_dtype=args.kv_cache_dtype, seed=args.seed, num_threads=args.num_threads,
+            dtype=args.dtype)
         llm = AsyncLLM(engine_args)
     except ValueError as e:
         log.error("bad engine settings: %s", e)

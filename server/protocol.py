@@ -51,7 +51,9 @@ class ChatMessage(_Body):
         return self.content
 
     def to_template(self) -> dict[str, Any]:
-        d = {"role": self.role, "content": self.text()}
+        # An assistant turn that only calls tools has content null: templates
+        # expect a string there.
+        d = {"role": self.role, "content": self.text() or ""}
         d.update(self.model_extra or {})
         return d
 

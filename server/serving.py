@@ -559,10 +559,8 @@ async def completion(state: ServerState, request: Request, req: CompletionReques
     prompt_lp = req.prompt_logprobs
     if echo_lp:
         prompt_lp = max(req.logprobs, prompt_lp or 0)
-    # max_tokens 0 (echo only): the engine still takes one step for the prompt's logprobs;
-    # the token it samples is dropped here.
-    engine_max = 1 if req.max_tokens == 0 else req.max_tokens
-    params = sampling_params(req, engine_max, req.logprobs, prompt_lp)
+    # max_tokens 0 (echo only): the engine scores the prompt and generates nothing.
+    params = sampling_params(req, req.max_tokens, req.logprobs, prompt_lp)
     rids = [rlog.id if len(ids) == 1 else f"{rlog.id}-{i}" for i in range(len(ids))]
     admit(state, rids)
     gens = [_generate(state, p, params, rid, rlog) for p, rid in zip(ids, rids)]

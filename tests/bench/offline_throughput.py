@@ -41,12 +41,12 @@ def make_prompts(tok, n, lo, hi, seed):
     return out
 
 
-def bench_tqserve(prompts, out_len, threads):
+def bench_tqserve(prompts, out_len, threads, dtype):
     import torch
     from engine import LLM, SamplingParams
     torch.set_num_threads(threads)
     llm = LLM("smollm2-135m", max_num_seqs=64, max_num_batched_tokens=2048, kv_cache_memory=4 << 30,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, dtype=dtype)
     sp = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
     t0 = time.perf_counter()
@@ -136,14 +136,19 @@ def main():
     ap.add_argument("--llama-cpp-prompts", type=int, default=16)
     ap.add_argument("--llama-cpp-python", default=None, help="python of a venv with llama-cpp-python")
     ap.add_argument("--seed", type=int, default=int(time.time()))
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="tqserve model dtypes to run")
     args = ap.parse_args()
     from model_zoo.resolve import open_model
     tok = open_model("smollm2-135m").tokenizer
     prompts = make_prompts(tok, args.num_prompts, args.min_len, args.max_len, args.seed)
     res = {"config": vars(args), "machine": {"cpus": os.cpu_count()}}
-    log(f"tqserve: {len(prompts)} prompts ...")
-    res["tqserve"] = bench_tqserve(prompts, args.output_len, args.threads)
-    log(f"tqserve: {res['tqserve']}")
+    systems = []
+    for dtype in args.dtypes.split(","):
+        key = "tqserve" if dtype == "float32" else f"tqserve_{dtype}"
+        log(f"{key}: {len(prompts)} prompts ...")
+        res[key] = bench_tqserve(prompts, args.output_len, args.threads, dtype)
+        log(f"{key}: {res[key]}")
+        systems.append(key)
     if args.hf_prompts:
         res["transformers"] = bench_transformers(prompts[:args.hf_prompts], args.output_len, args.threads,
                                                  args.hf_batch)
@@ -155,11 +160,17 @@ def main():
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "offline_throughput.json").write_text(json.dumps(res, indent=2))
     rows = ["| system | output tok/s | prefill tok/s | single-stream decode tok/s |", "|---|---|---|---|"]
-    for k in ("tqserve", "transformers", "llama_cpp_python"):
+    for k in systems + ["transformers", "llama_cpp_python"]:
         if k in res:
             r = res[k]
             f = lambda x: f"{r[x]:.1f}" if x in r else "-"
             rows.append(f"| {k} | {f('output_tok_s')} | {f('prefill_tok_s')} | {f('single_stream_decode_tok_s')} |")
+    if "transformers" in res and "llama_cpp_python" in res:
+        for k in systems:
+            rows.append(f"| {k} / transformers (output) | {res[k]['output_tok_s'] / res['transformers']['output_tok_s']:.2f}x | | |")
+            rows.append(f"| {k} / llama-cpp-python (output; single-stream decode) | "
+                        f"{res[k]['output_tok_s'] / res['llama_cpp_python']['output_tok_s']:.2f}x | | "
+                        f"{res[k]['single_stream_decode_tok_s'] / res['llama_cpp_python']['single_stream_decode_tok_s']:.2f}x |")
     (OUT / "offline_throughput.md").write_text(
         f"SmolLM2-135M, {args.num_prompts} prompts of {args.min_len}-{args.max_len} tokens, "
         f"{args.output_len} output tokens, ignore_eos, {args.threads} threads "
