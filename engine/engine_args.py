@@ -12,7 +12,10 @@ class EngineArgs:
     kv_cache_memory: int | float | None = None    # bytes, or a fraction (< 1) of available memory
     block_size: int = 16
     enable_prefix_caching: bool = True
-    kv_cache_dtype: str = "auto"                  # auto (model dtype) | f32 | f16 | bf16
+    kv_cache_dtype: str = "auto"                  # auto (model dtype) | f32 | f16 | bf16 | tq4 | k8v4 | ...
+    kv_cache_dtype_k: str | None = None           # K format override: f16 | q8 | tq4 | tq3 | tq2
+    kv_cache_dtype_v: str | None = None           # V format override
+    kv_protect_layers: int = 0                    # first/last N layers keep f16 KV
     dtype: str = "float32"
     seed: int = 0
     num_threads: int | None = None                # torch intra-op threads in the engine core

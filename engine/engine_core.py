@@ -115,7 +115,8 @@ class EngineCore:
         self.model.load_weights(self.source.weights())
         self.model.eval()
         specs = self.model.kv_cache_spec()
-        cdtype = kv_dtype(args.kv_cache_dtype, dtype)
+        cdtype = kv_dtype(args.kv_cache_dtype, dtype, args.kv_cache_dtype_k, args.kv_cache_dtype_v,
+                          args.kv_protect_layers)
         self.plan = plan_kv_pool(specs, kv_budget(args.kv_cache_memory), args.block_size, cdtype,
                                  args.max_num_seqs, args.max_num_batched_tokens)
         caches = allocate_kv_caches(specs, self.plan, cdtype)

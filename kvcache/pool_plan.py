@@ -4,6 +4,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcache.dense_cache import DenseLayerCache
+from kvcache.kv_formats import KVPolicy, is_preset
 from kvcache.kv_manager import KVGroup, group_layers
 from kvcache.spec import LayerSpec
 
@@ -11,16 +12,26 @@ DTYPES = {"f32": torch.float32, "float32": torch.float32, "f16": torch.float16,
           "float16": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 
 
-def kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    if name == "auto":
-        return model_dtype
-    if name not in DTYPES:
-        raise ValueError(f"unknown kv_cache_dtype {name!r}; supported: auto, {', '.join(DTYPES)}")
-    return DTYPES[name]
+def kv_dtype(name: str, model_dtype: torch.dtype, k: str | None = None, v: str | None = None,
+             protect_layers: int = 0) -> "torch.dtype | KVPolicy":
+    """A torch dtype for plain 16/32-bit storage, or a KVPolicy for compressed
+    formats (TurboQuant presets, K/V overrides, protected layers: kv_formats.py)."""
+    if not (k or v or protect_layers):
+        if name == "auto":
+            return model_dtype
+        if name in DTYPES:
+            return DTYPES[name]
+    if name in ("auto", "float16") or is_preset(name):
+        return KVPolicy.from_names("f16" if name in ("auto", "float16") else name, k, v, protect_layers)
+    raise ValueError(f"unknown kv_cache_dtype {name!r}; supported: auto, {', '.join(DTYPES)}, "
+                     f"tq4, tq3, tq2, k8v4, k4v3, k4v2, k3v3, ... (kvcache/kv_formats.py)")
 
 
-def make_layer_cache(spec: LayerSpec, num_blocks: int, block_size: int, dtype: torch.dtype,
-                     group_id: int):
+def make_layer_cache(spec: LayerSpec, num_blocks: int, block_size: int, dtype, group_id: int,
+                     num_layers: int | None = None):
+    if isinstance(dtype, KVPolicy):
+        return dtype.make_layer_cache(spec, num_blocks, block_size, group_id,
+                                      num_layers if num_layers is not None else spec.layer_idx + 1)
     return DenseLayerCache(num_blocks, block_size, spec.num_kv_heads, spec.head_dim, dtype,
                            group_id, spec.sliding_window)
 
@@ -61,7 +72,8 @@ def plan_kv_pool(specs: list[LayerSpec], budget_bytes: int, block_size: int, dty
     groups = group_layers(specs)
     by_idx = {s.layer_idx: s for s in specs}
     # Measure one block of each layer's real storage.
-    layer_block = {i: make_layer_cache(s, 1, block_size, dtype, 0).nbytes for i, s in by_idx.items()}
+    nl = max(by_idx) + 1
+    layer_block = {i: make_layer_cache(s, 1, block_size, dtype, 0, nl).nbytes for i, s in by_idx.items()}
     block_bytes = [sum(layer_block[i] for i in g.layer_ids) for g in groups]
     # Sliding groups never need more than their windows (plus one step's chunk)
     # for every running sequence; give them that, or an equal-token share if the
@@ -90,5 +102,6 @@ def allocate_kv_caches(specs: list[LayerSpec], plan: KVPlan, dtype: torch.dtype)
     by_idx = {s.layer_idx: s for s in specs}
     for gi, g in enumerate(plan.groups):
         for i in g.layer_ids:
-            caches[i] = make_layer_cache(by_idx[i], plan.num_blocks[gi], plan.block_size, dtype, gi)
+            caches[i] = make_layer_cache(by_idx[i], plan.num_blocks[gi], plan.block_size, dtype, gi,
+                                         len(caches))
     return caches

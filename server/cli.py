@@ -59,7 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV pool size: bytes (2000000, 512MiB, 2GB) or a fraction < 1 of free memory")
     s.add_argument("--block-size", type=int, default=16)
     s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    s.add_argument("--kv-cache-dtype", default="auto")
+    s.add_argument("--kv-cache-dtype", default="auto",
+                   help="auto | f32 | f16 | bf16 | tq4 | tq3 | tq2 | k8v4 | k4v3 | k4v2 | k3v3 | ...")
+    s.add_argument("--kv-cache-dtype-k", default=None, help="K format override: f16 | q8 | tq4 | tq3 | tq2")
+    s.add_argument("--kv-cache-dtype-v", default=None, help="V format override: f16 | q8 | tq4 | tq3 | tq2")
+    s.add_argument("--kv-protect-layers", type=int, default=0,
+                   help="keep the first and last N layers' KV in f16")
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="weights and activations (bfloat16: ~2.5-4x faster on CPUs with AVX512-BF16/AMX)")
     s.add_argument("--seed", type=int, default=0)
@@ -137,7 +142,9 @@ async def _serve(args, model: str, keys: list[str], sock: socket.socket, url: st
             model=model, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
             block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
-            kv_cache_dtype=args.kv_cache_dtype, seed=args.seed, num_threads=args.num_threads,
+            kv_cache_dtype=args.kv_cache_dtype, kv_cache_dtype_k=args.kv_cache_dtype_k,
+            kv_cache_dtype_v=args.kv_cache_dtype_v, kv_protect_layers=args.kv_protect_layers,
+            seed=args.seed, num_threads=args.num_threads,
             dtype=args.dtype)
         llm = AsyncLLM(engine_args)
     except ValueError as e:

@@ -1,0 +1,114 @@
+"""KV cache formats: preset names, K/V overrides, and the per-layer policy.
+
+Presets (kv_cache_dtype):
+  f16                 16-bit K and V (plain dense storage)
+  tq4, tq3, tq2       TurboQuant K and V at 4 / 3 / 2 bits
+  k{K}v{V}            K and V separately: K in {16, 8, 4, 3, 2}, V in {16, 8, 4, 3, 2}
+                      (8 = int8 with a per-vector scale; 2-4 = TurboQuant; 16 = f16),
+                      e.g. k8v4, k4v3, k4v2, k3v3
+  ...g32 / ...g64     suffix: one norm per sub-block of 32 / 64 values (TurboQuant parts)
+Component names (kv_cache_dtype_k / kv_cache_dtype_v overrides): f16 | q8 | 8 |
+  tq4 | 4 | tq3 | 3 | tq2 | 2, optionally with g32 / g64.
+
+Policy: the first and last `protect_layers` layers and every sliding-window
+layer (unless quantize_sliding) are kept f16; every other layer gets (K, V).
+"""
+from dataclasses import dataclass
+import re
+
+import torch
+
+from kvcache.dense_cache import DenseLayerCache
+from kvcache.spec import LayerSpec
+from kvcache.tq_cache import TQLayerCache
+from kvcache.turboquant import F16, INT8, ComponentFormat, tq
+
+PRESETS = ["f16", "tq4", "tq3", "tq2", "k8v8", "k8v4", "k8v3", "k8v2", "k4v4", "k4v3", "k4v2",
+           "k3v3", "k3v2", "k2v2", "k16v4", "k16v3", "k3v3g32", "tq4g32", "tq3g32"]
+
+
+def component(name: str) -> ComponentFormat:
+    """'f16' | '16' | 'q8' | 'int8' | '8' | 'tq4' | '4' | ... with optional 'g32' / 'g64'."""
+    m = re.fullmatch(r"(f16|16|q8|int8|8|(?:tq)?([234]))(?:g(32|64))?", name.strip().lower())
+    if not m:
+        raise ValueError(f"unknown KV component format {name!r}; use f16, q8, tq4, tq3 or tq2 "
+                         f"(optionally with g32 / g64)")
+    group = int(m.group(3)) if m.group(3) else None
+    if m.group(2):
+        return tq(int(m.group(2)), group)
+    if group:
+        raise ValueError(f"{name!r}: sub-block norms apply to TurboQuant formats only")
+    return F16 if m.group(1) in ("f16", "16") else INT8
+
+
+def parse_preset(name: str) -> tuple[ComponentFormat, ComponentFormat]:
+    n = name.strip().lower()
+    if n in ("f16", "float16"):
+        return F16, F16
+    m = re.fullmatch(r"tq([234])(g32|g64)?", n)
+    if m:
+        c = component(m.group(1) + (m.group(2) or ""))
+        return c, c
+    m = re.fullmatch(r"k(16|8|[234])v(16|8|[234])(g32|g64)?", n)
+    if m:
+        g = m.group(3) or ""
+        k, v = m.group(1), m.group(2)
+        return (component(k + (g if k in "234" else "")), component(v + (g if v in "234" else "")))
+    raise ValueError(f"unknown kv_cache_dtype {name!r}")
+
+
+def is_preset(name: str) -> bool:
+    try:
+        parse_preset(name)
+        return True
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class KVPolicy:
+    """What make_layer_cache gets instead of a torch dtype for compressed formats."""
+    k: ComponentFormat
+    v: ComponentFormat
+    protect_layers: int = 0
+    quantize_sliding: bool = False
+    seed: int = 0
+    f16_dtype: torch.dtype = torch.float16
+
+    @classmethod
+    def from_names(cls, preset: str, k: str | None = None, v: str | None = None,
+                   protect_layers: int = 0, **kw) -> "KVPolicy":
+        kf, vf = parse_preset(preset)
+        if k:
+            kf = component(k)
+        if v:
+            vf = component(v)
+        if protect_layers < 0:
+            raise ValueError(f"kv_protect_layers must be >= 0, got {protect_layers}")
+        return cls(kf, vf, protect_layers, **kw)
+
+    @property
+    def name(self) -> str:
+        return f"k={self.k.name},v={self.v.name},protect={self.protect_layers}"
+
+    def layer_formats(self, spec: LayerSpec, num_layers: int) -> tuple[ComponentFormat, ComponentFormat]:
+        i, n = spec.layer_idx, self.protect_layers
+        if i < n or i >= num_layers - n:
+            return F16, F16
+        if spec.sliding_window is not None and not self.quantize_sliding:
+            return F16, F16
+        return self.k, self.v
+
+    def make_layer_cache(self, spec: LayerSpec, num_blocks: int, block_size: int, group_id: int,
+                         num_layers: int):
+        k, v = self.layer_formats(spec, num_layers)
+        if k == F16 and v == F16:
+            return DenseLayerCache(num_blocks, block_size, spec.num_kv_heads, spec.head_dim,
+                                   self.f16_dtype, group_id, spec.sliding_window)
+        return TQLayerCache(num_blocks, block_size, spec.num_kv_heads, spec.head_dim, k, v, group_id,
+                            spec.sliding_window, seed=layer_seed(self.seed, spec.layer_idx))
+
+
+def layer_seed(seed: int, layer_idx: int) -> int:
+    """Deterministic per-layer rotation seed."""
+    return (seed * 1_000_003 + layer_idx * 7919 + 12345) & 0x7FFFFFFF

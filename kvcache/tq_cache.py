@@ -1,0 +1,155 @@
+"""Paged KV storage for one layer in TurboQuant / int8 / f16 component formats,
+and attention that reads the compressed blocks directly (torch: the CPU path
+and the reference for GPU kernels).
+
+Same interface as DenseLayerCache (write / attention / nbytes). K and V are
+stored rotated (see turboquant.py); attention rotates the query once, scores
+against decoded keys one chunk of blocks at a time with an online softmax
+(running max and sum), accumulates the weighted value vectors in the rotated
+domain and de-rotates once per query head at the end. Only one chunk of
+blocks (chunk_blocks * block_size tokens) is ever decoded at a time; a
+sequence's whole history is never materialised uncompressed.
+"""
+import torch
+
+from kvcache.metadata import AttentionMetadata, GroupMetadata
+from kvcache.turboquant import Codec, ComponentFormat, rotate, unrotate
+
+NEG = -1e30   # finite "minus infinity": a fully masked chunk is wiped exactly by the next rescale
+
+
+class TQLayerCache:
+    def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 k_fmt: ComponentFormat, v_fmt: ComponentFormat, group_id: int,
+                 sliding_window: int | None = None, seed: int = 0,
+                 device: str | torch.device = "cpu", chunk_tokens: int = 256):
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.group_id = group_id
+        self.sliding_window = sliding_window
+        self.k_fmt, self.v_fmt = k_fmt, v_fmt
+        self.chunk_blocks = max(1, chunk_tokens // block_size)
+        # One rotation per layer (deterministic seed), shared by K and V so
+        # the query is rotated once.
+        self.kc = Codec(k_fmt, num_kv_heads, head_dim, seed)
+        self.vc = Codec(v_fmt, num_kv_heads, head_dim, seed)
+        self.signs = self.kc.signs.to(device)
+        n = num_blocks * block_size
+        self.k = self.kc.alloc(n, device)
+        self.v = self.vc.alloc(n, device)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for d in (self.k, self.v) for t in d.values())
+
+    def write(self, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        for store, codec, x in ((self.k, self.kc, k), (self.v, self.vc, v)):
+            rows = codec.encode(x)
+            for name, t in store.items():
+                t.index_copy_(0, slot_mapping, rows[name])
+
+    def _rows(self, store: dict, slots: torch.Tensor) -> dict:
+        return {name: t.index_select(0, slots) for name, t in store.items()}
+
+    def dequantized(self, slots: torch.Tensor, dtype=torch.float32):
+        """Unrotated K, V at the given slots (tests and debugging only)."""
+        return (self.kc.dequantize(self._rows(self.k, slots), dtype),
+                self.vc.dequantize(self._rows(self.v, slots), dtype))
+
+    # -- attention ---------------------------------------------------------
+    def attention(self, q: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q: [T, Hq, D] for the whole flat batch -> [T, Hq, D]."""
+        group: GroupMetadata = meta.groups[self.group_id]
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = self._decode(q[:nd], group.block_tables[:nd], meta.seq_lens_t[:nd], scale)
+        for i in range(nd, meta.num_seqs):
+            s, e = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+            out[s:e] = self._prefill(q[s:e], group.block_tables[i], meta.seq_lens[i], scale)
+        return out
+
+    def _attend(self, qr, cols, block_tables, qpos, seq_lens):
+        """Online-softmax attention over compressed blocks.
+
+        qr: [B, H, G, Lq, D] rotated, scaled queries; cols: [B, nblk] block
+        columns to read (in block-table order); qpos: [B, Lq] query positions;
+        seq_lens: [B]. Returns the rotated-domain output [B, H, G, Lq, D].
+        """
+        B, H, G, Lq, D = qr.shape
+        bs, dev = self.block_size, qr.device
+        m = torch.full((B, H, G, Lq, 1), NEG, dtype=qr.dtype, device=dev)
+        l = torch.zeros_like(m)
+        acc = torch.zeros_like(qr)
+        qf = qr.reshape(B, H, G * Lq, D)
+        offs = torch.arange(bs, device=dev)
+        # Every chunk has the same length (the last one padded with masked
+        # blocks), so a sequence's arithmetic never depends on its batch.
+        C = self.chunk_blocks
+        pad = -cols.shape[1] % C
+        if pad:
+            cols = torch.cat([cols, cols[:, -1:] + torch.arange(1, pad + 1, device=dev)], 1)
+        width = block_tables.shape[1]
+        n = C * bs
+        for c0 in range(0, cols.shape[1], C):
+            cc = cols[:, c0:c0 + C]
+            blocks = block_tables.gather(1, cc.clamp(max=width - 1))
+            slots = (blocks.unsqueeze(-1) * bs + offs).flatten()
+            kpos = (cc.unsqueeze(-1) * bs + offs).flatten(1)                      # [B, n]
+            k = self.kc.decode(self._rows(self.k, slots), qr.dtype).view(B, n, H, D).transpose(1, 2)
+            v = self.vc.decode(self._rows(self.v, slots), qr.dtype).view(B, n, H, D).transpose(1, 2)
+            s = torch.matmul(qf, k.transpose(-1, -2)).view(B, H, G, Lq, n)
+            valid = (kpos[:, None, :] <= qpos[:, :, None]) & (kpos[:, None, :] < seq_lens[:, None, None])
+            if self.sliding_window is not None:
+                valid &= kpos[:, None, :] > qpos[:, :, None] - self.sliding_window
+            s = s.masked_fill(~valid[:, None, None], NEG)
+            m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+            alpha = torch.exp(m - m_new)
+            p = torch.exp(s - m_new)
+            l = l * alpha + p.sum(-1, keepdim=True)
+            pv = torch.matmul(p.view(B, H, G * Lq, n), v).view(B, H, G, Lq, D)
+            acc = acc * alpha + pv
+            m = m_new
+        return acc / l
+
+    def _rotate_q(self, q, scale):
+        """[B, Lq, Hq, D] -> [B, H, G, Lq, D] rotated and scaled."""
+        B, Lq, Hq, D = q.shape
+        H = self.num_kv_heads
+        qr = rotate(q.float(), self.signs) * scale
+        return qr.view(B, Lq, H, Hq // H, D).permute(0, 2, 3, 1, 4).to(q.dtype)
+
+    def _finish(self, acc, dtype):
+        """[B, H, G, Lq, D] rotated -> [B, Lq, Hq, D] (one de-rotation per query head)."""
+        B, H, G, Lq, D = acc.shape
+        o = unrotate(acc.float(), self.signs)
+        return o.permute(0, 3, 1, 2, 4).reshape(B, Lq, H * G, D).to(dtype)
+
+    def _decode(self, q, block_tables, seq_lens, scale):
+        B = q.shape[0]
+        bs, dev = self.block_size, q.device
+        seq_lens = seq_lens.to(dev)
+        if self.sliding_window is None:
+            nblk = -(-int(seq_lens.max()) // bs)
+            cols = torch.arange(nblk, device=dev).expand(B, nblk)
+        else:
+            nblk = min(-(-(self.sliding_window - 1) // bs) + 1, block_tables.shape[1])
+            first = ((seq_lens - self.sliding_window).clamp(min=0) // bs)
+            first = first.clamp(max=block_tables.shape[1] - nblk)
+            cols = first[:, None] + torch.arange(nblk, device=dev)
+        acc = self._attend(self._rotate_q(q.unsqueeze(1), scale), cols, block_tables,
+                           (seq_lens - 1)[:, None], seq_lens)
+        return self._finish(acc, q.dtype)[:, 0]
+
+    def _prefill(self, q, block_table, seq_len, scale):
+        Lq = q.shape[0]
+        start = seq_len - Lq
+        lo = 0 if self.sliding_window is None else max(0, start - self.sliding_window + 1)
+        bs, dev = self.block_size, q.device
+        first, last = lo // bs, -(-seq_len // bs)
+        cols = torch.arange(first, last, device=dev)[None]
+        qpos = torch.arange(start, seq_len, device=dev)[None]
+        acc = self._attend(self._rotate_q(q.unsqueeze(0), scale), cols, block_table[None], qpos,
+                           torch.tensor([seq_len], device=dev))
+        return self._finish(acc, q.dtype)[0]

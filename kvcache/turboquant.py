@@ -1,0 +1,233 @@
+"""TurboQuant codec: random-sign + Walsh-Hadamard rotation, Lloyd-Max codebooks
+for a Gaussian coordinate, exact bit packing, and an int8 per-vector format.
+
+Every format here stores vectors in the *rotated* domain: y = R x with
+R = H diag(s) / sqrt(D) (H the Walsh-Hadamard matrix, s random signs). R is
+orthogonal, so q.k = (Rq).(Rk): attention rotates the query once and never
+de-rotates keys; values are summed rotated and de-rotated once per query head.
+
+TurboQuant (b bits, norm group g = head_dim or a sub-block of 32/64):
+  per group of g rotated coordinates y_g: codes = nearest Lloyd-Max centroid of
+  y_g / |y_g| (centroids of N(0,1) scaled by 1/sqrt(g)), and one fp16 scale
+  |y_g| / |centroid vector| (norm correction: the reconstruction keeps the true
+  length).
+int8: y / (max|y| / 127) rounded, one fp16 scale per vector.
+f16: y as fp16 (a component kept 16-bit inside a mixed-format layer).
+"""
+from dataclasses import dataclass
+from functools import lru_cache
+import math
+
+import torch
+
+LLOYD_MAX_MSE = {1: 0.3634, 2: 0.1175, 3: 0.03455, 4: 0.00950}
+
+
+# -- Lloyd-Max ----------------------------------------------------------------
+def _phi(x):
+    return math.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
+
+
+def _Phi(x):
+    return 0.5 * (1.0 + math.erf(x / math.sqrt(2)))
+
+
+@lru_cache(maxsize=None)
+def lloyd_max(bits: int, iters: int = 2000) -> tuple[tuple[float, ...], float]:
+    """Centroids (ascending) of the MSE-optimal 2**bits-level quantizer for
+    N(0, 1), computed by Lloyd's iteration on the exact Gaussian density, and
+    its MSE (closed form: E[x^2] - sum_i P_i c_i^2 at the fixed point)."""
+    n = 1 << bits
+    # Start from the Gaussian quantiles' midpoints.
+    c = [math.sqrt(2) * _erfinv(2 * (i + 0.5) / n - 1) for i in range(n)]
+    for _ in range(iters):
+        t = [-math.inf] + [(c[i] + c[i + 1]) / 2 for i in range(n - 1)] + [math.inf]
+        new = []
+        for i in range(n):
+            a, b = t[i], t[i + 1]
+            p = _Phi(b) - _Phi(a)
+            # E[x | a < x < b] = (phi(a) - phi(b)) / p
+            new.append(((_phi(a) if a != -math.inf else 0.0) - (_phi(b) if b != math.inf else 0.0)) / p)
+        done = max(abs(x - y) for x, y in zip(c, new)) < 1e-13
+        c = new
+        if done:
+            break
+    t = [-math.inf] + [(c[i] + c[i + 1]) / 2 for i in range(n - 1)] + [math.inf]
+    mse = 1.0 - sum((_Phi(t[i + 1]) - _Phi(t[i])) * c[i] ** 2 for i in range(n))
+    return tuple(c), mse
+
+
+def _erfinv(y: float) -> float:
+    return float(torch.erfinv(torch.tensor(y, dtype=torch.float64)))
+
+
+@lru_cache(maxsize=None)
+def _codebook(bits: int, group: int) -> torch.Tensor:
+    c, _ = lloyd_max(bits)
+    return torch.tensor(c, dtype=torch.float32) / math.sqrt(group)
+
+
+# -- rotation -----------------------------------------------------------------
+def fwht(x: torch.Tensor) -> torch.Tensor:
+    """Orthonormal fast Walsh-Hadamard transform over the last dim (a power of two)."""
+    D = x.shape[-1]
+    assert D & (D - 1) == 0, f"head_dim {D} is not a power of two"
+    shape = x.shape
+    y = x.reshape(-1, D)
+    h = 1
+    while h < D:
+        y = y.view(-1, D // (2 * h), 2, h)
+        a, b = y[:, :, 0], y[:, :, 1]
+        y = torch.stack((a + b, a - b), dim=2)
+        h *= 2
+    return y.reshape(shape) * (D ** -0.5)
+
+
+@lru_cache(maxsize=None)
+def rotation_signs(head_dim: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, 2, (head_dim,), generator=g) * 2 - 1).float()
+
+
+def rotate(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """R x = H (s * x) / sqrt(D)."""
+    return fwht(x * signs.to(x.dtype))
+
+
+def unrotate(y: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """R^T y = s * (H y) / sqrt(D) (H is symmetric)."""
+    return fwht(y) * signs.to(y.dtype)
+
+
+# -- bit packing --------------------------------------------------------------
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """[..., n] integer codes < 2**bits (n * bits % 8 == 0) -> [..., n * bits // 8] uint8,
+    little-endian bit order: 8 codes of 3 bits fill exactly 3 bytes."""
+    n = codes.shape[-1]
+    assert n * bits % 8 == 0
+    c = codes.to(torch.int32)
+    shifts = torch.arange(bits, dtype=torch.int32, device=codes.device)
+    b = ((c.unsqueeze(-1) >> shifts) & 1).reshape(*codes.shape[:-1], n * bits // 8, 8)
+    w = (1 << torch.arange(8, dtype=torch.int32, device=codes.device))
+    return (b * w).sum(-1).to(torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of pack_bits -> [..., n] long codes."""
+    p = packed.to(torch.int32)
+    shifts = torch.arange(8, dtype=torch.int32, device=packed.device)
+    b = ((p.unsqueeze(-1) >> shifts) & 1).reshape(*packed.shape[:-1], n, bits)
+    w = (1 << torch.arange(bits, dtype=torch.int32, device=packed.device))
+    return (b * w).sum(-1).long()
+
+
+# -- formats ------------------------------------------------------------------
+@dataclass(frozen=True)
+class ComponentFormat:
+    """How one of K or V is stored: kind 'f16' | 'int8' | 'tq' (bits 2/3/4, norm group)."""
+    kind: str
+    bits: int = 16
+    group: int | None = None     # tq: values per norm (None = the whole head)
+
+    @property
+    def name(self) -> str:
+        if self.kind == "f16":
+            return "f16"
+        if self.kind == "int8":
+            return "q8"
+        return f"tq{self.bits}" + (f"g{self.group}" if self.group else "")
+
+
+F16 = ComponentFormat("f16")
+INT8 = ComponentFormat("int8", 8)
+
+
+def tq(bits: int, group: int | None = None) -> ComponentFormat:
+    if bits not in (2, 3, 4):
+        raise ValueError(f"TurboQuant bits must be 2, 3 or 4, got {bits}")
+    return ComponentFormat("tq", bits, group)
+
+
+class Codec:
+    """Encode/decode one component (K or V) of one layer, in the rotated domain.
+
+    Storage is a dict of tensors whose first dim is the slot; `alloc` makes
+    it, `encode` returns the per-token rows to index_copy_ into it, and
+    `decode` turns gathered rows back into rotated float vectors.
+    """
+
+    def __init__(self, fmt: ComponentFormat, num_kv_heads: int, head_dim: int, seed: int):
+        self.fmt, self.H, self.D = fmt, num_kv_heads, head_dim
+        self.signs = rotation_signs(head_dim, seed)
+        if fmt.kind == "tq":
+            self.group = min(fmt.group or head_dim, head_dim)
+            assert head_dim % self.group == 0 and head_dim * fmt.bits % 8 == 0
+            self.codebook = _codebook(fmt.bits, self.group)
+            self.bounds = (self.codebook[1:] + self.codebook[:-1]) / 2
+
+    def alloc(self, num_slots: int, device) -> dict[str, torch.Tensor]:
+        H, D, f = self.H, self.D, self.fmt
+        if f.kind == "f16":
+            return {"x": torch.zeros(num_slots, H, D, dtype=torch.float16, device=device)}
+        if f.kind == "int8":
+            return {"q": torch.zeros(num_slots, H, D, dtype=torch.int8, device=device),
+                    "scale": torch.zeros(num_slots, H, 1, dtype=torch.float16, device=device)}
+        return {"codes": torch.zeros(num_slots, H, D * f.bits // 8, dtype=torch.uint8, device=device),
+                "scale": torch.zeros(num_slots, H, D // self.group, dtype=torch.float16, device=device)}
+
+    def quantize_rotated(self, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        """y: [T, H, D] rotated float vectors -> storage rows."""
+        f = self.fmt
+        if f.kind == "f16":
+            return {"x": y.to(torch.float16)}
+        if f.kind == "int8":
+            s = y.abs().amax(-1, keepdim=True).float() / 127
+            q = torch.where(s > 0, y / s, torch.zeros_like(y)).round().clamp(-127, 127)
+            return {"q": q.to(torch.int8), "scale": s.to(torch.float16)}
+        T, H, D = y.shape
+        g = y.float().view(T, H, D // self.group, self.group)
+        norm = g.norm(dim=-1, keepdim=True)
+        u = g / norm.clamp_min(1e-30)
+        codes = torch.bucketize(u, self.bounds.to(y.device))
+        rec = self.codebook.to(y.device)[codes]
+        scale = norm / rec.norm(dim=-1, keepdim=True).clamp_min(1e-30)
+        return {"codes": pack_bits(codes.view(T, H, D), f.bits),
+                "scale": scale.view(T, H, D // self.group).to(torch.float16)}
+
+    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """x: [T, H, D] (unrotated) -> storage rows."""
+        return self.quantize_rotated(rotate(x.float(), self.signs.to(x.device)))
+
+    def decode(self, rows: dict[str, torch.Tensor], dtype=torch.float32) -> torch.Tensor:
+        """Storage rows [..., H, *] -> rotated vectors [..., H, D]."""
+        f = self.fmt
+        if f.kind == "f16":
+            return rows["x"].to(dtype)
+        if f.kind == "int8":
+            return rows["q"].to(dtype) * rows["scale"].to(dtype)
+        codes = unpack_bits(rows["codes"], f.bits, self.D)
+        c = self.codebook.to(device=codes.device, dtype=dtype)[codes]
+        lead = c.shape[:-1]
+        c = c.view(*lead, self.D // self.group, self.group) * rows["scale"].to(dtype).unsqueeze(-1)
+        return c.view(*lead, self.D)
+
+    def dequantize(self, rows: dict[str, torch.Tensor], dtype=torch.float32) -> torch.Tensor:
+        """Storage rows -> vectors in the original (unrotated) domain."""
+        return unrotate(self.decode(rows, dtype), self.signs.to(dtype=dtype))
+
+    def bits_per_value(self) -> float:
+        rows = self.alloc(1, "cpu")
+        return sum(t.numel() * t.element_size() for t in rows.values()) * 8 / (self.H * self.D)
+
+
+def unit_mse(y: torch.Tensor, bits: int, group: int | None = None) -> float:
+    """Per-coordinate MSE (relative to a unit-variance coordinate) of quantizing
+    the unit vectors of rotated vectors y [N, D] (per norm group) with the
+    Lloyd-Max codebook, before norm correction: comparable to LLOYD_MAX_MSE."""
+    D = y.shape[-1]
+    g = group or D
+    u = y.float().reshape(-1, g)
+    u = u / u.norm(dim=-1, keepdim=True).clamp_min(1e-30)
+    cb = _codebook(bits, g)
+    codes = torch.bucketize(u, (cb[1:] + cb[:-1]) / 2)
+    return float(((u - cb[codes]) ** 2).mean() * g)
