@@ -1,6 +1,7 @@
 """From a Hugging Face config.json dict to the model class that runs it."""
 from torch import nn
 
+from model_zoo.deepseek_v4 import DeepseekV4ForCausalLM
 from model_zoo.gemma3 import Gemma3ForCausalLM
 from model_zoo.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
@@ -10,6 +11,7 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
 }
 
 # HF `model_type` -> class, for configs without `architectures` (e.g. from GGUF).

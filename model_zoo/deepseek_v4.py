@@ -1,0 +1,551 @@
+"""DeepSeek-V4: hyper-connections, sliding / CSA / HCA attention with a shared
+K=V head, lightning indexer, hash- and score-routed MoE, and the MTP head.
+
+Numerics and module names follow transformers' modeling_deepseek_v4.py (the
+parity reference); official checkpoint names are mapped in dsv4_checkpoint.py.
+
+Tokens are flat ([T]). attn_metadata is None (one causal sequence, no cache)
+or a kvcache.dsv4_state.DSV4Batch (per-sequence states: sliding ring,
+compressed entries, compressor carry, indexer keys).
+
+Single rank only for now: every weight is replicated (the TP plan is in
+server/plan.py's accounting, not here yet).
+"""
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvcache.dsv4_state import DSV4Batch, DSV4SequenceState
+
+CSA, HCA, SWA = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
+_RATIO_TO_TYPE = {0: SWA, 4: CSA, 128: HCA}
+
+
+# ---------------------------------------------------------------- config
+
+def normalise_config(config: dict) -> dict:
+    """config.json (transformers' or the legacy/official key names) -> one dict
+    with layer_types, mlp_layer_types, compress_rates, rope dicts and rope_dim."""
+    c = dict(config)
+    n = c["num_hidden_layers"]
+    rates = dict(c.get("compress_rates") or {CSA: 4, HCA: 128})
+    if "compress_rate_csa" in c:
+        rates[CSA] = c["compress_rate_csa"]
+    if "compress_rate_hca" in c:
+        rates[HCA] = c["compress_rate_hca"]
+    c["compress_rates"] = rates
+    if not c.get("layer_types"):
+        if c.get("compress_ratios") is not None:
+            c["layer_types"] = [_RATIO_TO_TYPE[r] for r in c["compress_ratios"][:n]]
+        else:
+            c["layer_types"] = [HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
+    c["layer_types"] = list(c["layer_types"][:n])
+    if not c.get("mlp_layer_types"):
+        n_hash = c.get("num_hash_layers", 3)
+        c["mlp_layer_types"] = ["hash_moe"] * min(n, n_hash) + ["moe"] * max(0, n - n_hash)
+    c["mlp_layer_types"] = list(c["mlp_layer_types"][:n])
+    head_dim = c.get("head_dim", 512)
+    c["head_dim"] = head_dim
+    prf = c.get("partial_rotary_factor")
+    if prf is None:
+        prf = c["qk_rope_head_dim"] / head_dim if c.get("qk_rope_head_dim") else 64 / 512
+    c["rope_dim"] = int(head_dim * prf)
+    rp = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
+        main, compress = dict(rp["main"]), dict(rp["compress"])
+    else:
+        yarn = {k: v for k, v in rp.items() if k not in ("main", "compress")}
+        main = {"rope_type": "default", "rope_theta": c.get("rope_theta", 10000.0)}
+        compress = {**yarn, "rope_theta": c.get("compress_rope_theta", 160000.0)}
+        compress.setdefault("rope_type", compress.get("type", "default"))
+        if compress["rope_type"] == "yarn":
+            compress.setdefault("attention_factor", 1.0)
+    c["rope_main"], c["rope_compress"] = main, compress
+    for k, v in dict(sliding_window=128, hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, rms_norm_eps=1e-6,
+                     o_groups=8, o_lora_rank=1024, index_n_heads=64, index_head_dim=128, index_topk=512,
+                     swiglu_limit=10.0, routed_scaling_factor=1.5, scoring_func="sqrtsoftplus",
+                     num_experts_per_tok=6, n_shared_experts=1, max_position_embeddings=1048576).items():
+        c.setdefault(k, v)
+    return c
+
+
+def rope_inv_freq(rope: dict, rope_dim: int, max_pos: int) -> torch.Tensor:
+    """[rope_dim / 2] inverse frequencies: default or YaRN (transformers' formula;
+    V4 forces attention_factor 1, so there is no cos/sin scaling)."""
+    base = rope["rope_theta"]
+    pos_freqs = base ** (torch.arange(0, rope_dim, 2, dtype=torch.float) / rope_dim)
+    inv = 1.0 / pos_freqs
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return inv
+    if kind != "yarn":
+        raise ValueError(f"unsupported rope_type {kind!r} for deepseek_v4 (default, yarn)")
+    if rope.get("attention_factor", 1.0) != 1.0:
+        raise ValueError("deepseek_v4 yarn with attention_factor != 1 is not supported")
+    factor = rope.get("factor") or max_pos / rope["original_max_position_embeddings"]
+    beta_fast, beta_slow = rope.get("beta_fast") or 32, rope.get("beta_slow") or 1
+    old = rope["original_max_position_embeddings"]
+
+    def corr(rot):
+        return rope_dim * math.log(old / (rot * 2 * math.pi)) / (2 * math.log(base))
+    low, high = corr(beta_fast), corr(beta_slow)
+    if rope.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rope_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extra = 1 - ramp
+    return (inv / factor) * (1 - extra) + inv * extra
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False):
+    """Interleaved RoPE on the trailing 2*len(inv_freq) dims of x [T, ..., D]."""
+    rd = 2 * inv_freq.shape[0]
+    freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (rd,)
+    cos = freqs.cos().repeat_interleave(2, -1).view(shape)
+    sin = freqs.sin().repeat_interleave(2, -1).view(shape)
+    if inverse:
+        sin = -sin
+    nope, rope = x[..., :-rd], x[..., -rd:]
+    rot = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
+    return torch.cat([nope, (rope.float() * cos + rot.float() * sin).to(x.dtype)], dim=-1)
+
+
+# ---------------------------------------------------------------- small blocks
+
+class RMSNorm(nn.Module):
+    """V4 RMSNorm: weight kept in fp32, multiplied in fp32, cast once."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+
+    def forward(self, x):
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * xf).to(x.dtype)
+
+
+def unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+def linear(i: int, o: int) -> nn.Linear:
+    layer = nn.Linear(i, o, bias=False)
+    layer.weight.requires_grad_(False)
+    return layer
+
+
+def param(*shape) -> nn.Parameter:
+    return nn.Parameter(torch.zeros(*shape), requires_grad=False)
+
+
+class HyperConnection(nn.Module):
+    """mHC: (pre, post, comb) from the flattened streams; comb Sinkhorn-projected."""
+
+    def __init__(self, c: dict):
+        super().__init__()
+        self.hc, self.iters, self.eps, self.norm_eps = c["hc_mult"], c["hc_sinkhorn_iters"], c["hc_eps"], c["rms_norm_eps"]
+        n = (2 + self.hc) * self.hc
+        self.fn = param(n, self.hc * c["hidden_size"])
+        self.base = param(n)
+        self.scale = param(3)
+
+    def forward(self, streams):   # [T, hc, D]
+        hc = self.hc
+        flat = unweighted_rms(streams.flatten(1).float(), self.norm_eps)
+        mixed = F.linear(flat, self.fn.float())
+        pre_w, post_w, comb_w = mixed.split([hc, hc, hc * hc], dim=-1)
+        pre_b, post_b, comb_b = self.base.split([hc, hc, hc * hc])
+        ps, qs, cs = self.scale.unbind(0)
+        pre = torch.sigmoid(pre_w * ps + pre_b) + self.eps
+        post = 2 * torch.sigmoid(post_w * qs + post_b)
+        comb = torch.softmax(comb_w.view(-1, hc, hc) * cs + comb_b.view(hc, hc), dim=-1) + self.eps
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
+        for _ in range(self.iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
+        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+        return post, comb, collapsed
+
+    @staticmethod
+    def combine(post, comb, out, streams):
+        dtype = streams.dtype
+        return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2),
+                                                                                streams)
+
+
+class HyperHead(nn.Module):
+    """Final collapse of the hc streams (sigmoid weights, no Sinkhorn)."""
+
+    def __init__(self, c: dict):
+        super().__init__()
+        self.eps, self.norm_eps = c["hc_eps"], c["rms_norm_eps"]
+        self.hc_fn = param(c["hc_mult"], c["hc_mult"] * c["hidden_size"])
+        self.hc_base = param(c["hc_mult"])
+        self.hc_scale = param(1)
+
+    def forward(self, x):   # [T, hc, D] -> [T, D]
+        flat = unweighted_rms(x.flatten(1).float(), self.norm_eps)
+        pre = torch.sigmoid(F.linear(flat, self.hc_fn.float()) * self.hc_scale.float() + self.hc_base.float())
+        return ((pre + self.eps).unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
+
+
+# ---------------------------------------------------------------- MoE
+
+class SharedMLP(nn.Module):
+    def __init__(self, hidden: int, inter: int, limit: float):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = linear(hidden, inter), linear(hidden, inter), linear(inter, hidden)
+        self.limit = limit
+
+    def forward(self, x):
+        g = self.gate_proj(x).clamp(max=self.limit)
+        u = self.up_proj(x).clamp(min=-self.limit, max=self.limit)
+        return self.down_proj(F.silu(g) * u)
+
+
+class Experts(nn.Module):
+    def __init__(self, c: dict):
+        super().__init__()
+        E, H, I = c["n_routed_experts"], c["hidden_size"], c["moe_intermediate_size"]
+        self.num_experts, self.limit = E, c["swiglu_limit"]
+        self.gate_up_proj = param(E, 2 * I, H)
+        self.down_proj = param(E, H, I)
+
+    def forward(self, x, idx, w):   # x [T, H], idx/w [T, k]
+        out = torch.zeros_like(x)
+        for e in idx.unique().tolist():
+            tok, slot = torch.where(idx == e)
+            g, u = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
+            h = F.silu(g.clamp(max=self.limit)) * u.clamp(min=-self.limit, max=self.limit)
+            out.index_add_(0, tok, F.linear(h, self.down_proj[e]) * w[tok, slot, None])
+        return out
+
+
+class Router(nn.Module):
+    def __init__(self, c: dict, is_hash: bool):
+        super().__init__()
+        E = c["n_routed_experts"]
+        if c["scoring_func"] != "sqrtsoftplus":
+            raise ValueError(f"unsupported scoring_func {c['scoring_func']!r} (sqrtsoftplus)")
+        self.top_k, self.scaling, self.is_hash = c["num_experts_per_tok"], c["routed_scaling_factor"], is_hash
+        self.weight = param(E, c["hidden_size"])
+        if is_hash:
+            self.register_buffer("tid2eid", torch.zeros(c["vocab_size"], self.top_k, dtype=torch.long))
+        else:
+            self.register_buffer("e_score_correction_bias", torch.zeros(E))
+
+    def forward(self, x, input_ids):
+        scores = F.softplus(F.linear(x, self.weight)).sqrt()
+        if self.is_hash:
+            idx = self.tid2eid[input_ids].long()
+        else:
+            idx = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1, sorted=False).indices
+        w = scores.gather(1, idx)
+        return idx, w / (w.sum(dim=-1, keepdim=True) + 1e-20) * self.scaling
+
+
+class MoE(nn.Module):
+    def __init__(self, c: dict, is_hash: bool):
+        super().__init__()
+        self.gate = Router(c, is_hash)
+        self.experts = Experts(c)
+        self.shared_experts = SharedMLP(c["hidden_size"], c["moe_intermediate_size"] * c["n_shared_experts"],
+                                        c["swiglu_limit"])
+
+    def forward(self, x, input_ids):
+        idx, w = self.gate(x, input_ids)
+        return self.experts(x, idx, w) + self.shared_experts(x)
+
+
+# ---------------------------------------------------------------- compressors
+
+class Compressor(nn.Module):
+    """Gated pooling of `ratio` tokens into one entry (HCA), or, with overlap (CSA),
+    of the previous window's first half-projection (Ca) and this window's
+    second (Cb) over 2 * ratio slots. Entry w sits at position w * ratio."""
+
+    def __init__(self, c: dict, ratio: int, dim: int, overlap: bool):
+        super().__init__()
+        self.ratio, self.dim, self.overlap = ratio, dim, overlap
+        width = 2 * dim if overlap else dim
+        self.kv_proj, self.gate_proj = linear(c["hidden_size"], width), linear(c["hidden_size"], width)
+        self.position_bias = param(ratio, width)
+        self.kv_norm = RMSNorm(dim, c["rms_norm_eps"])
+
+    def emit(self, raw_kv, raw_gate, raw_start: int, w0: int, w1: int, inv_freq):
+        """Entries w0..w1-1 from raw projections of positions [raw_start, ...),
+        which must cover window w0 - 1 (overlap, when w0 > 0) through w1 - 1."""
+        r, d = self.ratio, self.dim
+        if w1 <= w0:
+            return raw_kv.new_zeros(0, d)
+        nw = w1 - w0
+        s = w0 * r - raw_start
+        kv = raw_kv[s:s + nw * r].view(nw, r, -1)
+        gate = raw_gate[s:s + nw * r].view(nw, r, -1) + self.position_bias
+        if self.overlap:
+            if w0 > 0:
+                pk = raw_kv[s - r:s].view(1, r, -1)[..., :d]
+                pg = (raw_gate[s - r:s].view(1, r, -1) + self.position_bias)[..., :d]
+            else:
+                pk = kv.new_zeros(1, r, d)
+                pg = gate.new_full((1, r, d), float("-inf"))
+            prev_kv = torch.cat([pk, kv[:-1, :, :d]], dim=0)
+            prev_gate = torch.cat([pg, gate[:-1, :, :d]], dim=0)
+            kv = torch.cat([prev_kv, kv[..., d:]], dim=1)
+            gate = torch.cat([prev_gate, gate[..., d:]], dim=1)
+        pooled = (kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1)
+        pooled = self.kv_norm(pooled)
+        pos = torch.arange(w0, w1, device=pooled.device) * r
+        return apply_rope(pooled, pos, inv_freq)
+
+
+class Indexer(Compressor):
+    """Lightning indexer: its own overlapping compressor at index_head_dim (its
+    entries are the indexer keys), and
+    score(t, s) = sum_h w_{t,h} relu(q_{t,h} . k_s) / sqrt(d_I)."""
+
+    def __init__(self, c: dict, ratio: int):
+        super().__init__(c, ratio, c["index_head_dim"], overlap=True)
+        self.n_heads, self.head_dim, self.topk = c["index_n_heads"], c["index_head_dim"], c["index_topk"]
+        self.q_b_proj = linear(c["q_lora_rank"], self.n_heads * self.head_dim)
+        self.weights_proj = linear(c["hidden_size"], self.n_heads)
+
+    def scores(self, q_res, x, positions, keys, inv_freq):
+        """[n, S] index scores of n queries against S keys."""
+        q = self.q_b_proj(q_res).view(-1, self.n_heads, self.head_dim)
+        q = apply_rope(q, positions, inv_freq)
+        s = F.relu(torch.einsum("nhd,sd->nhs", q.float(), keys.float())) * self.head_dim ** -0.5
+        w = self.weights_proj(x).float() * self.n_heads ** -0.5
+        return (s * w.unsqueeze(-1)).sum(dim=1)
+
+
+# ---------------------------------------------------------------- attention
+
+class Attention(nn.Module):
+    def __init__(self, c: dict, layer_idx: int, layer_type: str):
+        super().__init__()
+        H, D, nh = c["hidden_size"], c["head_dim"], c["num_attention_heads"]
+        self.layer_idx, self.layer_type = layer_idx, layer_type
+        self.num_heads, self.head_dim, self.window = nh, D, c["sliding_window"]
+        self.eps, self.groups = c["rms_norm_eps"], c["o_groups"]
+        self.scale = D ** -0.5
+        self.q_a_proj = linear(H, c["q_lora_rank"])
+        self.q_a_norm = RMSNorm(c["q_lora_rank"], self.eps)
+        self.q_b_proj = linear(c["q_lora_rank"], nh * D)
+        self.kv_proj = linear(H, D)
+        self.kv_norm = RMSNorm(D, self.eps)
+        self.o_a_proj = linear(nh * D // c["o_groups"], c["o_groups"] * c["o_lora_rank"])
+        self.o_b_proj = linear(c["o_groups"] * c["o_lora_rank"], H)
+        self.sinks = param(nh)
+        rope = c["rope_main"] if layer_type == SWA else c["rope_compress"]
+        self.inv_freq = rope_inv_freq(rope, c["rope_dim"], c["max_position_embeddings"])
+        self.comp_inv_freq = rope_inv_freq(c["rope_compress"], c["rope_dim"], c["max_position_embeddings"])
+        self.ratio = c["compress_rates"].get(layer_type, 0)
+        self.compressor = None
+        if layer_type == CSA:
+            self.compressor = Compressor(c, self.ratio, D, overlap=True)
+            self.compressor.indexer = Indexer(c, self.ratio)
+        elif layer_type == HCA:
+            self.compressor = Compressor(c, self.ratio, D, overlap=False)
+
+    def forward(self, x, positions, meta: DSV4Batch | None):
+        T = x.shape[0]
+        q_res = self.q_a_norm(self.q_a_proj(x))
+        q = unweighted_rms(self.q_b_proj(q_res).view(T, self.num_heads, self.head_dim), self.eps)
+        q = apply_rope(q, positions, self.inv_freq)
+        kv = apply_rope(self.kv_norm(self.kv_proj(x)), positions, self.inv_freq)
+        comp = self.compressor
+        raw = idx_raw = None
+        if comp is not None:
+            raw = comp.kv_proj(x), comp.gate_proj(x)
+            if self.layer_type == CSA:
+                idx_raw = comp.indexer.kv_proj(x), comp.indexer.gate_proj(x)
+        bounds = [0, T] if meta is None else meta.query_start_loc
+        outs = []
+        for i in range(len(bounds) - 1):
+            a, b = bounds[i], bounds[i + 1]
+            state = None if meta is None else meta.states[i].layers[self.layer_idx]
+            start = 0 if meta is None else meta.states[i].length
+            sl = slice(a, b)
+            outs.append(self._sequence(
+                q[sl], kv[sl], positions[sl], start, state, x[sl], q_res[sl],
+                None if raw is None else (raw[0][sl], raw[1][sl]),
+                None if idx_raw is None else (idx_raw[0][sl], idx_raw[1][sl])))
+        o = torch.cat(outs, dim=0)   # [T, nh, D]
+        o = apply_rope(o, positions, self.inv_freq, inverse=True)
+        g = o.reshape(T, self.groups, -1)
+        w = self.o_a_proj.weight.view(self.groups, -1, g.shape[-1])
+        g = torch.einsum("tgi,goi->tgo", g, w).flatten(1)
+        return self.o_b_proj(g)
+
+    def _compress(self, comp: Compressor, cstate, raw, start: int, n: int):
+        """All entries visible after writing n new tokens at positions [start, start + n)."""
+        r = comp.ratio
+        w1 = (start + n) // r
+        if cstate is None:
+            return comp.emit(raw[0], raw[1], 0, 0, w1, self.comp_inv_freq)
+        w0 = cstate.entries.n
+        assert w0 == start // r, (w0, start, r)
+        if w1 > w0:
+            lo = max(0, (w0 - (1 if comp.overlap else 0)) * r)
+            kv = torch.cat([cstate.raw_kv.read(lo, start), raw[0]], dim=0)
+            gate = torch.cat([cstate.raw_gate.read(lo, start), raw[1]], dim=0)
+            cstate.entries.append(comp.emit(kv, gate, lo, w0, w1, self.comp_inv_freq))
+        cstate.raw_kv.write(start, raw[0])
+        cstate.raw_gate.write(start, raw[1])
+        return cstate.entries.get()
+
+    def _sequence(self, q, kv, pos, start, state, x, q_res, raw, idx_raw):
+        n = q.shape[0]
+        if state is None:
+            keys, kpos = kv, pos
+        else:
+            lo = max(0, start - (self.window - 1))
+            keys = torch.cat([state.window.read(lo, start), kv], dim=0)
+            kpos = torch.arange(lo, start + n, device=pos.device)
+            state.window.write(start, kv)
+        mask = (kpos[None, :] <= pos[:, None]) & (kpos[None, :] > pos[:, None] - self.window)
+        if self.compressor is not None:
+            entries = self._compress(self.compressor, None if state is None else state.compressor, raw, start, n)
+            S = entries.shape[0]
+            visible = torch.arange(S, device=pos.device)[None, :] < ((pos + 1) // self.ratio)[:, None]
+            if self.layer_type == CSA and S > 0:
+                ind = self.compressor.indexer
+                ikeys = self._compress(ind, None if state is None else state.indexer, idx_raw, start, n)
+                scores = ind.scores(q_res, x, pos, ikeys, self.comp_inv_freq).masked_fill(~visible, float("-inf"))
+                k = min(ind.topk, S)
+                top = scores.topk(k, dim=-1).indices
+                chosen = torch.zeros_like(visible).scatter_(1, top, True)
+                visible = visible & chosen
+            keys = torch.cat([keys, entries], dim=0)
+            mask = torch.cat([mask, visible], dim=1)
+        logits = torch.einsum("nhd,kd->nhk", q, keys) * self.scale
+        logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
+        sinks = self.sinks.view(1, -1, 1).expand(n, -1, 1).to(logits.dtype)
+        combined = torch.cat([logits, sinks], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        probs = combined.softmax(dim=-1)[..., :-1]
+        return torch.einsum("nhk,kd->nhd", probs.to(keys.dtype), keys)
+
+
+# ---------------------------------------------------------------- layers / model
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: dict, layer_idx: int, layer_type: str, mlp_type: str):
+        super().__init__()
+        self.self_attn = Attention(c, layer_idx, layer_type)
+        self.mlp = MoE(c, mlp_type == "hash_moe")
+        self.input_layernorm = RMSNorm(c["hidden_size"], c["rms_norm_eps"])
+        self.post_attention_layernorm = RMSNorm(c["hidden_size"], c["rms_norm_eps"])
+        self.attn_hc = HyperConnection(c)
+        self.ffn_hc = HyperConnection(c)
+
+    def forward(self, h, positions, input_ids, meta):   # h [T, hc, D]
+        post, comb, x = self.attn_hc(h)
+        h = HyperConnection.combine(post, comb, self.self_attn(self.input_layernorm(x), positions, meta), h)
+        post, comb, x = self.ffn_hc(h)
+        return HyperConnection.combine(post, comb, self.mlp(self.post_attention_layernorm(x), input_ids), h)
+
+
+class DeepseekV4Model(nn.Module):
+    def __init__(self, c: dict):
+        super().__init__()
+        self.hc_mult = c["hc_mult"]
+        self.embed_tokens = nn.Embedding(c["vocab_size"], c["hidden_size"])
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(c, i, c["layer_types"][i], c["mlp_layer_types"][i])
+                                    for i in range(c["num_hidden_layers"]))
+        self.norm = RMSNorm(c["hidden_size"], c["rms_norm_eps"])
+        self.hc_head = HyperHead(c)
+
+    def forward_streams(self, input_ids, positions, meta):
+        """The pre-collapse hyper-connection state [T, hc, D] after the last layer."""
+        h = self.embed_tokens(input_ids).unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
+        for layer in self.layers:
+            h = layer(h, positions, input_ids, meta)
+        return h
+
+
+class DeepseekV4MTP(DecoderLayer):
+    """MTP head: embedding of token t+1 and the main model's pre-collapse state
+    at t -> one extra (sliding-window, score-routed) block -> own hc head and
+    norm -> the shared LM head (token t+2). It keeps its own window cache:
+    a DSV4SequenceState from mtp_cache_spec()."""
+
+    def __init__(self, c: dict):
+        super().__init__(c, 0, SWA, "moe")
+        H = c["hidden_size"]
+        self.e_proj, self.h_proj = linear(H, H), linear(H, H)
+        self.enorm, self.hnorm, self.norm = (RMSNorm(H, c["rms_norm_eps"]) for _ in range(3))
+        self.hc_head = HyperHead(c)
+
+    def draft(self, embeds, streams, positions, next_ids, meta):
+        h = self.e_proj(self.enorm(embeds)).unsqueeze(1) + self.h_proj(self.hnorm(streams))
+        h = self.forward(h, positions, next_ids, meta)
+        return self.norm(self.hc_head(h))
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    def __init__(self, config: dict):
+        super().__init__()
+        self.config = c = normalise_config(config)
+        self.model = DeepseekV4Model(c)
+        self.lm_head = nn.Linear(c["hidden_size"], c["vocab_size"], bias=False)
+        self.lm_head.weight.requires_grad_(False)
+        self.has_mtp = c.get("num_nextn_predict_layers", 0) > 0
+        self.mtp = nn.ModuleList([DeepseekV4MTP(c)] if self.has_mtp else [])
+
+    def forward_streams(self, input_ids, positions, attn_metadata):
+        h = self.model.forward_streams(input_ids, positions, attn_metadata)
+        if attn_metadata is not None:
+            attn_metadata.advance()
+        return h
+
+    def collapse(self, streams):
+        return self.model.norm(self.model.hc_head(streams))
+
+    def forward(self, input_ids, positions, attn_metadata):
+        return self.collapse(self.forward_streams(input_ids, positions, attn_metadata))
+
+    def compute_logits(self, hidden):
+        return self.lm_head(hidden).float()
+
+    def mtp_forward(self, next_ids, streams, positions, attn_metadata):
+        """Draft hidden states: next_ids[i] is the token after position positions[i],
+        streams[i] the main model's pre-collapse state there. Feed to compute_logits."""
+        h = self.mtp[0].draft(self.model.embed_tokens(next_ids), streams, positions, next_ids, attn_metadata)
+        if attn_metadata is not None:
+            attn_metadata.advance()
+        return h
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        from model_zoo.dsv4_checkpoint import load_into
+        load_into(self, weights)
+
+    # -------------------------------------------------------------- cache
+
+    def _spec(self, i: int, layer_type: str) -> dict:
+        c = self.config
+        return dict(layer_type=layer_type, head_dim=c["head_dim"], sliding_window=c["sliding_window"],
+                    ratio=c["compress_rates"].get(layer_type, 0),
+                    index_head_dim=c["index_head_dim"] if layer_type == CSA else 0)
+
+    def kv_cache_spec(self) -> list[dict]:
+        """Per layer: what its cache state holds (see kvcache/dsv4_state.py)."""
+        return [self._spec(i, t) for i, t in enumerate(self.config["layer_types"])]
+
+    def mtp_cache_spec(self) -> list[dict]:
+        return [self._spec(0, SWA)]
+
+    def new_state(self, max_rollback: int = 0, mtp: bool = False) -> DSV4SequenceState:
+        spec = self.mtp_cache_spec() if mtp else self.kv_cache_spec()
+        return DSV4SequenceState(spec, max_rollback, dtype=self.lm_head.weight.dtype,
+                                 device=self.lm_head.weight.device)

@@ -1,0 +1,208 @@
+"""DeepSeek-V4 checkpoints: official names -> transformers' names, and
+dequantisation of FP8 / FP4 weights at load.
+
+Official checkpoints (deepseek-ai/DeepSeek-V4-*) name tensors `embed.weight`,
+`layers.N.attn.wq_a.weight`, `layers.N.ffn.experts.E.w1.weight`, `mtp.0.*`...;
+the renames below are transformers' conversion_mapping for deepseek_v4, plus
+the MTP head's own tensors (which transformers drops). Names already in
+transformers' form (`model.layers.N.self_attn.q_a_proj.weight`) pass through.
+
+Quantised weights come with a companion scale (`<module>.scale`, or
+`<module>.weight_scale_inv` in HF-FP8 style):
+  FP8  float8_e4m3fn weight [out, in], scale [ceil(out/128), ceil(in/128)]:
+       w = w8 * scale[i // 128, j // 128]
+  FP4  e2m1 codes packed two per byte (int8/uint8 [out, in/2], low nibble is
+       the even column; or torch.float4_e2m1fn_x2), MXFP4-style scale
+       [out, in/32] (float8_e8m0fnu powers of two, or any float):
+       w = e2m1(code) * scale[i, j // 32]
+"""
+import re
+from collections.abc import Iterable, Iterator
+
+import torch
+
+# transformers/conversion_mapping.py "deepseek_v4", in order.
+RENAMES = [(re.compile(a), b) for a, b in [
+    (r"\.attn\.", ".self_attn."),
+    (r"\.ffn\.", ".mlp."),
+    (r"\.indexer\.compressor\.", ".compressor.indexer."),
+    (r"\.attn_norm\.", ".input_layernorm."),
+    (r"\.ffn_norm\.", ".post_attention_layernorm."),
+    (r"\.hc_attn_fn", ".attn_hc.fn"),
+    (r"\.hc_attn_base", ".attn_hc.base"),
+    (r"\.hc_attn_scale", ".attn_hc.scale"),
+    (r"\.hc_ffn_fn", ".ffn_hc.fn"),
+    (r"\.hc_ffn_base", ".ffn_hc.base"),
+    (r"\.hc_ffn_scale", ".ffn_hc.scale"),
+    (r"\.attn_sink", ".sinks"),
+    (r"\.indexer\.weights_proj\.", ".compressor.indexer.scorer.weights_proj."),
+    (r"\.indexer\.wq_b\.", ".compressor.indexer.q_b_proj."),
+    (r"\.norm\.", ".kv_norm."),
+    (r"\.ape", ".position_bias"),
+    (r"\.wq_a\.", ".q_a_proj."),
+    (r"\.self_attn\.wq_b\.", ".self_attn.q_b_proj."),
+    (r"\.wkv\.", ".kv_proj."),
+    (r"\.wgate\.", ".gate_proj."),
+    (r"\.wo_a\.", ".o_a_proj."),
+    (r"\.wo_b\.", ".o_b_proj."),
+    (r"\.q_norm\.", ".q_a_norm."),
+    (r"\.gate\.bias", ".gate.e_score_correction_bias"),
+    (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."),
+    (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."),
+    (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."),
+]]
+TOP_LEVEL = {"embed.weight": "model.embed_tokens.weight", "head.weight": "lm_head.weight",
+             "norm.weight": "model.norm.weight", "hc_head_fn": "model.hc_head.hc_fn",
+             "hc_head_base": "model.hc_head.hc_base", "hc_head_scale": "model.hc_head.hc_scale"}
+MTP_OWN = {"norm.weight": "norm.weight", "enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight",
+           "e_proj.weight": "e_proj.weight", "h_proj.weight": "h_proj.weight",
+           "hc_head_fn": "hc_head.hc_fn", "hc_head_base": "hc_head.hc_base", "hc_head_scale": "hc_head.hc_scale"}
+_MTP = re.compile(r"^(?:model\.)?mtp\.(\d+)\.(.*)$")
+
+
+def hf_name(name: str) -> str:
+    """transformers' name for an official (or already-transformers) tensor name.
+    MTP tensors come out as `mtp.K.<transformers-style decoder-layer name>`."""
+    if name.startswith(("model.", "lm_head.")) and not _MTP.match(name):
+        return name
+    m = _MTP.match(name)
+    if m:
+        k, rest = m.groups()
+        if rest in MTP_OWN:
+            return f"mtp.{k}.{MTP_OWN[rest]}"
+        if rest.startswith(("self_attn.", "mlp.", "input_layernorm.", "post_attention_layernorm.", "attn_hc.",
+                            "ffn_hc.", "hc_head.")):
+            return f"mtp.{k}.{rest}"
+        out = "." + rest
+        for pat, rep in RENAMES:
+            out = pat.sub(rep, out)
+        return f"mtp.{k}{out}"
+    if name in TOP_LEVEL:
+        return TOP_LEVEL[name]
+    out = name
+    for pat, rep in RENAMES:
+        out = pat.sub(rep, out)
+    return "model." + out
+
+
+# ---------------------------------------------------------------- dequantisation
+
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def dequant_fp8(w: torch.Tensor, scale: torch.Tensor, block: int = 128) -> torch.Tensor:
+    out, inp = w.shape
+    s = scale.float().repeat_interleave(block, 0)[:out].repeat_interleave(block, 1)[:, :inp]
+    return w.float() * s
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """[out, in/2] packed e2m1 (low nibble = even column) -> [out, in] fp32."""
+    b = packed.view(torch.uint8).to(torch.long)
+    codes = torch.stack([b & 0xF, b >> 4], dim=-1).flatten(-2)
+    return E2M1[codes]
+
+
+def dequant_fp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    w = unpack_fp4(packed)
+    block = w.shape[1] // scale.shape[1]
+    return w * scale.float().repeat_interleave(block, 1)
+
+
+def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
+    """[out, in] e2m1 codes 0..15 -> [out, in/2] uint8 (the inverse of unpack_fp4's layout)."""
+    c = codes.to(torch.uint8)
+    return c[:, 0::2] | (c[:, 1::2] << 4)
+
+
+def _is_quantised(t: torch.Tensor) -> bool:
+    fp4x2 = getattr(torch, "float4_e2m1fn_x2", None)
+    return t.dtype in (torch.float8_e4m3fn, torch.int8, torch.uint8) or (fp4x2 is not None and t.dtype == fp4x2)
+
+
+def _dequant(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    if w.dtype == torch.float8_e4m3fn:
+        return dequant_fp8(w, scale)
+    return dequant_fp4(w, scale)
+
+
+def dequantised(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pair each quantised weight with its scale (in any order) and yield the
+    fp32 weight under its original name; other tensors pass through."""
+    held_w: dict[str, torch.Tensor] = {}
+    held_s: dict[str, torch.Tensor] = {}
+    for name, t in weights:
+        if name.endswith((".scale", ".weight_scale_inv")) and t.dim() == 2:
+            base = name.rsplit(".", 1)[0]
+            if base + ".weight" in held_w:
+                yield base + ".weight", _dequant(held_w.pop(base + ".weight"), t)
+            else:
+                held_s[base] = t
+        elif name.endswith(".weight") and _is_quantised(t):
+            base = name[:-len(".weight")]
+            if base in held_s:
+                yield name, _dequant(t, held_s.pop(base))
+            else:
+                held_w[name] = t
+        else:
+            yield name, t
+    if held_w or held_s:
+        raise ValueError(f"quantised weights without scales: {sorted(held_w)[:4]}; "
+                         f"scales without weights: {sorted(held_s)[:4]}")
+
+
+# ---------------------------------------------------------------- loading
+
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+
+
+def load_into(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Load official- or transformers-named tensors (quantised or not) into a
+    model_zoo DeepseekV4ForCausalLM. Unknown names and wrong shapes raise; a
+    missing tensor raises, except that a checkpoint without any `mtp.*` leaves
+    the MTP head unloaded (model.mtp_loaded False)."""
+    targets = dict(model.named_parameters())
+    targets.update(dict(model.named_buffers()))
+    seen: set[str] = set()
+    parts: dict[str, set] = {}   # fused expert tensor -> the (expert, half) pieces loaded
+    for name, t in dequantised(weights):
+        hf = hf_name(name)
+        hf = hf.replace(".compressor.indexer.scorer.weights_proj.", ".compressor.indexer.weights_proj.")
+        m = _EXPERT.match(hf)
+        with torch.no_grad():
+            if m:
+                prefix, e, kind = m.group(1), int(m.group(2)), m.group(3)
+                if kind in ("w2", "down_proj"):
+                    fused, dst, half_id = prefix + ".down_proj", targets[prefix + ".down_proj"][e], 0
+                else:
+                    fused = prefix + ".gate_up_proj"
+                    full = targets[fused][e]
+                    half = full.shape[0] // 2
+                    half_id = 0 if kind in ("w1", "gate_proj") else 1
+                    dst = full[:half] if half_id == 0 else full[half:]
+                _copy(dst, t, name)
+                got = parts.setdefault(fused, set())
+                got.add((e, half_id))
+                if len(got) == targets[fused].shape[0] * (2 if fused.endswith("gate_up_proj") else 1):
+                    seen.add(fused)
+                continue
+            if hf not in targets:
+                raise ValueError(f"unknown checkpoint tensor {name!r} (as {hf!r}) for DeepseekV4ForCausalLM")
+            _copy(targets[hf], t, name)
+            seen.add(hf)
+    expected = {n for n in targets if not n.endswith("inv_freq")}
+    missing = sorted(expected - seen)
+    mtp_expected = [n for n in expected if n.startswith("mtp.")]
+    mtp_missing = [n for n in missing if n.startswith("mtp.")]
+    model.mtp_loaded = bool(mtp_expected) and not mtp_missing
+    if mtp_missing and len(mtp_missing) == len(mtp_expected):
+        missing = [n for n in missing if not n.startswith("mtp.")]
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} tensor(s) for DeepseekV4ForCausalLM: "
+                         f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"{name}: shape mismatch: expected {tuple(dst.shape)}, got {tuple(src.shape)}")
+    dst.copy_(src.to(dst.dtype))
