@@ -1,0 +1,337 @@
+"""`tqserve plan`: weights and KV cache on paper, before anything is loaded.
+
+For a model config (a config.json path, or a built-in name) at a tensor-parallel
+size and a KV cache format, it prints weight bytes per rank, KV bytes per token
+per rank (per layer kind), and how many sequences of each context length fit
+in the memory left on each rank. Every number comes from the formulas printed
+with it (FORMULAS below); nothing is allocated.
+
+    python -m server.plan --model DeepSeek-V4-Flash --tp 2 --kv-cache-dtype f16 tq3 \
+        --max-model-len 32768 131072 1048576
+
+Sharding assumed at TP=t (what parallel/ and the DeepSeek-V4 plan do):
+  dense models: q/k/v/o, gate/up/down, embedding and head split t ways; KV
+      heads split t ways (replicated when num_key_value_heads < t).
+  DeepSeek-V4: routed experts split t ways; q_b / o_a / o_b (per head group),
+      embedding and head split t ways; q_a, the shared K=V projection, the
+      compressors, indexer, router, shared expert, norms and hyper-connections
+      replicated. The single K=V head, compressed entries and indexer keys are
+      replicated on every rank (one KV head cannot be split by heads).
+"""
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvcache.kv_formats import parse_preset
+from kvcache.turboquant import ComponentFormat
+
+GB = 1e9
+
+FORMULAS = """\
+formulas (bytes; t = TP size, L = context length, R = rollback tokens kept for spec decode):
+  vector(fmt, d)       f16: 2d   q8: d + 2   tqB: ceil(B*d/8) + 2 * norms (1 fp16 norm per vector, or per g values)
+  dense model, per token per rank:
+      sum over full-attention layers of  (kv_heads/t) * (vector(K, hd) + vector(V, hd))
+      sliding layers: the same per token, but only for min(L, window) tokens (a per-sequence constant)
+  DeepSeek-V4, per token per rank (K=V: one vector per entry, replicated on every rank):
+      CSA layer: ( vector(kv, D) + 2*Di ) / m          (compressed entry + f16 indexer key every m tokens)
+      HCA layer:   vector(kv, D) / m'
+      every layer, per sequence: (window - 1 + R) * 2D   (sliding ring, f16)
+      CSA/HCA, per sequence: 2 (kv, gate) * cap * width * 2 with cap = (2m + R, m' + R), width = (2D, D) and
+                             for CSA's indexer cap = 2m + R, width = 2Di   (compressor carry state)
+  weights per rank: sum over tensors of numel * bytes(dtype) / (t if split else 1)
+      DeepSeek-V4 dtypes: routed experts FP4 (0.5 + 1/32 for the e8m0 scale per 32); other projections FP8
+      (1 + 128x128 block scales); embedding, head, compressor/indexer kv/gate, router BF16; norms, sinks,
+      position biases and hyper-connection params FP32
+  max sequences at L = floor( (memory - reserve - weights) / (L * kv_per_token + per_sequence) )"""
+
+
+# ---------------------------------------------------------------- built-in configs
+
+def _flash() -> dict:
+    return dict(
+        architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v4", vocab_size=129280, hidden_size=4096,
+        num_hidden_layers=43, num_attention_heads=64, num_key_value_heads=1, head_dim=512, qk_rope_head_dim=64,
+        q_lora_rank=1024, o_groups=8, o_lora_rank=1024, n_routed_experts=256, n_shared_experts=1,
+        num_experts_per_tok=6, moe_intermediate_size=2048, num_hash_layers=3, hc_mult=4, sliding_window=128,
+        index_n_heads=64, index_head_dim=128, index_topk=512, num_nextn_predict_layers=1,
+        compress_ratios=[0, 0] + [4 if i % 2 == 0 else 128 for i in range(41)] + [0],
+        max_position_embeddings=1048576)
+
+
+def _pro() -> dict:
+    # Approximate (from the transformers defaults' docstring and public numbers): pass the
+    # real config.json for exact figures.
+    n = 61
+    return dict(
+        architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v4", vocab_size=129280, hidden_size=7168,
+        num_hidden_layers=n, num_attention_heads=128, num_key_value_heads=1, head_dim=512, qk_rope_head_dim=64,
+        q_lora_rank=1536, o_groups=16, o_lora_rank=1024, n_routed_experts=384, n_shared_experts=1,
+        num_experts_per_tok=6, moe_intermediate_size=3072, num_hash_layers=3, hc_mult=4, sliding_window=128,
+        index_n_heads=64, index_head_dim=128, index_topk=1024, num_nextn_predict_layers=1,
+        compress_ratios=[128, 128] + [4 if i % 2 else 128 for i in range(n - 2)] + [0],
+        max_position_embeddings=1048576)
+
+
+BUILTIN = {
+    "deepseek-v4-flash": _flash,
+    "deepseek-v4-pro": _pro,
+    "qwen3-32b": lambda: dict(
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=5120,
+        intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8,
+        head_dim=128, tie_word_embeddings=False, max_position_embeddings=40960),
+    "gemma3-27b": lambda: dict(
+        architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", vocab_size=262208, hidden_size=5376,
+        intermediate_size=21504, num_hidden_layers=62, num_attention_heads=32, num_key_value_heads=16,
+        head_dim=128, sliding_window=1024, sliding_window_pattern=6, tie_word_embeddings=True,
+        max_position_embeddings=131072),
+}
+ALIASES = {"deepseek-v4": "deepseek-v4-flash", "flash": "deepseek-v4-flash", "pro": "deepseek-v4-pro",
+           "qwen3": "qwen3-32b", "gemma3": "gemma3-27b"}
+
+
+def load_config(model: str) -> tuple[str, dict]:
+    key = model.strip().lower()
+    key = ALIASES.get(key, key)
+    if key in BUILTIN:
+        return key, BUILTIN[key]()
+    p = Path(model)
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise SystemExit(f"--model {model!r}: not a built-in name ({', '.join(BUILTIN)}) nor a config.json")
+    cfg = json.loads(p.read_text())
+    return str(p), cfg.get("text_config", cfg) if "num_hidden_layers" not in cfg else cfg
+
+
+# ---------------------------------------------------------------- accounting
+
+def vector_bytes(fmt: ComponentFormat, d: int) -> float:
+    if fmt.kind == "f16":
+        return 2 * d
+    if fmt.kind == "int8":
+        return d + 2
+    norms = d // fmt.group if fmt.group else 1
+    return math.ceil(fmt.bits * d / 8) + 2 * norms
+
+
+@dataclass
+class Plan:
+    name: str
+    tp: int
+    kv_cache_dtype: str
+    weight_bytes: float = 0.0                       # per rank
+    weight_parts: dict = field(default_factory=dict)
+    kv_per_token: float = 0.0                        # per rank, grows with L
+    kv_per_token_by_kind: dict = field(default_factory=dict)
+    per_sequence: float = 0.0                        # per rank, independent of L (bounded windows, carry)
+    per_sequence_by_kind: dict = field(default_factory=dict)
+    sliding_tokens: dict = field(default_factory=dict)   # dense sliding layers: bytes per token, up to window
+    notes: list = field(default_factory=list)
+
+    def seq_bytes(self, L: int) -> float:
+        extra = sum(b * min(L, w) for w, b in self.sliding_tokens.items())
+        return L * self.kv_per_token + self.per_sequence + extra
+
+    def max_seqs(self, L: int, memory: float, reserve: float) -> int:
+        free = memory - reserve - self.weight_bytes
+        return max(0, int(free // self.seq_bytes(L))) if free > 0 else 0
+
+
+def _add(d: dict, k: str, v: float) -> None:
+    d[k] = d.get(k, 0.0) + v
+
+
+# Bytes per stored weight value in the official DeepSeek-V4 checkpoints.
+V4_DTYPE_BYTES = dict(fp4=0.5 + 1 / 32, fp8=1 + 4 / (128 * 128), bf16=2.0, fp32=4.0, index=4.0)
+
+
+def plan_deepseek_v4(name: str, cfg: dict, tp: int, kv: str, rollback: int,
+                     dtype_bytes: dict | None = None) -> Plan:
+    from model_zoo.deepseek_v4 import CSA, HCA, SWA, normalise_config
+    c = normalise_config(cfg)
+    p = Plan(name, tp, kv)
+    H, D, nh, V = c["hidden_size"], c["head_dim"], c["num_attention_heads"], c["vocab_size"]
+    qr, og, olr, E, I = c["q_lora_rank"], c["o_groups"], c["o_lora_rank"], c["n_routed_experts"], c["moe_intermediate_size"]
+    Di, nhi, hc, W = c["index_head_dim"], c["index_n_heads"], c["hc_mult"], c["sliding_window"]
+    db = dtype_bytes or V4_DTYPE_BYTES
+    FP4, FP8, BF16, FP32, IDX = db["fp4"], db["fp8"], db["bf16"], db["fp32"], db["index"]
+    m, mh = c["compress_rates"][CSA], c["compress_rates"][HCA]
+    w = p.weight_parts
+
+    def layer(kind: str, hash_layer: bool, part: str):
+        _add(w, part + " attention (split)", (qr * nh * D + nh * D * olr + og * olr * H) * FP8 / tp)
+        _add(w, part + " attention (replicated)", (H * qr + H * D) * FP8 + (qr + D + nh) * FP32)
+        if kind == CSA:
+            _add(w, part + " compressor+indexer", 2 * H * 2 * D * BF16 + m * 2 * D * FP32 + D * FP32
+                 + 2 * H * 2 * Di * BF16 + m * 2 * Di * FP32 + Di * FP32 + qr * nhi * Di * FP8 + H * nhi * BF16)
+        elif kind == HCA:
+            _add(w, part + " compressor+indexer", 2 * H * D * BF16 + mh * D * FP32 + D * FP32)
+        _add(w, part + " routed experts (split)", E * 3 * H * I * FP4 / tp)
+        _add(w, part + " shared expert, router", 3 * H * I * c["n_shared_experts"] * FP8 + E * H * BF16
+             + (V * c["num_experts_per_tok"] * IDX if hash_layer else E * FP32))
+        _add(w, part + " norms, hyper-connections", 2 * H * FP32 + 2 * ((2 + hc) * hc * hc * H + (2 + hc) * hc + 3) * FP32)
+
+    for i, kind in enumerate(c["layer_types"]):
+        layer(kind, c["mlp_layer_types"][i] == "hash_moe", "layers:")
+    if c.get("num_nextn_predict_layers", 0):
+        layer(SWA, False, "mtp:")
+        _add(w, "mtp: e/h proj, norms, hc head", 2 * H * H * FP8 + 3 * H * FP32 + (hc * hc * H + hc + 1) * FP32)
+    _add(w, "embedding + head (split)", 2 * V * H * BF16 / tp)
+    _add(w, "final norm, hc head", H * FP32 + (hc * hc * H + hc + 1) * FP32)
+    p.weight_bytes = sum(w.values())
+
+    kfmt, _ = parse_preset(kv)
+    entry = vector_bytes(kfmt, D)
+    ring = (W - 1 + rollback) * 2 * D
+    n_layers = len(c["layer_types"]) + (1 if c.get("num_nextn_predict_layers", 0) else 0)
+    _add(p.per_sequence_by_kind, "sliding rings (all layers + mtp)", n_layers * ring)
+    for kind in c["layer_types"]:
+        if kind == CSA:
+            _add(p.kv_per_token_by_kind, f"CSA compressed KV ({kfmt.name})", entry / m)
+            _add(p.kv_per_token_by_kind, "CSA indexer keys (f16)", 2 * Di / m)
+            _add(p.per_sequence_by_kind, "compressor carry",
+                 2 * (2 * m + rollback) * 2 * D * 2 + 2 * (2 * m + rollback) * 2 * Di * 2)
+        elif kind == HCA:
+            _add(p.kv_per_token_by_kind, f"HCA compressed KV ({kfmt.name})", entry / mh)
+            _add(p.per_sequence_by_kind, "compressor carry", 2 * (mh + rollback) * D * 2)
+    p.kv_per_token = sum(p.kv_per_token_by_kind.values())
+    p.per_sequence = sum(p.per_sequence_by_kind.values())
+    counts = {k: c["layer_types"].count(k) for k in (SWA, CSA, HCA)}
+    p.notes.append(f"layers: {counts[SWA]} sliding, {counts[CSA]} CSA (m={m}), {counts[HCA]} HCA (m'={mh})"
+                   f"{', + 1 MTP (sliding)' if c.get('num_nextn_predict_layers', 0) else ''}; "
+                   f"window {W}, D={D}, indexer d={Di}")
+    return p
+
+
+def plan_dense(name: str, cfg: dict, tp: int, kv: str) -> Plan:
+    p = Plan(name, tp, kv)
+    H, L, nh = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"]
+    nkv = cfg.get("num_key_value_heads") or nh
+    hd = cfg.get("head_dim") or H // nh
+    I, V = cfg["intermediate_size"], cfg["vocab_size"]
+    BF16 = 2.0
+    per_layer = (H * nh * hd * 2 + H * nkv * hd * 2) + 3 * H * I
+    p.weight_parts["layers (split)"] = L * per_layer * BF16 / tp
+    p.weight_parts["norms (replicated)"] = L * (2 * H + (4 if "gemma" in cfg.get("model_type", "") else 0) * H) * BF16
+    tied = cfg.get("tie_word_embeddings", False)
+    p.weight_parts["embedding + head (split)"] = (1 if tied else 2) * V * H * BF16 / tp
+    p.weight_bytes = sum(p.weight_parts.values())
+    kfmt, vfmt = parse_preset(kv)
+    kv_heads = max(1, nkv // tp) if nkv >= tp else nkv
+    if nkv < tp:
+        p.notes.append(f"{nkv} KV heads < tp {tp}: KV heads replicated")
+    types = cfg.get("layer_types")
+    window = cfg.get("sliding_window")
+    if not types:
+        pattern = cfg.get("sliding_window_pattern")
+        if "gemma3" in cfg.get("model_type", "") and pattern:
+            types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(L)]
+        else:
+            types = ["full_attention"] * L
+    full = types.count("full_attention")
+    sliding = L - full
+    # Per the KV policy, sliding layers stay f16 by default.
+    tok = kv_heads * (vector_bytes(kfmt, hd) + vector_bytes(vfmt, hd))
+    p.kv_per_token_by_kind[f"full attention ({kfmt.name}/{vfmt.name})"] = full * tok
+    p.kv_per_token = full * tok
+    if sliding:
+        p.sliding_tokens[window] = sliding * kv_heads * 4 * hd
+        p.per_sequence_by_kind[f"sliding layers, up to {window} tokens (f16)"] = p.sliding_tokens[window] * window
+    p.notes.append(f"layers: {full} full, {sliding} sliding; {nkv} KV heads x {hd}")
+    return p
+
+
+def make_plan(model: str, tp: int = 2, kv_cache_dtype: str = "f16", rollback: int = 3) -> Plan:
+    name, cfg = load_config(model)
+    arch = (cfg.get("architectures") or [""])[0]
+    if cfg.get("model_type") == "deepseek_v4" or arch == "DeepseekV4ForCausalLM":
+        return plan_deepseek_v4(name, cfg, tp, kv_cache_dtype, rollback)
+    return plan_dense(name, cfg, tp, kv_cache_dtype)
+
+
+# ---------------------------------------------------------------- CLI
+
+DEFAULT_LENS = [4096, 32768, 131072, 1048576]
+
+
+def _fmt(b: float) -> str:
+    return f"{b / GB:,.2f} GB" if b >= 1e8 else f"{b / 1e6:,.3f} MB" if b >= 1e4 else f"{b:,.1f} B"
+
+
+def report(plans: list[Plan], lens: list[int], memory: float, reserve: float, out=None) -> None:
+    out = out or sys.stdout
+    p0 = plans[0]
+    print(f"model {p0.name}, TP={p0.tp}, memory {memory / GB:.0f} GB per rank "
+          f"({p0.tp} x {memory / GB:.0f} GB), reserve {reserve / GB:.0f} GB per rank", file=out)
+    for n in p0.notes:
+        print("  " + n, file=out)
+    print(f"weights per rank: {_fmt(p0.weight_bytes)}", file=out)
+    for k, v in p0.weight_parts.items():
+        print(f"  {k:<40} {_fmt(v)}", file=out)
+    for p in plans:
+        print(f"kv cache {p.kv_cache_dtype}: {p.kv_per_token:,.1f} bytes per token per rank", file=out)
+        for k, v in p.kv_per_token_by_kind.items():
+            print(f"  {k:<40} {v:,.1f} B/token", file=out)
+        for k, v in p.per_sequence_by_kind.items():
+            print(f"  {k:<40} {_fmt(v)} per sequence", file=out)
+    print("max concurrent sequences per rank pair:", file=out)
+    print("  " + f"{'context':>10}" + "".join(f"  {p.kv_cache_dtype + ' GB/seq':>14}  {p.kv_cache_dtype + ' seqs':>10}"
+                                               for p in plans), file=out)
+    for L in lens:
+        row = f"  {L:>10}"
+        for p in plans:
+            row += f"  {p.seq_bytes(L) / GB:>14.3f}  {p.max_seqs(L, memory, reserve):>10}"
+        print(row, file=out)
+    print(FORMULAS, file=out)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True,
+                   help=f"config.json (or its folder), or a built-in: {', '.join(BUILTIN)}")
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (one rank per node)")
+    p.add_argument("--kv-cache-dtype", nargs="+", default=["f16", "tq3"],
+                   help="one or more KV formats to compare (f16, tq4, tq3, k8v4, ...)")
+    p.add_argument("--max-model-len", type=int, nargs="+", default=DEFAULT_LENS, help="context lengths")
+    p.add_argument("--memory-gb", type=float, default=128.0, help="memory per rank (node), GB")
+    p.add_argument("--reserve-gb", type=float, default=12.0,
+                   help="per rank, kept for the OS, runtime and activations")
+    p.add_argument("--rollback", type=int, default=3, help="speculative tokens the DeepSeek-V4 state can roll back")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+
+
+def run(args: argparse.Namespace) -> int:
+    plans = [make_plan(args.model, args.tp, kv, args.rollback) for kv in args.kv_cache_dtype]
+    memory, reserve = args.memory_gb * GB, args.reserve_gb * GB
+    if args.json:
+        json.dump([dict(model=p.name, tp=p.tp, kv_cache_dtype=p.kv_cache_dtype, weight_bytes_per_rank=p.weight_bytes,
+                        kv_bytes_per_token_per_rank=p.kv_per_token, kv_bytes_per_token_by_kind=p.kv_per_token_by_kind,
+                        per_sequence_bytes=p.per_sequence,
+                        max_seqs={L: p.max_seqs(L, memory, reserve) for L in args.max_model_len})
+                   for p in plans], sys.stdout, indent=1)
+        print()
+    else:
+        report(plans, args.max_model_len, memory, reserve)
+    return 0
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register `plan` on an argparse subparsers object; the subcommand's
+    handler is in `func` (call args.func(args))."""
+    p = subparsers.add_parser("plan", help="weights / KV cache / concurrency on paper for a config")
+    add_arguments(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="tqserve plan", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""server/plan.py: the formulas against hand arithmetic and against what the
+model and its cache state actually hold."""
+import io
+import json
+
+from server import plan
+from test_deepseek_v4 import CONFIG, Case
+
+
+def test_flash_kv_bytes_per_token_by_hand():
+    f16 = plan.make_plan("DeepSeek-V4-Flash", 2, "f16")
+    tq3 = plan.make_plan("DeepSeek-V4-Flash", 2, "tq3")
+    # 21 CSA layers (m=4): entry 512*2 + indexer key 128*2; 20 HCA layers (m'=128): entry only
+    assert f16.kv_per_token == 21 * (1024 + 256) / 4 + 20 * 1024 / 128 == 6880
+    tq3_entry = 512 * 3 / 8 + 2     # 3-bit codes + one fp16 norm
+    assert tq3.kv_per_token == 21 * (tq3_entry + 256) / 4 + 20 * tq3_entry / 128
+    assert tq3.weight_bytes == f16.weight_bytes
+    # 1M context on 2 x 128 GB: tq3 fits about 3x as many sequences
+    n16 = f16.max_seqs(1 << 20, 128e9, 12e9)
+    n3 = tq3.max_seqs(1 << 20, 128e9, 12e9)
+    assert 1 <= n16 < n3
+    print(f"Flash TP=2, 1M: f16 {n16} seqs, tq3 {n3} seqs; weights/rank {f16.weight_bytes / 1e9:.1f} GB")
+    # 284B parameters, experts in FP4: ~160 GB in all, split over 2 ranks
+    assert 70e9 < f16.weight_bytes < 90e9
+
+
+def test_weight_count_equals_the_models_parameters():
+    """With every dtype counted as 1 byte and TP=1 the planner's weight bytes are
+    the number of values in our model (parameters + tid2eid / router bias)."""
+    cfg = dict(CONFIG)
+    ones = dict(fp4=1, fp8=1, bf16=1, fp32=1, index=1)
+    p = plan.plan_deepseek_v4("tiny", cfg, 1, "f16", 0, dtype_bytes=ones)
+    from model_zoo.models import build_model
+    model = build_model(cfg)
+    n = sum(t.numel() for t in model.parameters()) + sum(t.numel() for t in model.buffers())
+    assert p.weight_bytes == n
+
+
+def test_kv_accounting_matches_the_cache_state():
+    """Per-token bytes x L == compressed entries + indexer keys the state holds
+    after L tokens; per-sequence bytes == its rings and carry (f16 = fp32 / 2)."""
+    c = Case(index_topk=4)
+    R = 2
+    st, mst = c.ours.new_state(max_rollback=R), c.ours.new_state(max_rollback=R, mtp=True)
+    L = 80   # a multiple of both ratios (4 and 16)
+    c.step(st, c.ids[:L], 0)
+    p = plan.plan_deepseek_v4("tiny", CONFIG, 1, "f16", R)
+    held = st.nbytes_by_kind()
+    entries = sum(v for kind in held.values() for k, v in kind.items() if k.endswith("_entries"))
+    fixed = sum(v for kind in held.values() for k, v in kind.items() if not k.endswith("_entries"))
+    fixed += sum(v for kind in mst.nbytes_by_kind().values() for v in kind.values())
+    assert p.kv_per_token * L == entries / 2
+    assert p.per_sequence == fixed / 2
+
+
+def test_dense_models():
+    q = plan.make_plan("qwen3", 2, "f16")
+    assert q.kv_per_token == 64 * (8 // 2) * 2 * 128 * 2          # layers x heads/rank x (K, V) x hd x 2 B
+    q3 = plan.make_plan("qwen3", 2, "tq3")
+    assert q3.kv_per_token == 64 * 4 * 2 * (128 * 3 / 8 + 2)
+    g = plan.make_plan("gemma3", 2, "f16")
+    assert g.kv_per_token == (62 // 6) * 8 * 2 * 128 * 2           # full layers only grow with L
+    assert g.seq_bytes(100_000) - g.seq_bytes(50_000) == 50_000 * g.kv_per_token
+
+
+def test_config_json_path_and_cli(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(plan.BUILTIN["deepseek-v4-flash"]()))
+    assert plan.main(["--model", str(tmp_path), "--kv-cache-dtype", "f16", "tq3",
+                      "--max-model-len", "1048576"]) == 0
+    out = capsys.readouterr().out
+    assert "formulas" in out and "1048576" in out and "tq3" in out
+    assert plan.main(["--model", "DeepSeek-V4-Flash", "--json", "--max-model-len", "1048576"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data[0]["kv_bytes_per_token_per_rank"] == 6880
+    import argparse
+    sub = argparse.ArgumentParser().add_subparsers()
+    plan.add_parser(sub)
