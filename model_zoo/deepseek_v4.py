@@ -37,6 +37,9 @@ def normalise_config(config: dict) -> dict:
     if "compress_rate_hca" in c:
         rates[HCA] = c["compress_rate_hca"]
     c["compress_rates"] = rates
+    c["mtp_layer_type"] = SWA
+    if c.get("compress_ratios") is not None and len(c["compress_ratios"]) > n:
+        c["mtp_layer_type"] = _RATIO_TO_TYPE[c["compress_ratios"][n]]   # the official MTP slot
     if not c.get("layer_types"):
         if c.get("compress_ratios") is not None:
             c["layer_types"] = [_RATIO_TO_TYPE[r] for r in c["compress_ratios"][:n]]
@@ -481,6 +484,8 @@ class DeepseekV4MTP(DecoderLayer):
     a DSV4SequenceState from mtp_cache_spec()."""
 
     def __init__(self, c: dict):
+        if c["mtp_layer_type"] != SWA:
+            raise ValueError(f"MTP layer of type {c['mtp_layer_type']} is not supported (sliding_attention only)")
         super().__init__(c, 0, SWA, "moe")
         H = c["hidden_size"]
         self.e_proj, self.h_proj = linear(H, H), linear(H, H)

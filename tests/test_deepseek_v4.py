@@ -184,11 +184,12 @@ def test_two_sequences_in_one_forward():
     close(torch.cat(outs_b), ref_b[30:], "batched: sequence b (chunked prefill)")
 
 
-@pytest.mark.parametrize("k", [1, 6])
-def test_rollback(k):
+@pytest.mark.parametrize("k,verify_chunk", [(1, False), (6, False), (6, True)])
+def test_rollback(k, verify_chunk):
     """Decode k wrong tokens from position 63 (where both CSA, ratio 4, and HCA,
-    ratio 16, close a window; k=6 also crosses CSA's close at 67), roll back
-    k, decode the right ones: bit-identical to never decoding them."""
+    ratio 16, close a window; k=6 also crosses CSA's close at 67), one by one
+    or as one speculative verify chunk, roll back k, decode the right ones:
+    bit-identical to never decoding them."""
     c = case(4)
     P = 63
     straight = c.ours.new_state(max_rollback=6)
@@ -198,8 +199,11 @@ def test_rollback(k):
     st = c.ours.new_state(max_rollback=6)
     c.step(st, c.ids[:P], 0)
     wrong = torch.randint(0, 128, (k,), generator=torch.Generator().manual_seed(3))
-    for i in range(k):
-        c.step(st, wrong[i:i + 1], P + i)
+    if verify_chunk:
+        c.step(st, wrong, P)
+    else:
+        for i in range(k):
+            c.step(st, wrong[i:i + 1], P + i)
     entries = st.layers[2].compressor.entries.n
     assert entries == (P + k) // 16 == 4   # the wrong tokens closed an HCA window
     st.rollback(k)
