@@ -13,7 +13,7 @@ Quantised weights come with a companion scale (`<module>.scale`, or
        w = w8 * scale[i // 128, j // 128]
   FP4  e2m1 codes packed two per byte (int8/uint8 [out, in/2], low nibble is
        the even column; or torch.float4_e2m1fn_x2), MXFP4-style scale
-       [out, in/32] (float8_e8m0fnu powers of two, or any float):
+       [out, in/32] (float8_e8m0fnu, raw E8M0 bytes as uint8 = 2^(s-127), or any float):
        w = e2m1(code) * scale[i, j // 32]
 """
 import re
@@ -90,9 +90,16 @@ def hf_name(name: str) -> str:
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 
 
+def scale_values(scale: torch.Tensor) -> torch.Tensor:
+    """fp32 scales from float scales, float8_e8m0fnu, or raw E8M0 bytes (uint8: 2^(s - 127))."""
+    if scale.dtype == torch.uint8:
+        return torch.exp2(scale.float() - 127.0)
+    return scale.float()
+
+
 def dequant_fp8(w: torch.Tensor, scale: torch.Tensor, block: int = 128) -> torch.Tensor:
     out, inp = w.shape
-    s = scale.float().repeat_interleave(block, 0)[:out].repeat_interleave(block, 1)[:, :inp]
+    s = scale_values(scale).repeat_interleave(block, 0)[:out].repeat_interleave(block, 1)[:, :inp]
     return w.float() * s
 
 
@@ -106,7 +113,7 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
 def dequant_fp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     w = unpack_fp4(packed)
     block = w.shape[1] // scale.shape[1]
-    return w * scale.float().repeat_interleave(block, 1)
+    return w * scale_values(scale).repeat_interleave(block, 1)
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:

@@ -337,8 +337,9 @@ def quantise_checkpoint(state: dict[str, torch.Tensor]):
                           else [("w2", w)])
                 for kind, part in pieces:
                     codes = torch.randint(0, 16, part.shape, generator=g)
-                    scale = (2.0 ** torch.randint(-6, -2, (part.shape[0], part.shape[1] // 32), generator=g)
-                             ).to(torch.float8_e8m0fnu)
+                    exps = torch.randint(-6, -2, (part.shape[0], part.shape[1] // 32), generator=g)
+                    # odd experts: raw E8M0 bytes (uint8, bias 127); even: torch.float8_e8m0fnu
+                    scale = (exps + 127).to(torch.uint8) if e % 2 else (2.0 ** exps).to(torch.float8_e8m0fnu)
                     base = off.replace("experts.gate_up_proj", f"experts.{e}.{kind}").replace(
                         "experts.down_proj", f"experts.{e}.{kind}")
                     q[base + ".weight"] = ckpt.pack_fp4(codes)
@@ -412,3 +413,18 @@ def test_missing_and_unknown_tensors_raise():
     sd.pop("model.layers.1.self_attn.compressor.indexer.q_b_proj.weight")
     with pytest.raises(ValueError, match="missing"):
         m.load_weights(sd.items())
+
+
+def test_dequant_formats_by_hand():
+    # e2m1: low nibble first; 0x21 -> (code 1, code 2) = (0.5, 1.0); 0xF7 -> (6.0, -6.0)
+    packed = torch.tensor([[0x21, 0xF7]], dtype=torch.uint8)
+    assert ckpt.unpack_fp4(packed).tolist() == [[0.5, 1.0, 6.0, -6.0]]
+    # one MXFP4 scale per 32 values; raw E8M0 byte 128 = 2.0
+    codes = torch.full((1, 64), 3)
+    w = ckpt.dequant_fp4(ckpt.pack_fp4(codes), torch.tensor([[128, 125]], dtype=torch.uint8))
+    assert w[0, :32].eq(1.5 * 2.0).all() and w[0, 32:].eq(1.5 * 0.25).all()
+    # FP8: 128x128 blocks, a ragged edge block
+    w8 = torch.ones(130, 200).to(torch.float8_e4m3fn)
+    s = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    d = ckpt.dequant_fp8(w8, s)
+    assert d[0, 0] == 1 and d[0, 199] == 2 and d[129, 0] == 3 and d[129, 199] == 4
