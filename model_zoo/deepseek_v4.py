@@ -127,7 +127,7 @@ class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32), requires_grad=False)
 
     def forward(self, x):
         xf = x.float()
@@ -149,6 +149,12 @@ def param(*shape) -> nn.Parameter:
     return nn.Parameter(torch.zeros(*shape), requires_grad=False)
 
 
+def fp32_param(*shape) -> nn.Parameter:
+    """Kept in fp32 whatever the model dtype (transformers' _keep_in_fp32_modules_strict:
+    hyper-connections, sinks, position biases, router bias, norms)."""
+    return nn.Parameter(torch.zeros(*shape, dtype=torch.float32), requires_grad=False)
+
+
 class HyperConnection(nn.Module):
     """mHC: (pre, post, comb) from the flattened streams; comb Sinkhorn-projected."""
 
@@ -156,9 +162,9 @@ class HyperConnection(nn.Module):
         super().__init__()
         self.hc, self.iters, self.eps, self.norm_eps = c["hc_mult"], c["hc_sinkhorn_iters"], c["hc_eps"], c["rms_norm_eps"]
         n = (2 + self.hc) * self.hc
-        self.fn = param(n, self.hc * c["hidden_size"])
-        self.base = param(n)
-        self.scale = param(3)
+        self.fn = fp32_param(n, self.hc * c["hidden_size"])
+        self.base = fp32_param(n)
+        self.scale = fp32_param(3)
 
     def forward(self, streams):   # [T, hc, D]
         hc = self.hc
@@ -190,9 +196,9 @@ class HyperHead(nn.Module):
     def __init__(self, c: dict):
         super().__init__()
         self.eps, self.norm_eps = c["hc_eps"], c["rms_norm_eps"]
-        self.hc_fn = param(c["hc_mult"], c["hc_mult"] * c["hidden_size"])
-        self.hc_base = param(c["hc_mult"])
-        self.hc_scale = param(1)
+        self.hc_fn = fp32_param(c["hc_mult"], c["hc_mult"] * c["hidden_size"])
+        self.hc_base = fp32_param(c["hc_mult"])
+        self.hc_scale = fp32_param(1)
 
     def forward(self, x):   # [T, hc, D] -> [T, D]
         flat = unweighted_rms(x.flatten(1).float(), self.norm_eps)
@@ -243,7 +249,7 @@ class Router(nn.Module):
         if is_hash:
             self.register_buffer("tid2eid", torch.zeros(c["vocab_size"], self.top_k, dtype=torch.long))
         else:
-            self.register_buffer("e_score_correction_bias", torch.zeros(E))
+            self.register_buffer("e_score_correction_bias", torch.zeros(E, dtype=torch.float32))
 
     def forward(self, x, input_ids):
         scores = F.softplus(F.linear(x, self.weight)).sqrt()
@@ -280,7 +286,7 @@ class Compressor(nn.Module):
         self.ratio, self.dim, self.overlap = ratio, dim, overlap
         width = 2 * dim if overlap else dim
         self.kv_proj, self.gate_proj = linear(c["hidden_size"], width), linear(c["hidden_size"], width)
-        self.position_bias = param(ratio, width)
+        self.position_bias = fp32_param(ratio, width)
         self.kv_norm = RMSNorm(dim, c["rms_norm_eps"])
 
     def emit(self, raw_kv, raw_gate, raw_start: int, w0: int, w1: int, inv_freq):
@@ -347,7 +353,7 @@ class Attention(nn.Module):
         self.kv_norm = RMSNorm(D, self.eps)
         self.o_a_proj = linear(nh * D // c["o_groups"], c["o_groups"] * c["o_lora_rank"])
         self.o_b_proj = linear(c["o_groups"] * c["o_lora_rank"], H)
-        self.sinks = param(nh)
+        self.sinks = fp32_param(nh)
         rope = c["rope_main"] if layer_type == SWA else c["rope_compress"]
         self.inv_freq = rope_inv_freq(rope, c["rope_dim"], c["max_position_embeddings"])
         self.comp_inv_freq = rope_inv_freq(c["rope_compress"], c["rope_dim"], c["max_position_embeddings"])
@@ -432,8 +438,9 @@ class Attention(nn.Module):
             mask = torch.cat([mask, visible], dim=1)
         logits = torch.einsum("nhd,kd->nhk", q, keys) * self.scale
         logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
-        sinks = self.sinks.view(1, -1, 1).expand(n, -1, 1).to(logits.dtype)
-        combined = torch.cat([logits, sinks], dim=-1)
+        # fp32 softmax with the fp32 sinks (as transformers' cat promotes it)
+        sinks = self.sinks.view(1, -1, 1).expand(n, -1, 1).float()
+        combined = torch.cat([logits.float(), sinks], dim=-1)
         combined = combined - combined.max(dim=-1, keepdim=True).values
         probs = combined.softmax(dim=-1)[..., :-1]
         return torch.einsum("nhk,kd->nhd", probs.to(keys.dtype), keys)
