@@ -8,8 +8,12 @@ Tokens are flat ([T]). attn_metadata is None (one causal sequence, no cache)
 or a kvcache.dsv4_state.DSV4Batch (per-sequence states: sliding ring,
 compressed entries, compressor carry, indexer keys).
 
-Single rank only for now: every weight is replicated (the TP plan is in
-server/plan.py's accounting, not here yet).
+Tensor parallel (parallel/state.py's group of t ranks): q_b_proj, the sinks
+and o_a_proj split by head group, o_b_proj row-parallel; routed experts split
+into t contiguous ranges and the shared expert column/row split, with one
+all-reduce for the whole MoE; embedding and head split by vocabulary. q_a,
+the shared K=V projection, compressors, indexer, router, norms and
+hyper-connections are replicated, and so is the cache (one K=V head).
 """
 import math
 from collections.abc import Iterable
@@ -19,6 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvcache.dsv4_state import DSV4Batch, DSV4SequenceState
+from parallel.linear import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+from parallel.state import all_reduce, get_tp_rank, get_tp_size
 
 CSA, HCA, SWA = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
 _RATIO_TO_TYPE = {0: SWA, 4: CSA, 128: HCA}
@@ -209,32 +215,52 @@ class HyperHead(nn.Module):
 # ---------------------------------------------------------------- MoE
 
 class SharedMLP(nn.Module):
+    """Column-split gate/up, row-split down; returns this rank's partial sum
+    (the MoE all-reduces it together with the routed experts)."""
+
     def __init__(self, hidden: int, inter: int, limit: float):
         super().__init__()
-        self.gate_proj, self.up_proj, self.down_proj = linear(hidden, inter), linear(hidden, inter), linear(inter, hidden)
+        self.gate_proj, self.up_proj = ColumnParallelLinear(hidden, inter), ColumnParallelLinear(hidden, inter)
+        self.down_proj = RowParallelLinear(inter, hidden)
         self.limit = limit
 
     def forward(self, x):
         g = self.gate_proj(x).clamp(max=self.limit)
         u = self.up_proj(x).clamp(min=-self.limit, max=self.limit)
-        return self.down_proj(F.silu(g) * u)
+        return F.linear(F.silu(g) * u, self.down_proj.weight)
 
 
 class Experts(nn.Module):
     def __init__(self, c: dict):
         super().__init__()
         E, H, I = c["n_routed_experts"], c["hidden_size"], c["moe_intermediate_size"]
+        tp = get_tp_size()
+        if E % tp:
+            raise ValueError(f"n_routed_experts ({E}) is not divisible by the tensor-parallel size ({tp})")
         self.num_experts, self.limit = E, c["swiglu_limit"]
-        self.gate_up_proj = param(E, 2 * I, H)
-        self.down_proj = param(E, H, I)
+        self.num_local = E // tp
+        self.first = get_tp_rank() * self.num_local     # global id of this rank's first expert
+        self.gate_up_proj = param(self.num_local, 2 * I, H)
+        self.down_proj = param(self.num_local, H, I)
+        for p in (self.gate_up_proj, self.down_proj):
+            p.weight_loader = self.weight_loader
 
-    def forward(self, x, idx, w):   # x [T, H], idx/w [T, k]
+    def weight_loader(self, param, loaded, shard_id=None):
+        """The full [E, ...] tensor (transformers' fused layout) -> this rank's range."""
+        if loaded.shape[0] != self.num_experts or loaded.shape[1:] != param.shape[1:]:
+            raise ValueError(f"shape mismatch: expected {(self.num_experts, *param.shape[1:])}, "
+                             f"got {tuple(loaded.shape)}")
+        param.data.copy_(loaded[self.first:self.first + self.num_local])
+
+    def forward(self, x, idx, w):   # x [T, H], idx/w [T, k] (global expert ids)
         out = torch.zeros_like(x)
         for e in idx.unique().tolist():
+            if not self.first <= e < self.first + self.num_local:
+                continue
             tok, slot = torch.where(idx == e)
-            g, u = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
+            g, u = F.linear(x[tok], self.gate_up_proj[e - self.first]).chunk(2, dim=-1)
             h = F.silu(g.clamp(max=self.limit)) * u.clamp(min=-self.limit, max=self.limit)
-            out.index_add_(0, tok, F.linear(h, self.down_proj[e]) * w[tok, slot, None])
+            out.index_add_(0, tok, F.linear(h, self.down_proj[e - self.first]) * w[tok, slot, None])
         return out
 
 
@@ -271,7 +297,7 @@ class MoE(nn.Module):
 
     def forward(self, x, input_ids):
         idx, w = self.gate(x, input_ids)
-        return self.experts(x, idx, w) + self.shared_experts(x)
+        return all_reduce(self.experts(x, idx, w) + self.shared_experts(x))
 
 
 # ---------------------------------------------------------------- compressors
@@ -341,19 +367,24 @@ class Indexer(Compressor):
 class Attention(nn.Module):
     def __init__(self, c: dict, layer_idx: int, layer_type: str):
         super().__init__()
-        H, D, nh = c["hidden_size"], c["head_dim"], c["num_attention_heads"]
+        H, D, nh, og = c["hidden_size"], c["head_dim"], c["num_attention_heads"], c["o_groups"]
+        tp = get_tp_size()
+        if og % tp or nh % og:
+            raise ValueError(f"o_groups ({og}) must divide num_attention_heads ({nh}) and be divisible by the "
+                             f"tensor-parallel size ({tp})")
         self.layer_idx, self.layer_type = layer_idx, layer_type
-        self.num_heads, self.head_dim, self.window = nh, D, c["sliding_window"]
-        self.eps, self.groups = c["rms_norm_eps"], c["o_groups"]
+        self.num_heads, self.head_dim, self.window = nh // tp, D, c["sliding_window"]   # this rank's heads
+        self.eps, self.groups = c["rms_norm_eps"], og // tp
         self.scale = D ** -0.5
         self.q_a_proj = linear(H, c["q_lora_rank"])
         self.q_a_norm = RMSNorm(c["q_lora_rank"], self.eps)
-        self.q_b_proj = linear(c["q_lora_rank"], nh * D)
+        self.q_b_proj = ColumnParallelLinear(c["q_lora_rank"], nh * D)
         self.kv_proj = linear(H, D)
         self.kv_norm = RMSNorm(D, self.eps)
-        self.o_a_proj = linear(nh * D // c["o_groups"], c["o_groups"] * c["o_lora_rank"])
-        self.o_b_proj = linear(c["o_groups"] * c["o_lora_rank"], H)
-        self.sinks = fp32_param(nh)
+        self.o_a_proj = ColumnParallelLinear(nh * D // og, og * c["o_lora_rank"])
+        self.o_b_proj = RowParallelLinear(og * c["o_lora_rank"], H)
+        self.sinks = fp32_param(nh // tp)
+        self.sinks.weight_loader = self._load_sinks
         rope = c["rope_main"] if layer_type == SWA else c["rope_compress"]
         self.inv_freq = rope_inv_freq(rope, c["rope_dim"], c["max_position_embeddings"])
         self.comp_inv_freq = rope_inv_freq(c["rope_compress"], c["rope_dim"], c["max_position_embeddings"])
@@ -364,6 +395,12 @@ class Attention(nn.Module):
             self.compressor.indexer = Indexer(c, self.ratio)
         elif layer_type == HCA:
             self.compressor = Compressor(c, self.ratio, D, overlap=False)
+
+    def _load_sinks(self, param, loaded, shard_id=None):
+        n = param.shape[0]
+        if loaded.shape != (n * get_tp_size(),):
+            raise ValueError(f"shape mismatch: expected {(n * get_tp_size(),)}, got {tuple(loaded.shape)}")
+        param.data.copy_(loaded[get_tp_rank() * n:(get_tp_rank() + 1) * n])
 
     def forward(self, x, positions, meta: DSV4Batch | None):
         T = x.shape[0]
@@ -469,8 +506,7 @@ class DeepseekV4Model(nn.Module):
     def __init__(self, c: dict):
         super().__init__()
         self.hc_mult = c["hc_mult"]
-        self.embed_tokens = nn.Embedding(c["vocab_size"], c["hidden_size"])
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = VocabParallelEmbedding(c["vocab_size"], c["hidden_size"])
         self.layers = nn.ModuleList(DecoderLayer(c, i, c["layer_types"][i], c["mlp_layer_types"][i])
                                     for i in range(c["num_hidden_layers"]))
         self.norm = RMSNorm(c["hidden_size"], c["rms_norm_eps"])
@@ -510,8 +546,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         super().__init__()
         self.config = c = normalise_config(config)
         self.model = DeepseekV4Model(c)
-        self.lm_head = nn.Linear(c["hidden_size"], c["vocab_size"], bias=False)
-        self.lm_head.weight.requires_grad_(False)
+        self.lm_head = ParallelLMHead(c["vocab_size"], c["hidden_size"])
         self.has_mtp = c.get("num_nextn_predict_layers", 0) > 0
         self.mtp = nn.ModuleList([DeepseekV4MTP(c)] if self.has_mtp else [])
 

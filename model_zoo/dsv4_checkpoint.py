@@ -179,23 +179,38 @@ def load_into(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]
         with torch.no_grad():
             if m:
                 prefix, e, kind = m.group(1), int(m.group(2)), m.group(3)
-                if kind in ("w2", "down_proj"):
-                    fused, dst, half_id = prefix + ".down_proj", targets[prefix + ".down_proj"][e], 0
-                else:
-                    fused = prefix + ".gate_up_proj"
-                    full = targets[fused][e]
-                    half = full.shape[0] // 2
-                    half_id = 0 if kind in ("w1", "gate_proj") else 1
-                    dst = full[:half] if half_id == 0 else full[half:]
-                _copy(dst, t, name)
+                fused = prefix + (".down_proj" if kind in ("w2", "down_proj") else ".gate_up_proj")
+                if fused not in targets:
+                    raise ValueError(f"unknown checkpoint tensor {name!r} (as {hf!r}) for DeepseekV4ForCausalLM")
+                experts = model.get_submodule(prefix)
+                half_id = 0 if kind in ("w1", "gate_proj", "w2", "down_proj") else 1
+                if not 0 <= e < experts.num_experts:
+                    raise ValueError(f"{name}: expert {e} out of range ({experts.num_experts})")
+                local = e - experts.first
+                if 0 <= local < experts.num_local:      # another rank's expert otherwise
+                    full = targets[fused][local]
+                    if fused.endswith("gate_up_proj"):
+                        half = full.shape[0] // 2
+                        dst = full[:half] if half_id == 0 else full[half:]
+                    else:
+                        dst = full
+                    _copy(dst, t, name)
                 got = parts.setdefault(fused, set())
                 got.add((e, half_id))
-                if len(got) == targets[fused].shape[0] * (2 if fused.endswith("gate_up_proj") else 1):
+                if len(got) == experts.num_experts * (2 if fused.endswith("gate_up_proj") else 1):
                     seen.add(fused)
                 continue
             if hf not in targets:
                 raise ValueError(f"unknown checkpoint tensor {name!r} (as {hf!r}) for DeepseekV4ForCausalLM")
-            _copy(targets[hf], t, name)
+            param = targets[hf]
+            loader = getattr(param, "weight_loader", None)
+            if loader is None:
+                _copy(param, t, name)
+            else:
+                try:
+                    loader(param, t.to(param.dtype))
+                except ValueError as err:
+                    raise ValueError(f"{name}: {err}") from err
             seen.add(hf)
     expected = {n for n in targets if not n.endswith("inv_freq")}
     missing = sorted(expected - seen)
