@@ -12,10 +12,10 @@ with it (FORMULAS below); nothing is allocated.
 Sharding assumed at TP=t (what parallel/ and the DeepSeek-V4 plan do):
   dense models: q/k/v/o, gate/up/down, embedding and head split t ways; KV
       heads split t ways (replicated when num_key_value_heads < t).
-  DeepSeek-V4: routed experts split t ways; q_b / o_a / o_b (per head group),
-      embedding and head split t ways; q_a, the shared K=V projection, the
-      compressors, indexer, router, shared expert, norms and hyper-connections
-      replicated. The single K=V head, compressed entries and indexer keys are
+  DeepSeek-V4 (model_zoo/deepseek_v4.py): routed experts split t ways by
+      range; shared expert, q_b / sinks / o_a (per head group), o_b, embedding
+      and head split t ways; q_a, the shared K=V projection, the compressors,
+      indexer, router, norms and hyper-connections replicated. The single K=V head, compressed entries and indexer keys are
       replicated on every rank (one KV head cannot be split by heads).
 """
 import argparse
@@ -163,15 +163,16 @@ def plan_deepseek_v4(name: str, cfg: dict, tp: int, kv: str, rollback: int,
     w = p.weight_parts
 
     def layer(kind: str, hash_layer: bool, part: str):
-        _add(w, part + " attention (split)", (qr * nh * D + nh * D * olr + og * olr * H) * FP8 / tp)
-        _add(w, part + " attention (replicated)", (H * qr + H * D) * FP8 + (qr + D + nh) * FP32)
+        _add(w, part + " attention (split)", (qr * nh * D + nh * D * olr + og * olr * H) * FP8 / tp + nh * FP32 / tp)
+        _add(w, part + " attention (replicated)", (H * qr + H * D) * FP8 + (qr + D) * FP32)
         if kind == CSA:
             _add(w, part + " compressor+indexer", 2 * H * 2 * D * BF16 + m * 2 * D * FP32 + D * FP32
                  + 2 * H * 2 * Di * BF16 + m * 2 * Di * FP32 + Di * FP32 + qr * nhi * Di * FP8 + H * nhi * BF16)
         elif kind == HCA:
             _add(w, part + " compressor+indexer", 2 * H * D * BF16 + mh * D * FP32 + D * FP32)
         _add(w, part + " routed experts (split)", E * 3 * H * I * FP4 / tp)
-        _add(w, part + " shared expert, router", 3 * H * I * c["n_shared_experts"] * FP8 + E * H * BF16
+        _add(w, part + " shared expert (split)", 3 * H * I * c["n_shared_experts"] * FP8 / tp)
+        _add(w, part + " router", E * H * BF16
              + (V * c["num_experts_per_tok"] * IDX if hash_layer else E * FP32))
         _add(w, part + " norms, hyper-connections", 2 * H * FP32 + 2 * ((2 + hc) * hc * hc * H + (2 + hc) * hc + 3) * FP32)
 

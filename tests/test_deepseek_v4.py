@@ -444,6 +444,11 @@ def _tp_worker(rank: int, world: int, init_file: str, out_file: str) -> None:
         attn = c.ours.model.layers[1].self_attn
         assert attn.num_heads * world == CONFIG["num_attention_heads"]
         assert c.ours.model.layers[0].mlp.experts.num_local * world == CONFIG["n_routed_experts"]
+        # the planner's split matches this rank's shards (every dtype counted as 1 byte)
+        from server.plan import plan_deepseek_v4
+        ones = dict(fp4=1, fp8=1, bf16=1, fp32=1, index=1)
+        held = sum(t.numel() for t in c.ours.parameters()) + sum(t.numel() for t in c.ours.buffers())
+        assert plan_deepseek_v4("tiny", CONFIG, world, "f16", 0, dtype_bytes=ones).weight_bytes == held
         with torch.no_grad():
             d0 = close(c.ours.compute_logits(c.ours(c.ids, torch.arange(N), None)), c.ref, f"tp rank {rank} full")
         st, outs, p = c.ours.new_state(), [], 0
