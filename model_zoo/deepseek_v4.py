@@ -166,7 +166,8 @@ class HyperConnection(nn.Module):
 
     def __init__(self, c: dict):
         super().__init__()
-        self.hc, self.iters, self.eps, self.norm_eps = c["hc_mult"], c["hc_sinkhorn_iters"], c["hc_eps"], c["rms_norm_eps"]
+        self.hc, self.iters = c["hc_mult"], c["hc_sinkhorn_iters"]
+        self.eps, self.norm_eps = c["hc_eps"], c["rms_norm_eps"]
         n = (2 + self.hc) * self.hc
         self.fn = fp32_param(n, self.hc * c["hidden_size"])
         self.base = fp32_param(n)

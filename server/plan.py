@@ -15,8 +15,9 @@ Sharding assumed at TP=t (what parallel/ and the DeepSeek-V4 plan do):
   DeepSeek-V4 (model_zoo/deepseek_v4.py): routed experts split t ways by
       range; shared expert, q_b / sinks / o_a (per head group), o_b, embedding
       and head split t ways; q_a, the shared K=V projection, the compressors,
-      indexer, router, norms and hyper-connections replicated. The single K=V head, compressed entries and indexer keys are
-      replicated on every rank (one KV head cannot be split by heads).
+      indexer, router, norms and hyper-connections replicated. The single K=V
+      head, compressed entries and indexer keys are replicated on every rank
+      (one KV head cannot be split by heads).
 """
 import argparse
 import json
@@ -155,7 +156,8 @@ def plan_deepseek_v4(name: str, cfg: dict, tp: int, kv: str, rollback: int,
     c = normalise_config(cfg)
     p = Plan(name, tp, kv)
     H, D, nh, V = c["hidden_size"], c["head_dim"], c["num_attention_heads"], c["vocab_size"]
-    qr, og, olr, E, I = c["q_lora_rank"], c["o_groups"], c["o_lora_rank"], c["n_routed_experts"], c["moe_intermediate_size"]
+    qr, og, olr = c["q_lora_rank"], c["o_groups"], c["o_lora_rank"]
+    E, I = c["n_routed_experts"], c["moe_intermediate_size"]
     Di, nhi, hc, W = c["index_head_dim"], c["index_n_heads"], c["hc_mult"], c["sliding_window"]
     db = dtype_bytes or V4_DTYPE_BYTES
     FP4, FP8, BF16, FP32, IDX = db["fp4"], db["fp8"], db["bf16"], db["fp32"], db["index"]
@@ -174,7 +176,8 @@ def plan_deepseek_v4(name: str, cfg: dict, tp: int, kv: str, rollback: int,
         _add(w, part + " shared expert (split)", 3 * H * I * c["n_shared_experts"] * FP8 / tp)
         _add(w, part + " router", E * H * BF16
              + (V * c["num_experts_per_tok"] * IDX if hash_layer else E * FP32))
-        _add(w, part + " norms, hyper-connections", 2 * H * FP32 + 2 * ((2 + hc) * hc * hc * H + (2 + hc) * hc + 3) * FP32)
+        hc_params = (2 + hc) * hc * hc * H + (2 + hc) * hc + 3
+        _add(w, part + " norms, hyper-connections", 2 * H * FP32 + 2 * hc_params * FP32)
 
     for i, kind in enumerate(c["layer_types"]):
         layer(kind, c["mlp_layer_types"][i] == "hash_moe", "layers:")

@@ -1,6 +1,5 @@
 """server/plan.py: the formulas against hand arithmetic and against what the
 model and its cache state actually hold."""
-import io
 import json
 
 from server import plan
