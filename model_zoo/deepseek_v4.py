@@ -551,7 +551,17 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.has_mtp = c.get("num_nextn_predict_layers", 0) > 0
         self.mtp = nn.ModuleList([DeepseekV4MTP(c)] if self.has_mtp else [])
 
+    @staticmethod
+    def _check(positions, meta: DSV4Batch | None) -> None:
+        if meta is None:
+            return
+        for i, st in enumerate(meta.states):
+            a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+            if b > a and int(positions[a]) != st.length:
+                raise ValueError(f"sequence {i}: first position {int(positions[a])} != cached length {st.length}")
+
     def forward_streams(self, input_ids, positions, attn_metadata):
+        self._check(positions, attn_metadata)
         h = self.model.forward_streams(input_ids, positions, attn_metadata)
         if attn_metadata is not None:
             attn_metadata.advance()
@@ -569,6 +579,7 @@ class DeepseekV4ForCausalLM(nn.Module):
     def mtp_forward(self, next_ids, streams, positions, attn_metadata):
         """Draft hidden states: next_ids[i] is the token after position positions[i],
         streams[i] the main model's pre-collapse state there. Feed to compute_logits."""
+        self._check(positions, attn_metadata)
         h = self.mtp[0].draft(self.model.embed_tokens(next_ids), streams, positions, next_ids, attn_metadata)
         if attn_metadata is not None:
             attn_metadata.advance()

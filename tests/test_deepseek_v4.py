@@ -213,6 +213,8 @@ def test_rollback(k, verify_chunk):
     close(got, c.ref[P:P + 10], f"rollback {k}")
     with pytest.raises(ValueError):
         st.rollback(7)
+    with pytest.raises(ValueError, match="cached length"):
+        c.step(st, c.ids[:1], 0)
 
 
 def test_bytes_per_layer_kind():
