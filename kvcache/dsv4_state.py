@@ -20,10 +20,17 @@ before anything reads them.
 The model (model_zoo/deepseek_v4.py) drives this through DSV4Batch: it reads
 `length` as the position of the first new token, writes its new tokens, and
 the batch's `advance()` moves each sequence on after the forward.
+
+entry_format (e.g. "tq3", "tq4", "q8"; None = model dtype) stores the CSA/HCA
+compressed KV entries in a kvcache.turboquant format: codes + fp16 norms,
+K=V so one vector per entry. Reads dequantise (the reference path; a kernel
+would score the rotated codes directly). Indexer keys stay in the model dtype.
 """
 from dataclasses import dataclass, field
 
 import torch
+
+from kvcache.turboquant import Codec
 
 
 class Ring:
@@ -80,11 +87,42 @@ class Entries:
         return self.n * self.data.shape[1] * self.data.element_size()
 
 
+class CodedEntries:
+    """Entries in a TurboQuant / int8 format (kvcache.turboquant.Codec, one 'head')."""
+
+    def __init__(self, dim: int, fmt, seed: int, dtype=torch.float32, device=None):
+        self.codec = Codec(fmt, 1, dim, seed)
+        self.rows = self.codec.alloc(16, device)
+        self.dtype, self.n = dtype, 0
+
+    def append(self, x: torch.Tensor) -> None:
+        need = self.n + x.shape[0]
+        cap = next(iter(self.rows.values())).shape[0]
+        if need > cap:
+            grown = self.codec.alloc(max(need, 2 * cap), next(iter(self.rows.values())).device)
+            for k in grown:
+                grown[k][:self.n] = self.rows[k][:self.n]
+            self.rows = grown
+        for k, v in self.codec.encode(x.unsqueeze(1)).items():
+            self.rows[k][self.n:need] = v
+        self.n = need
+
+    def truncate(self, n: int) -> None:
+        self.n = min(self.n, n)
+
+    def get(self) -> torch.Tensor:
+        rows = {k: v[:self.n] for k, v in self.rows.items()}
+        return self.codec.dequantize(rows, torch.float32).squeeze(1).to(self.dtype)
+
+    def nbytes(self) -> int:
+        return sum(v[:self.n].numel() * v.element_size() for v in self.rows.values())
+
+
 class CompressorState:
     """Carry state (raw ring) + emitted entries of one compressor."""
 
     def __init__(self, ratio: int, raw_dim: int, entry_dim: int, overlap: bool, max_rollback: int,
-                 dtype=torch.float32, device=None):
+                 dtype=torch.float32, device=None, entry_format=None, seed: int = 0):
         self.ratio = ratio
         # A window closing at the next step needs the raw vectors of its own
         # tokens and (overlap) of the previous window: < (1 + overlap) * ratio
@@ -92,7 +130,8 @@ class CompressorState:
         cap = (2 if overlap else 1) * ratio + max_rollback
         self.raw_kv = Ring(cap, raw_dim, dtype, device)
         self.raw_gate = Ring(cap, raw_dim, dtype, device)
-        self.entries = Entries(entry_dim, dtype, device)
+        self.entries = (Entries(entry_dim, dtype, device) if entry_format is None
+                        else CodedEntries(entry_dim, entry_format, seed, dtype, device))
 
     def rollback_to(self, length: int) -> None:
         self.entries.truncate(length // self.ratio)
@@ -103,16 +142,19 @@ class CompressorState:
 
 class DSV4LayerState:
     def __init__(self, layer_type: str, head_dim: int, sliding_window: int, ratio: int = 0,
-                 index_head_dim: int = 0, max_rollback: int = 0, dtype=torch.float32, device=None):
+                 index_head_dim: int = 0, max_rollback: int = 0, dtype=torch.float32, device=None,
+                 entry_format=None, seed: int = 0):
         self.layer_type = layer_type
         self.window = Ring(sliding_window - 1 + max_rollback, head_dim, dtype, device)
         self.compressor = self.indexer = None
         if layer_type == "compressed_sparse_attention":
-            self.compressor = CompressorState(ratio, 2 * head_dim, head_dim, True, max_rollback, dtype, device)
+            self.compressor = CompressorState(ratio, 2 * head_dim, head_dim, True, max_rollback, dtype, device,
+                                              entry_format, seed)
             self.indexer = CompressorState(ratio, 2 * index_head_dim, index_head_dim, True, max_rollback,
                                            dtype, device)
         elif layer_type == "heavily_compressed_attention":
-            self.compressor = CompressorState(ratio, head_dim, head_dim, False, max_rollback, dtype, device)
+            self.compressor = CompressorState(ratio, head_dim, head_dim, False, max_rollback, dtype, device,
+                                              entry_format, seed)
 
     def rollback_to(self, length: int) -> None:
         for c in (self.compressor, self.indexer):
@@ -131,14 +173,22 @@ class DSV4LayerState:
 class DSV4SequenceState:
     """One sequence's cache for every layer of the model (or of its MTP head)."""
 
-    def __init__(self, layer_specs: list[dict], max_rollback: int = 0, dtype=torch.float32, device=None):
+    def __init__(self, layer_specs: list[dict], max_rollback: int = 0, dtype=torch.float32, device=None,
+                 entry_format: str | None = None):
         """layer_specs: one dict per layer with keys layer_type, head_dim,
-        sliding_window, ratio, index_head_dim (what the model's kv_cache_spec gives)."""
+        sliding_window, ratio, index_head_dim (what the model's kv_cache_spec gives).
+        entry_format: None, or a component format name for the compressed KV entries
+        (tq4, tq3, tq2, q8; see kvcache/kv_formats.py)."""
         self.max_rollback = max_rollback
         self.length = 0
         self.rollback_budget = 0   # tokens that may still be rolled back
-        self.layers = [DSV4LayerState(**spec, max_rollback=max_rollback, dtype=dtype, device=device)
-                       for spec in layer_specs]
+        fmt = None
+        if entry_format is not None:
+            from kvcache.kv_formats import component
+            fmt = component(entry_format)
+        self.layers = [DSV4LayerState(**spec, max_rollback=max_rollback, dtype=dtype, device=device,
+                                      entry_format=fmt, seed=i)
+                       for i, spec in enumerate(layer_specs)]
 
     def advance(self, n: int) -> None:
         self.length += n

@@ -604,7 +604,9 @@ class DeepseekV4ForCausalLM(nn.Module):
     def mtp_cache_spec(self) -> list[dict]:
         return [self._spec(0, SWA)]
 
-    def new_state(self, max_rollback: int = 0, mtp: bool = False) -> DSV4SequenceState:
+    def new_state(self, max_rollback: int = 0, mtp: bool = False, entry_format: str | None = None
+                  ) -> DSV4SequenceState:
+        """A sequence's cache; entry_format (tq4, tq3, q8, ...) stores the compressed KV entries quantised."""
         spec = self.mtp_cache_spec() if mtp else self.kv_cache_spec()
         return DSV4SequenceState(spec, max_rollback, dtype=self.lm_head.weight.dtype,
-                                 device=self.lm_head.weight.device)
+                                 device=self.lm_head.weight.device, entry_format=entry_format)
