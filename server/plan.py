@@ -26,10 +26,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvcache.kv_formats import parse_preset
-from kvcache.turboquant import ComponentFormat
-
-GB = 1e9
+GB = 1e9   # torch / kvcache / model_zoo are imported lazily: `tqserve --help` stays fast
 
 FORMULAS = """\
 formulas (bytes; t = TP size, L = context length, R = rollback tokens kept for spec decode):
@@ -110,7 +107,13 @@ def load_config(model: str) -> tuple[str, dict]:
 
 # ---------------------------------------------------------------- accounting
 
-def vector_bytes(fmt: ComponentFormat, d: int) -> float:
+def parse_preset(name: str):
+    from kvcache.kv_formats import parse_preset as parse
+    return parse(name)
+
+
+def vector_bytes(fmt, d: int) -> float:
+    """Bytes of one d-vector in a kvcache.turboquant.ComponentFormat."""
     if fmt.kind == "f16":
         return 2 * d
     if fmt.kind == "int8":
