@@ -17,10 +17,17 @@ class EngineArgs:
     kv_cache_dtype_v: str | None = None           # V format override
     kv_protect_layers: int = 0                    # first/last N layers keep f16 KV
     dtype: str = "float32"
+    # "int4": 4-bit weights of the checkpoint (GGUF Q4_1) run by torch's int4
+    # CPU kernel instead of being dequantized; needs dtype bfloat16.
+    quantization: str | None = None
     seed: int = 0
     num_threads: int | None = None                # torch intra-op threads in the engine core
 
     def validate(self) -> None:
+        if self.quantization not in (None, "int4"):
+            raise ValueError(f"unknown quantization {self.quantization!r}; supported: int4")
+        if self.quantization == "int4" and self.dtype != "bfloat16":
+            raise ValueError("quantization int4 runs with bf16 activations: add dtype bfloat16")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_seqs < 1:

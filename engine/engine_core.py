@@ -106,14 +106,23 @@ class EngineCore:
         t0 = time.monotonic()
         self.source = source or open_model(args.model)
         dtype = getattr(torch, args.dtype)
+        # int4 packing must see the checkpoint's fp32 values: build in fp32,
+        # pack, then cast what stays dense.
+        build_dtype = torch.float32 if args.quantization == "int4" else dtype
         prev = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
+        torch.set_default_dtype(build_dtype)
         try:
             self.model = build_model(self.source.config)
         finally:
             torch.set_default_dtype(prev)
         self.model.load_weights(self.source.weights())
         self.model.eval()
+        if args.quantization == "int4":
+            linears = [m for m in self.model.modules() if hasattr(m, "pack_int4")]
+            packed = sum(m.pack_int4(dtype) for m in linears)
+            self.model.to(dtype)
+            log.info("int4: %d of %d linear layers hold exact 4-bit groups and run packed", packed,
+                     len(linears))
         specs = self.model.kv_cache_spec()
         cdtype = kv_dtype(args.kv_cache_dtype, dtype, args.kv_cache_dtype_k, args.kv_cache_dtype_v,
                           args.kv_protect_layers)

@@ -123,9 +123,9 @@ class RotaryEmbedding(nn.Module):
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(q.dtype)[:, None, :], emb.sin().to(q.dtype)[:, None, :]
-        return self._apply(q, cos, sin), self._apply(k, cos, sin)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
-    def _apply(self, x, cos, sin):
+    def _rotate(self, x, cos, sin):
         T = x.shape[0]
         x = x.view(T, -1, self.head_dim)
         x1, x2 = x.chunk(2, dim=-1)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from parallel.int4 import Int4Weight, int4_linear, pack_int4
 from parallel.state import all_gather, all_reduce, get_tp_rank, get_tp_size
 
 
@@ -45,12 +46,27 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        self.int4: Int4Weight | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
         raise NotImplementedError
 
+    def pack_int4(self, dtype: torch.dtype) -> bool:
+        """Switch to the int4 kernel (activations in dtype) if the loaded
+        weight, still in fp32, is exactly 4-bit."""
+        self.int4 = pack_int4(self.weight, dtype)
+        if self.int4 is not None:
+            self.weight = None
+        return self.int4 is not None
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.int4 is None:
+            return F.linear(x, self.weight, bias)
+        y = int4_linear(x, self.int4)
+        return y if bias is None else y + bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._matmul(x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -151,7 +167,7 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(loaded_weight.narrow(1, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        y = self._matmul(x, self.bias if self.tp_rank == 0 else None)
         return all_reduce(y)
 
 

@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the first and last N layers' KV in f16")
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="weights and activations (bfloat16: ~2.5-4x faster on CPUs with AVX512-BF16/AMX)")
+    s.add_argument("--quantization", default=None, choices=["int4"],
+                   help="int4: run the checkpoint's 4-bit weights (GGUF Q4_1) packed; needs --dtype bfloat16")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--num-threads", type=int, default=None, help="torch threads in the engine core")
     s.add_argument("--max-queue", type=int, default=256,
@@ -145,7 +147,7 @@ async def _serve(args, model: str, keys: list[str], sock: socket.socket, url: st
             kv_cache_dtype=args.kv_cache_dtype, kv_cache_dtype_k=args.kv_cache_dtype_k,
             kv_cache_dtype_v=args.kv_cache_dtype_v, kv_protect_layers=args.kv_protect_layers,
             seed=args.seed, num_threads=args.num_threads,
-            dtype=args.dtype)
+            dtype=args.dtype, quantization=args.quantization)
         llm = AsyncLLM(engine_args)
     except ValueError as e:
         log.error("bad engine settings: %s", e)
