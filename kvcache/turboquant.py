@@ -101,24 +101,24 @@ def unrotate(y: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
 
 # -- bit packing --------------------------------------------------------------
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """[..., n] integer codes < 2**bits (n * bits % 8 == 0) -> [..., n * bits // 8] uint8,
-    little-endian bit order: 8 codes of 3 bits fill exactly 3 bytes."""
+    """[..., n] integer codes < 2**bits (n % 8 == 0) -> [..., n * bits // 8] uint8.
+
+    Little-endian: code i of each group of 8 occupies bits [bits*i, bits*i + bits)
+    of that group's `bits` bytes, so 8 codes of 3 bits fill exactly 3 bytes."""
     n = codes.shape[-1]
-    assert n * bits % 8 == 0
-    c = codes.to(torch.int32)
-    shifts = torch.arange(bits, dtype=torch.int32, device=codes.device)
-    b = ((c.unsqueeze(-1) >> shifts) & 1).reshape(*codes.shape[:-1], n * bits // 8, 8)
-    w = (1 << torch.arange(8, dtype=torch.int32, device=codes.device))
-    return (b * w).sum(-1).to(torch.uint8)
+    assert n % 8 == 0
+    c = codes.to(torch.int64).view(*codes.shape[:-1], n // 8, 8)
+    val = (c << (bits * torch.arange(8, device=codes.device))).sum(-1, keepdim=True)
+    out = (val >> (8 * torch.arange(bits, device=codes.device))) & 255
+    return out.to(torch.uint8).view(*codes.shape[:-1], n * bits // 8)
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """Inverse of pack_bits -> [..., n] long codes."""
-    p = packed.to(torch.int32)
-    shifts = torch.arange(8, dtype=torch.int32, device=packed.device)
-    b = ((p.unsqueeze(-1) >> shifts) & 1).reshape(*packed.shape[:-1], n, bits)
-    w = (1 << torch.arange(bits, dtype=torch.int32, device=packed.device))
-    return (b * w).sum(-1).long()
+    lead = packed.shape[:-1]
+    p = packed.view(*lead, n // 8, bits).to(torch.int64)
+    val = (p << (8 * torch.arange(bits, device=packed.device))).sum(-1, keepdim=True)
+    return ((val >> (bits * torch.arange(8, device=packed.device))) & ((1 << bits) - 1)).view(*lead, n)
 
 
 # -- formats ------------------------------------------------------------------
@@ -206,8 +206,9 @@ class Codec:
         if f.kind == "int8":
             return rows["q"].to(dtype) * rows["scale"].to(dtype)
         codes = unpack_bits(rows["codes"], f.bits, self.D)
-        c = self.codebook.to(device=codes.device, dtype=dtype)[codes]
-        lead = c.shape[:-1]
+        lead = codes.shape[:-1]
+        c = self.codebook.to(device=codes.device, dtype=dtype).index_select(0, codes.flatten())
+        c = c.view(*lead, self.D)
         c = c.view(*lead, self.D // self.group, self.group) * rows["scale"].to(dtype).unsqueeze(-1)
         return c.view(*lead, self.D)
 

@@ -1,0 +1,159 @@
+"""The engine with compressed KV formats: every preset on a tiny random llama
+(batch invariance, chunked prefill, prefix cache, preemption), and SmolLM2:
+real K/V round-trip MSE against Lloyd-Max, k8v4 greedy == f16."""
+import random
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from kvcache.attention import Attention
+from kvcache.kv_formats import layer_seed
+from kvcache.tq_cache import TQLayerCache
+from kvcache.turboquant import LLOYD_MAX_MSE, rotate, rotation_signs, unit_mse
+
+PRESETS = ["f16", "tq4", "tq3", "tq2", "k8v4", "k4v3", "k4v2", "k3v3", "k3v3g32"]
+MEM = 1 << 20   # small pools: allocation dominates a tiny model
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    m = LlamaForCausalLM(cfg).float()
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if "norm" in n:
+                p.add_(torch.randn_like(p) * 0.1)
+            else:
+                p.mul_(4.0)   # sharper logits: greedy never ties
+    d = tmp_path_factory.mktemp("tiny_llama_tq")
+    m.save_pretrained(d, safe_serialization=True)
+    return str(d)
+
+
+def prompts(n, lo=5, hi=60, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 256) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+def greedy(max_tokens=10):
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def toks(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_preset_engine_invariants(tiny_dir, preset):
+    """Compact versions of test_engine_tiny's batch-invariance, chunked-prefill,
+    prefix-cache and preemption checks, with this KV format."""
+    llm = LLM(tiny_dir, block_size=4, kv_cache_memory=MEM, kv_cache_dtype=preset)
+    caches = llm.core.runner.kv_caches
+    assert all(isinstance(c, TQLayerCache) for c in caches) == (preset != "f16")
+    # batch invariance
+    ps = prompts(8, seed=10)
+    batch = toks(llm.generate(ps, greedy()))
+    assert toks(llm.generate([ps[3]], greedy())) == [batch[3]]
+    # prefix cache: a hit reuses compressed blocks as they are
+    base = prompts(1, 40, 41, seed=11)[0]
+    first = toks(llm.generate([base], greedy()))
+    hits0 = llm.core.get_stats().prefix_cache_hits_total
+    assert toks(llm.generate([base], greedy())) == first
+    assert llm.core.get_stats().prefix_cache_hits_total > hits0
+    # chunked prefill (8 tokens a step) equals whole-prompt prefill
+    ps = prompts(3, 30, 70, seed=12)
+    whole = toks(LLM(tiny_dir, block_size=4, enable_prefix_caching=False, kv_cache_memory=MEM,
+                     kv_cache_dtype=preset).generate(ps, greedy()))
+    chunked = LLM(tiny_dir, block_size=4, enable_prefix_caching=False, max_num_batched_tokens=8,
+                  kv_cache_memory=MEM, kv_cache_dtype=preset)
+    assert toks(chunked.generate(ps, greedy())) == whole
+    assert chunked.core.stats.steps_total > sum(map(len, ps)) // 8
+    # preemption: room for ~100 tokens, 5 sequences of up to ~75
+    ps = prompts(5, 30, 50, seed=13)
+    ref = toks(LLM(tiny_dir, block_size=4, kv_cache_memory=MEM,
+                   kv_cache_dtype=preset).generate(ps, greedy(25)))
+    bpt = llm.core.plan.bytes_per_token
+    small = LLM(tiny_dir, block_size=4, kv_cache_memory=100 * bpt, max_model_len=80,
+                kv_cache_dtype=preset)
+    assert toks(small.generate(ps, greedy(25))) == ref
+    assert small.core.get_stats().num_preemptions_total > 0
+    assert small.core.kv.num_used_blocks == 0
+
+
+def test_protected_layers_and_overrides_in_engine(tiny_dir):
+    llm = LLM(tiny_dir, block_size=4, kv_cache_memory=1 << 20, kv_cache_dtype="tq3",
+              kv_protect_layers=1)
+    assert not any(isinstance(c, TQLayerCache) for c in llm.core.runner.kv_caches)   # 2 layers, both protected
+    llm = LLM(tiny_dir, block_size=4, kv_cache_memory=1 << 20, kv_cache_dtype="tq3",
+              kv_cache_dtype_k="q8")
+    c = llm.core.runner.kv_caches[0]
+    assert (c.k_fmt.name, c.v_fmt.name) == ("q8", "tq3")
+    with pytest.raises(ValueError):
+        LLM(tiny_dir, kv_cache_dtype="tq9")
+
+
+# -- SmolLM2 ------------------------------------------------------------------
+SMOL_PROMPTS = ["The capital of France is", "def fibonacci(n):",
+                "Once upon a time, in a small village,", "The three primary colors are"]
+
+
+def shakespeare(n_chars, offset=0):
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[1].parent / "shared/data/tinyshakespeare.txt").read_text()
+    return text[offset:offset + n_chars]
+
+
+@pytest.fixture(scope="module")
+def smol_f16():
+    return LLM("smollm2-135m", kv_cache_memory=64 << 20, max_model_len=1024, kv_cache_dtype="f16")
+
+
+def capture_kv(llm, prompt):
+    """K/V (after RoPE) of every layer for one prompt, via forward hooks."""
+    got = {}
+
+    def hook(mod, args, out):
+        k, v = args[1], args[2]
+        got.setdefault(mod.layer_idx, []).append(
+            (k.detach().view(-1, mod.num_kv_heads, mod.head_dim).clone(),
+             v.detach().view(-1, mod.num_kv_heads, mod.head_dim).clone()))
+
+    hs = [m.register_forward_hook(hook) for m in llm.core.model.modules() if isinstance(m, Attention)]
+    try:
+        llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0))
+    finally:
+        for h in hs:
+            h.remove()
+    return {i: (torch.cat([a for a, _ in x]), torch.cat([b for _, b in x])) for i, x in got.items()}
+
+
+def real_kv_mse(kv: dict, bits: int, group=None) -> tuple[float, float]:
+    """Mean per-coordinate MSE of rotated unit K and V vectors over all layers."""
+    ks, vs = [], []
+    for i, (k, v) in kv.items():
+        s = rotation_signs(k.shape[-1], layer_seed(0, i))
+        ks.append(unit_mse(rotate(k.float(), s).flatten(0, 1), bits, group))
+        vs.append(unit_mse(rotate(v.float(), s).flatten(0, 1), bits, group))
+    return sum(ks) / len(ks), sum(vs) / len(vs)
+
+
+def test_smollm2_real_kv_roundtrip_mse_near_lloyd_max(smol_f16):
+    kv = capture_kv(smol_f16, shakespeare(1200))
+    assert len(kv) == 30 and kv[0][0].shape[1:] == (3, 64) and kv[0][0].shape[0] > 200
+    for bits in (2, 3, 4):
+        mk, mv = real_kv_mse(kv, bits)
+        for name, m in (("K", mk), ("V", mv)):
+            assert abs(m - LLOYD_MAX_MSE[bits]) / LLOYD_MAX_MSE[bits] < 0.05, (name, bits, m)
+
+
+def test_smollm2_k8v4_greedy_equals_f16(smol_f16):
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    ref = toks(smol_f16.generate(SMOL_PROMPTS, sp))
+    k8v4 = LLM("smollm2-135m", kv_cache_memory=64 << 20, max_model_len=1024, kv_cache_dtype="k8v4")
+    assert k8v4.core.plan.bytes_per_token * 16 // 6.25 == smol_f16.core.plan.bytes_per_token
+    assert toks(k8v4.generate(SMOL_PROMPTS, sp)) == ref
