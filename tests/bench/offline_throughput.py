@@ -41,12 +41,12 @@ def make_prompts(tok, n, lo, hi, seed):
     return out
 
 
-def bench_tqserve(prompts, out_len, threads, dtype):
+def bench_tqserve(prompts, out_len, threads, dtype, quantization=None):
     import torch
     from engine import LLM, SamplingParams
     torch.set_num_threads(threads)
     llm = LLM("smollm2-135m", max_num_seqs=64, max_num_batched_tokens=2048, kv_cache_memory=4 << 30,
-              enable_prefix_caching=False, dtype=dtype)
+              enable_prefix_caching=False, dtype=dtype, quantization=quantization)
     sp = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
     t0 = time.perf_counter()
@@ -136,17 +136,19 @@ def main():
     ap.add_argument("--llama-cpp-prompts", type=int, default=16)
     ap.add_argument("--llama-cpp-python", default=None, help="python of a venv with llama-cpp-python")
     ap.add_argument("--seed", type=int, default=int(time.time()))
-    ap.add_argument("--dtypes", default="float32,bfloat16", help="tqserve model dtypes to run")
+    ap.add_argument("--dtypes", default="float32,bfloat16,bfloat16:int4",
+                    help="tqserve variants: DTYPE[:QUANTIZATION],...")
     args = ap.parse_args()
     from model_zoo.resolve import open_model
     tok = open_model("smollm2-135m").tokenizer
     prompts = make_prompts(tok, args.num_prompts, args.min_len, args.max_len, args.seed)
     res = {"config": vars(args), "machine": {"cpus": os.cpu_count()}}
     systems = []
-    for dtype in args.dtypes.split(","):
-        key = "tqserve" if dtype == "float32" else f"tqserve_{dtype}"
+    for variant in args.dtypes.split(","):
+        dtype, _, quant = variant.partition(":")
+        key = "tqserve" + ("" if dtype == "float32" else f"_{dtype}") + (f"_{quant}" if quant else "")
         log(f"{key}: {len(prompts)} prompts ...")
-        res[key] = bench_tqserve(prompts, args.output_len, args.threads, dtype)
+        res[key] = bench_tqserve(prompts, args.output_len, args.threads, dtype, quant or None)
         log(f"{key}: {res[key]}")
         systems.append(key)
     if args.hf_prompts:
