@@ -78,7 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    # Room for `tqserve bench` and `tqserve plan` (see tests/bench/serving_bench.py meanwhile).
+    from server import plan
+    plan.add_parser(sub)
+    # Room for `tqserve bench` (see tests/bench/serving_bench.py meanwhile).
     return p
 
 
@@ -86,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return serve(args)
+    if args.command == "plan":
+        from server import plan
+        return plan.run(args)
     return 2
 
 
