@@ -18,6 +18,8 @@ import torch
 from model_zoo.source import ModelLoadError, ModelSource
 from model_zoo.tokenizer import Tokenizer, load_tokenizer_config
 
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
 try:
     from safetensors import SafetensorError, safe_open
 except ImportError:  # older safetensors: no exported error type
@@ -159,7 +161,10 @@ def open_hf_dir(folder: str | Path) -> ModelSource:
                         tensor = st.get_tensor(name)
                     except (SafetensorError, OSError, ValueError) as e:
                         raise ModelLoadError(f"cannot read tensor {name} from {f}: {e}") from e
-                    yield name, tensor.to(torch.float32)
+                    # Floating weights become fp32; quantized payloads (FP8 e4m3,
+                    # packed FP4/int bytes, E8M0 scales) keep their dtype for
+                    # the model's own dequantization.
+                    yield name, tensor.to(torch.float32) if tensor.dtype in _FLOATS else tensor
 
     return ModelSource(
         path=folder,
