@@ -1,6 +1,7 @@
 """The engine with compressed KV formats: every preset on a tiny random llama
 (batch invariance, chunked prefill, prefix cache, preemption), and SmolLM2:
 real K/V round-trip MSE against Lloyd-Max, k8v4 greedy == f16."""
+import math
 import random
 
 import pytest
@@ -98,10 +99,6 @@ def test_protected_layers_and_overrides_in_engine(tiny_dir):
 
 
 # -- SmolLM2 ------------------------------------------------------------------
-SMOL_PROMPTS = ["The capital of France is", "def fibonacci(n):",
-                "Once upon a time, in a small village,", "The three primary colors are"]
-
-
 def shakespeare(n_chars, offset=0):
     from pathlib import Path
     text = (Path(__file__).resolve().parents[1].parent / "shared/data/tinyshakespeare.txt").read_text()
@@ -142,18 +139,50 @@ def real_kv_mse(kv: dict, bits: int, group=None) -> tuple[float, float]:
     return sum(ks) / len(ks), sum(vs) / len(vs)
 
 
-def test_smollm2_real_kv_roundtrip_mse_near_lloyd_max(smol_f16):
-    kv = capture_kv(smol_f16, shakespeare(1200))
-    assert len(kv) == 30 and kv[0][0].shape[1:] == (3, 64) and kv[0][0].shape[0] > 200
+# Measured (1,200 chars of tinyshakespeare, all layers, per-vector norms):
+#   SmolLM2 (head_dim 64)  K -8.6/-8.2/-7.7%, V -3.7/-4.3/-4.3% at 2/3/4 bits
+#   Gemma3  (head_dim 256) K -2.9/-3.0/-3.3%, V -1.9/-2.2/-2.3%
+# SmolLM2's rotated keys are lighter-tailed than a Gaussian (outlier channels
+# spread evenly by the rotation), so the Gaussian codebook does *better* than
+# its nominal MSE there: for that one case the check is one-sided.
+@pytest.mark.parametrize("model", ["smollm2-135m", "gemma3-270m"])
+def test_real_kv_roundtrip_mse_near_lloyd_max(model, smol_f16):
+    llm = smol_f16 if model == "smollm2-135m" else LLM(model, kv_cache_memory=32 << 20,
+                                                        max_model_len=512, kv_cache_dtype="f16")
+    kv = capture_kv(llm, shakespeare(1200))
+    shape = {"smollm2-135m": (30, 3, 64), "gemma3-270m": (18, 1, 256)}[model]
+    assert (len(kv),) + tuple(kv[0][0].shape[1:]) == shape and kv[0][0].shape[0] > 200
     for bits in (2, 3, 4):
         mk, mv = real_kv_mse(kv, bits)
         for name, m in (("K", mk), ("V", mv)):
-            assert abs(m - LLOYD_MAX_MSE[bits]) / LLOYD_MAX_MSE[bits] < 0.05, (name, bits, m)
+            rel = m / LLOYD_MAX_MSE[bits] - 1
+            if model == "smollm2-135m" and name == "K":
+                assert -0.12 < rel < 0.05, (name, bits, m)
+            else:
+                assert abs(rel) < 0.05, (name, bits, m)
 
 
-def test_smollm2_k8v4_greedy_equals_f16(smol_f16):
+def test_smollm2_k8v4_greedy_equals_f16_and_ppl(smol_f16):
+    """k8v4 (int8 K, 4-bit V: 6.25 bits/value) against f16 KV.
+
+    Greedy equality for 16 tokens holds on text continuations; it does NOT
+    hold on the chat prompts of test_real_models (measured: "What is the
+    capital of France?" flips at token 0, the haiku at token 1): their top-2
+    margins are 0.08-0.13 nats and k8v4 moves logprobs by 0.1-0.3 nats. So
+    quality is also checked teacher-forced: perplexity within +3% of f16
+    (measured +1.3% on 2 x 512 tokens)."""
+    tok = smol_f16.tokenizer
+    text = shakespeare(40_000)
+    ps = [tok.encode(text[o:o + 600])[:100] for o in (5000, 20000, 30000)]
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    ref = toks(smol_f16.generate(SMOL_PROMPTS, sp))
+    ref = toks(smol_f16.generate(ps, sp))
     k8v4 = LLM("smollm2-135m", kv_cache_memory=64 << 20, max_model_len=1024, kv_cache_dtype="k8v4")
-    assert k8v4.core.plan.bytes_per_token * 16 // 6.25 == smol_f16.core.plan.bytes_per_token
-    assert toks(k8v4.generate(SMOL_PROMPTS, sp)) == ref
+    assert k8v4.core.plan.bytes_per_token * 16 / 6.25 == smol_f16.core.plan.bytes_per_token
+    assert toks(k8v4.generate(ps, sp)) == ref
+    seqs = [tok.encode(text[o:o + 2000])[:256] for o in (0, 10000)]
+
+    def ppl(llm):
+        outs = llm.generate(seqs, SamplingParams(max_tokens=0, prompt_logprobs=0))
+        lps = [lp[t] for ids, o in zip(seqs, outs) for t, lp in zip(ids[1:], o.prompt_logprobs[1:])]
+        return math.exp(-sum(lps) / len(lps))
+    assert ppl(k8v4) < 1.03 * ppl(smol_f16)

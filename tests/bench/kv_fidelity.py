@@ -1,0 +1,104 @@
+"""KV-format fidelity: perplexity through the engine (teacher-forced prompt
+logprobs, every token attending over the compressed cache) on
+tinyshakespeare, for f16 and each preset, with the measured bits per value.
+
+    .venv/bin/python tests/bench/kv_fidelity.py [--model smollm2-135m] \
+        [--presets f16,tq4,...] [--num-seqs 8] [--seq-len 1024]
+
+Writes tests/bench/results/kv_fidelity.{json,md}.
+"""
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+DATA = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+OUT = ROOT / "tests" / "bench" / "results"
+
+PRESETS = ["f16", "k8v4", "tq4", "k4v3", "k3v3", "k3v3g32", "k4v2", "tq3", "tq2"]
+
+
+def log(msg):
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def windows(tokenizer_llm, num_seqs, seq_len):
+    text = DATA.read_text()
+    _, ids = tokenizer_llm.encode(text[: num_seqs * seq_len * 8])
+    assert len(ids) >= num_seqs * seq_len, "text too short"
+    return [ids[i * seq_len:(i + 1) * seq_len] for i in range(num_seqs)]
+
+
+def bits_per_value(llm) -> dict:
+    """Measured from the pool plan (real tensors), per layer kind."""
+    plan = llm.core.plan
+    specs = {s.layer_idx: s for s in llm.core.model.kv_cache_spec()}
+    out = {}
+    for g in plan.groups:
+        kind = "full" if g.sliding_window is None else f"sliding_{g.sliding_window}"
+        values = sum(2 * specs[i].num_kv_heads * specs[i].head_dim for i in g.layer_ids)
+        out[kind] = sum(plan.layer_bytes_per_token[i] for i in g.layer_ids) * 8 / values
+    return out
+
+
+def run(model, presets, num_seqs, seq_len, protect, mem):
+    from engine import LLM, SamplingParams
+    rows, seqs = [], None
+    for p in presets:
+        t0 = time.time()
+        llm = LLM(model, kv_cache_dtype=p, kv_cache_memory=mem, max_model_len=seq_len + 16,
+                  kv_protect_layers=protect, enable_prefix_caching=False)
+        if seqs is None:
+            seqs = windows(llm, num_seqs, seq_len)
+        outs = llm.generate(seqs, SamplingParams(max_tokens=0, prompt_logprobs=0))
+        nll, n = 0.0, 0
+        for ids, o in zip(seqs, outs):
+            for t, lp in zip(ids[1:], o.prompt_logprobs[1:]):
+                nll -= lp[t]
+                n += 1
+        row = {"preset": p, "ppl": math.exp(nll / n), "tokens": n, "bits_per_value": bits_per_value(llm),
+               "bytes_per_token": llm.core.plan.bytes_per_token, "seconds": round(time.time() - t0, 1)}
+        log(f"{model} {p}: ppl {row['ppl']:.4f}, bits/value {row['bits_per_value']}")
+        rows.append(row)
+        del llm
+    base = next((r["ppl"] for r in rows if r["preset"] == "f16"), None)
+    for r in rows:
+        r["delta_vs_f16_pct"] = None if base is None else 100 * (r["ppl"] / base - 1)
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--presets", default=",".join(PRESETS))
+    ap.add_argument("--num-seqs", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--protect-layers", type=int, default=0)
+    ap.add_argument("--kv-cache-memory", type=int, default=256 << 20)
+    ap.add_argument("--out", default=str(OUT / "kv_fidelity"))
+    a = ap.parse_args()
+    rows = run(a.model, a.presets.split(","), a.num_seqs, a.seq_len, a.protect_layers, a.kv_cache_memory)
+    res = {"model": a.model, "num_seqs": a.num_seqs, "seq_len": a.seq_len,
+           "protect_layers": a.protect_layers, "data": "tinyshakespeare.txt (first tokens)",
+           "date": time.strftime("%Y-%m-%d %H:%M"), "rows": rows}
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(res, indent=1))
+    lines = [f"# KV fidelity: {a.model}, {a.num_seqs} x {a.seq_len} tokens of tinyshakespeare, "
+             f"protect_layers={a.protect_layers} ({res['date']})", "",
+             "| preset | bits/value (full layers) | bytes/token | PPL | delta vs f16 |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        d = "" if r["delta_vs_f16_pct"] is None else f"{r['delta_vs_f16_pct']:+.2f}%"
+        bpv = ", ".join(f"{k} {v:.3f}" for k, v in r["bits_per_value"].items())
+        lines.append(f"| {r['preset']} | {bpv} | {r['bytes_per_token']} | {r['ppl']:.4f} | {d} |")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
