@@ -22,7 +22,7 @@ class TQLayerCache:
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  k_fmt: ComponentFormat, v_fmt: ComponentFormat, group_id: int,
                  sliding_window: int | None = None, seed: int = 0,
-                 device: str | torch.device = "cpu", chunk_tokens: int = 256):
+                 device: str | torch.device = "cpu", chunk_tokens: int = 512):
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim

@@ -116,9 +116,13 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
 def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """Inverse of pack_bits -> [..., n] long codes."""
     lead = packed.shape[:-1]
-    p = packed.view(*lead, n // 8, bits).to(torch.int64)
-    val = (p << (8 * torch.arange(bits, device=packed.device))).sum(-1, keepdim=True)
-    return ((val >> (bits * torch.arange(8, device=packed.device))) & ((1 << bits) - 1)).view(*lead, n)
+    if bits in (2, 4):   # whole codes per byte: shifts on uint8, no widening
+        sh = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+        return ((packed.unsqueeze(-1) >> sh) & ((1 << bits) - 1)).view(*lead, n).long()
+    p = packed.view(*lead, n // 8, bits).to(torch.int32)     # 3 bits: 24-bit words
+    val = (p << (8 * torch.arange(bits, dtype=torch.int32, device=packed.device))).sum(-1, keepdim=True)
+    sh = bits * torch.arange(8, dtype=torch.int32, device=packed.device)
+    return ((val >> sh) & ((1 << bits) - 1)).view(*lead, n).long()
 
 
 # -- formats ------------------------------------------------------------------
