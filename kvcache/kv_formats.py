@@ -105,6 +105,10 @@ class KVPolicy:
         if k == F16 and v == F16:
             return DenseLayerCache(num_blocks, block_size, spec.num_kv_heads, spec.head_dim,
                                    self.f16_dtype, group_id, spec.sliding_window)
+        d = spec.head_dim
+        if d < 8 or d & (d - 1):
+            raise ValueError(f"layer {spec.layer_idx}: compressed KV formats need a power-of-two "
+                             f"head_dim >= 8 (Walsh-Hadamard rotation), got {d}; use kv_cache_dtype f16")
         return TQLayerCache(num_blocks, block_size, spec.num_kv_heads, spec.head_dim, k, v, group_id,
                             spec.sliding_window, seed=layer_seed(self.seed, spec.layer_idx))
 

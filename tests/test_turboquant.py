@@ -213,6 +213,8 @@ def test_layer_policy_protects_first_last_and_sliding():
     a, b = caches[2], caches[3]
     assert not torch.equal(a.signs, b.signs)
     assert torch.equal(a.signs, make_layer_cache(specs[2], 1, 16, pol, 0, 8).signs)
+    with pytest.raises(ValueError, match="power-of-two"):
+        make_layer_cache(LayerSpec(3, 2, 80), 1, 16, pol, 0, 8)
 
 
 @pytest.mark.parametrize("head_dim,kv_heads", [(64, 3), (128, 8)])
