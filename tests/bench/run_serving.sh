@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One run of the serving benchmark: tqserve (fp32, and bf16) and llama.cpp's
+# One run of the serving benchmark: tqserve (fp32, bf16, bf16 + int4) and llama.cpp's
 # llama-server (same GGUF, -np 16), one after another on this machine.
 #   LLAMA_SERVER=/path/to/llama-server tests/bench/run_serving.sh [extra serving_bench args]
 # Results: tests/bench/results/serving.{json,md}
@@ -21,9 +21,14 @@ fi
     > tests/bench/results/tqserve-bf16.log 2>&1 &
 pids+=($!)
 targets+=(--target "tqserve-bf16=http://127.0.0.1:8092/v1")
+.venv/bin/tqserve serve --model smollm2-135m --dtype bfloat16 --quantization int4 --port 8093 --max-num-seqs 64 \
+    --max-queue 0 > tests/bench/results/tqserve-bf16-int4.log 2>&1 &
+pids+=($!)
+targets+=(--target "tqserve-bf16-int4=http://127.0.0.1:8093/v1")
 for _ in $(seq 120); do
   ok=1
   curl -sf http://127.0.0.1:8092/health >/dev/null || ok=0
+  curl -sf http://127.0.0.1:8093/health >/dev/null || ok=0
   if [ -n "${LLAMA_SERVER:-}" ]; then curl -sf http://127.0.0.1:8091/health >/dev/null || ok=0; fi
   [ $ok = 1 ] && break
   sleep 1
