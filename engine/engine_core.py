@@ -3,7 +3,6 @@
 It runs either in the caller's process (offline LLM, tests) or in its own
 process behind the async client (core_process.py)."""
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 

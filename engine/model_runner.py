@@ -6,7 +6,7 @@ import torch
 from engine.request import Request
 from engine.sampler import sample, token_logprobs
 from engine.scheduler import SchedulerOutput, ScheduledRequest
-from kvcache.kv_manager import NULL_BLOCK, KVCacheManager
+from kvcache.kv_manager import KVCacheManager
 from kvcache.metadata import AttentionMetadata, GroupMetadata
 
 

@@ -6,7 +6,7 @@ This is the reference format: TurboQuant formats keep the same interface
 import torch
 import torch.nn.functional as F
 
-from kvcache.metadata import AttentionMetadata, GroupMetadata
+from kvcache.layer_cache import LayerCache
 
 
 def expand_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -15,7 +15,7 @@ def expand_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
     return x.repeat_interleave(num_heads // x.shape[1], dim=1) if x.shape[1] != num_heads else x
 
 
-class DenseLayerCache:
+class DenseLayerCache(LayerCache):
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, group_id: int, sliding_window: int | None = None,
                  device: str | torch.device = "cpu"):
@@ -42,18 +42,6 @@ class DenseLayerCache:
         slots = (cols.unsqueeze(-1) * bs + torch.arange(bs, device=cols.device)).flatten()
         return (self.k.index_select(0, slots).to(dtype), self.v.index_select(0, slots).to(dtype))
 
-    def attention(self, q: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q: [T, Hq, D] for the whole flat batch -> [T, Hq, D]."""
-        group: GroupMetadata = meta.groups[self.group_id]
-        out = torch.empty_like(q)
-        nd = meta.num_decodes
-        if nd:
-            out[:nd] = self._decode(q[:nd], group.block_tables[:nd], meta.seq_lens_t[:nd], scale)
-        for i in range(nd, meta.num_seqs):
-            s, e = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-            out[s:e] = self._prefill(q[s:e], group.block_tables[i], meta.seq_lens[i], scale)
-        return out
-
     def _window_blocks(self, lo_pos: int, hi_pos: int) -> tuple[int, int]:
         """Blocks that hold key positions [lo_pos, hi_pos)."""
         bs = self.block_size
@@ -64,15 +52,7 @@ class DenseLayerCache:
         B, Hq, D = q.shape
         H, bs, dev = self.num_kv_heads, self.block_size, q.device
         seq_lens = seq_lens.to(dev)
-        if self.sliding_window is None:
-            nblk = -(-int(seq_lens.max()) // bs)
-            cols = torch.arange(nblk, device=dev).expand(B, nblk)
-        else:
-            # Each sequence reads only the blocks of its own window.
-            nblk = min(-(-(self.sliding_window - 1) // bs) + 1, block_tables.shape[1])
-            first = ((seq_lens - self.sliding_window).clamp(min=0) // bs)
-            first = first.clamp(max=block_tables.shape[1] - nblk)
-            cols = first[:, None] + torch.arange(nblk, device=dev)
+        cols = self.decode_columns(block_tables, seq_lens)
         blocks = block_tables.gather(1, cols)
         slots = (blocks.unsqueeze(-1) * bs + torch.arange(bs, device=dev)).flatten()
         pos = (cols.unsqueeze(-1) * bs + torch.arange(bs, device=dev)).flatten(1)

@@ -12,13 +12,13 @@ sequence's whole history is never materialised uncompressed.
 """
 import torch
 
-from kvcache.metadata import AttentionMetadata, GroupMetadata
+from kvcache.layer_cache import LayerCache
 from kvcache.turboquant import Codec, ComponentFormat, rotate, unrotate
 
 NEG = -1e30   # finite "minus infinity": a fully masked chunk is wiped exactly by the next rescale
 
 
-class TQLayerCache:
+class TQLayerCache(LayerCache):
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  k_fmt: ComponentFormat, v_fmt: ComponentFormat, group_id: int,
                  sliding_window: int | None = None, seed: int = 0,
@@ -58,18 +58,6 @@ class TQLayerCache:
                 self.vc.dequantize(self._rows(self.v, slots), dtype))
 
     # -- attention ---------------------------------------------------------
-    def attention(self, q: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q: [T, Hq, D] for the whole flat batch -> [T, Hq, D]."""
-        group: GroupMetadata = meta.groups[self.group_id]
-        out = torch.empty_like(q)
-        nd = meta.num_decodes
-        if nd:
-            out[:nd] = self._decode(q[:nd], group.block_tables[:nd], meta.seq_lens_t[:nd], scale)
-        for i in range(nd, meta.num_seqs):
-            s, e = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-            out[s:e] = self._prefill(q[s:e], group.block_tables[i], meta.seq_lens[i], scale)
-        return out
-
     def _attend(self, qr, cols, block_tables, qpos, seq_lens):
         """Online-softmax attention over compressed blocks.
 
@@ -127,17 +115,8 @@ class TQLayerCache:
         return o.permute(0, 3, 1, 2, 4).reshape(B, Lq, H * G, D).to(dtype)
 
     def _decode(self, q, block_tables, seq_lens, scale):
-        B = q.shape[0]
-        bs, dev = self.block_size, q.device
-        seq_lens = seq_lens.to(dev)
-        if self.sliding_window is None:
-            nblk = -(-int(seq_lens.max()) // bs)
-            cols = torch.arange(nblk, device=dev).expand(B, nblk)
-        else:
-            nblk = min(-(-(self.sliding_window - 1) // bs) + 1, block_tables.shape[1])
-            first = ((seq_lens - self.sliding_window).clamp(min=0) // bs)
-            first = first.clamp(max=block_tables.shape[1] - nblk)
-            cols = first[:, None] + torch.arange(nblk, device=dev)
+        seq_lens = seq_lens.to(q.device)
+        cols = self.decode_columns(block_tables, seq_lens)
         acc = self._attend(self._rotate_q(q.unsqueeze(1), scale), cols, block_tables,
                            (seq_lens - 1)[:, None], seq_lens)
         return self._finish(acc, q.dtype)[:, 0]

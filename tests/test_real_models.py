@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from model_zoo.resolve import open_model, resolve_path
+from model_zoo.resolve import resolve_path
 
 DATA = "../shared/data/tinyshakespeare.txt"
 MODELS = ["smollm2-135m", "gemma3-270m"]
