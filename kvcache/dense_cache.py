@@ -36,7 +36,7 @@ class DenseLayerCache(LayerCache):
         self.v.index_copy_(0, slot_mapping, v.to(self.v.dtype))
 
     def _gather(self, block_table: torch.Tensor, first_block: int, num_blocks: int, dtype):
-        """K/V for blocks [first_block, first_block + num_blocks) of one or more block tables."""
+        """K/V [L, H, D] for blocks [first_block, first_block + num_blocks) of one block table."""
         bs = self.block_size
         cols = block_table[..., first_block:first_block + num_blocks]
         slots = (cols.unsqueeze(-1) * bs + torch.arange(bs, device=cols.device)).flatten()
