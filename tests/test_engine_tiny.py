@@ -1,35 +1,20 @@
 """Engine behaviour on a tiny random llama (token-id prompts, no tokenizer):
 scheduler, paged KV, prefix cache, preemption, sampler, bad input."""
-import random
 
 import pytest
 import torch
 
 from engine import LLM, InvalidRequest, SamplingError, SamplingParams
+from tiny_models import save_tiny_llama, token_prompts
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-    m = LlamaForCausalLM(cfg).float()
-    with torch.no_grad():
-        for n, p in m.named_parameters():
-            if "norm" in n:
-                p.add_(torch.randn_like(p) * 0.1)
-            else:
-                p.mul_(4.0)   # sharper logits: greedy never ties
     d = tmp_path_factory.mktemp("tiny_llama")
-    m.save_pretrained(d, safe_serialization=True)
-    return str(d), m
+    return str(d), save_tiny_llama(d)
 
 
-def prompts(n, lo=5, hi=60, seed=0):
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 256) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+prompts = token_prompts
 
 
 def greedy(max_tokens=12, **kw):

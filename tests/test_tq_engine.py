@@ -2,7 +2,6 @@
 (batch invariance, chunked prefill, prefix cache, preemption), and SmolLM2:
 real K/V round-trip MSE against Lloyd-Max, k8v4 greedy == f16."""
 import math
-import random
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ from kvcache.attention import Attention
 from kvcache.kv_formats import layer_seed
 from kvcache.tq_cache import TQLayerCache
 from kvcache.turboquant import LLOYD_MAX_MSE, rotate, rotation_signs, unit_mse
+from tiny_models import save_tiny_llama, token_prompts
 
 PRESETS = ["f16", "tq4", "tq3", "tq2", "k8v4", "k4v3", "k4v2", "k3v3", "k3v3g32"]
 MEM = 1 << 20   # small pools: allocation dominates a tiny model
@@ -19,26 +19,12 @@ MEM = 1 << 20   # small pools: allocation dominates a tiny model
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-    m = LlamaForCausalLM(cfg).float()
-    with torch.no_grad():
-        for n, p in m.named_parameters():
-            if "norm" in n:
-                p.add_(torch.randn_like(p) * 0.1)
-            else:
-                p.mul_(4.0)   # sharper logits: greedy never ties
     d = tmp_path_factory.mktemp("tiny_llama_tq")
-    m.save_pretrained(d, safe_serialization=True)
+    save_tiny_llama(d)
     return str(d)
 
 
-def prompts(n, lo=5, hi=60, seed=0):
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 256) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+prompts = token_prompts
 
 
 def greedy(max_tokens=10):

@@ -1,0 +1,28 @@
+"""Tiny random models saved as Hugging Face directories, for engine tests."""
+import random
+
+import torch
+
+
+def save_tiny_llama(path):
+    """A 2-layer GQA llama with sharpened weights (greedy decoding never ties),
+    saved to path; returns the transformers model."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    m = LlamaForCausalLM(cfg).float()
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if "norm" in n:
+                p.add_(torch.randn_like(p) * 0.1)
+            else:
+                p.mul_(4.0)
+    m.save_pretrained(path, safe_serialization=True)
+    return m
+
+
+def token_prompts(n, lo=5, hi=60, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 256) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
