@@ -19,17 +19,9 @@ from torch import nn
 
 from kvcache.attention import Attention
 from kvcache.spec import LayerSpec
-from model_zoo.layers import GeluAndMul, GemmaRMSNorm, RotaryEmbedding, load_packed_weights
+from model_zoo.layers import PACKED, GeluAndMul, GemmaRMSNorm, RotaryEmbedding, load_packed_weights
 from parallel.linear import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                              RowParallelLinear, VocabParallelEmbedding)
-
-PACKED = {
-    "q_proj": ("qkv_proj", "q"),
-    "k_proj": ("qkv_proj", "k"),
-    "v_proj": ("qkv_proj", "v"),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 

@@ -135,6 +135,16 @@ class RotaryEmbedding(nn.Module):
 
 # ---------------------------------------------------------------- loading
 
+# HF q/k/v and gate/up projections -> our fused modules (and shard ids).
+PACKED = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
 def load_packed_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                         packed: dict[str, tuple[str, object]], ignore: tuple[str, ...] = ()) -> None:
     """Load HF-named tensors into `model`, whose module names mirror the HF ones

@@ -14,17 +14,10 @@ from torch import nn
 
 from kvcache.attention import Attention
 from kvcache.spec import LayerSpec
-from model_zoo.layers import RMSNorm, RotaryEmbedding, SiluAndMul, load_packed_weights, rope_parameters
+from model_zoo.layers import (PACKED, RMSNorm, RotaryEmbedding, SiluAndMul, load_packed_weights,
+                              rope_parameters)
 from parallel.linear import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                              RowParallelLinear, VocabParallelEmbedding)
-
-PACKED = {
-    "q_proj": ("qkv_proj", "q"),
-    "k_proj": ("qkv_proj", "k"),
-    "v_proj": ("qkv_proj", "v"),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
 
 
 class LlamaAttention(nn.Module):
