@@ -21,6 +21,8 @@ class EngineArgs:
     # CPU kernel instead of being dequantized; needs dtype bfloat16.
     quantization: str | None = None
     seed: int = 0
+    max_rollback_tokens: int = 0                  # how far a step may roll a sequence back (spec decode);
+                                                  # sizes ring-buffered state (DeepSeek-V4 window / carry)
     num_threads: int | None = None                # torch intra-op threads in the engine core
 
     def validate(self) -> None:

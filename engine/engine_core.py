@@ -125,10 +125,12 @@ class EngineCore:
         specs = self.model.kv_cache_spec()
         cdtype = kv_dtype(args.kv_cache_dtype, dtype, args.kv_cache_dtype_k, args.kv_cache_dtype_v,
                           args.kv_protect_layers)
-        self.plan = plan_kv_pool(specs, kv_budget(args.kv_cache_memory), args.block_size, cdtype,
-                                 args.max_num_seqs, args.max_num_batched_tokens)
-        caches = allocate_kv_caches(specs, self.plan, cdtype)
         model_len = int(self.source.config.get("max_position_embeddings") or 4096)
+        self.plan = plan_kv_pool(specs, kv_budget(args.kv_cache_memory), args.block_size, cdtype,
+                                 args.max_num_seqs, args.max_num_batched_tokens,
+                                 max_model_len=args.max_model_len or model_len,
+                                 max_rollback=args.max_rollback_tokens)
+        caches = allocate_kv_caches(specs, self.plan, cdtype)
         if args.max_model_len is not None:
             if args.max_model_len > self.plan.capacity_tokens:
                 raise ValueError(f"max_model_len {args.max_model_len} exceeds the KV cache capacity of "
@@ -136,8 +138,12 @@ class EngineCore:
             self.max_model_len = args.max_model_len
         else:
             self.max_model_len = min(model_len, self.plan.capacity_tokens)
-        self.kv = KVCacheManager(self.plan.groups, self.plan.num_blocks, args.block_size,
-                                 args.enable_prefix_caching)
+        caching = args.enable_prefix_caching and self.plan.prefix_caching
+        if args.enable_prefix_caching and not caching:
+            log.info("prefix caching off: this model's cache holds per-sequence state (sliding-window ring, "
+                     "compressor carry) that is not block-addressable")
+        self.kv = KVCacheManager(self.plan.groups, self.plan.num_blocks, args.block_size, caching,
+                                 max_rollback=self.plan.max_rollback)
         self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.max_num_batched_tokens,
                                    args.long_prefill_token_threshold)
         self.runner = ModelRunner(self.model, self.kv, caches)
@@ -148,10 +154,11 @@ class EngineCore:
             bytes_per_token_by_kind=self.plan.bytes_per_token_by_kind(), block_size=args.block_size,
             num_blocks=list(self.plan.num_blocks), kv_total_bytes=self.plan.total_bytes,
             vocab_size=int(self.source.config.get("vocab_size", 0)))
-        log.info("engine ready in %.1fs: %s, max_model_len %d, KV %d tokens x %d B/token (%s), %.1f MiB",
+        log.info("engine ready in %.1fs: %s, max_model_len %d, KV %d tokens x %s B/token (%s)%s, %.1f MiB",
                  time.monotonic() - t0, args.model, self.max_model_len, self.plan.capacity_tokens,
-                 self.plan.bytes_per_token, self.plan.bytes_per_token_by_kind(),
-                 self.plan.total_bytes / 2**20)
+                 f"{self.plan.bytes_per_token:g}", self.plan.bytes_per_token_by_kind(),
+                 f" + {self.plan.state_bytes_per_seq} B/sequence of window/carry state"
+                 if hasattr(self.plan, "state_bytes_per_seq") else "", self.plan.total_bytes / 2**20)
 
     # -- requests -------------------------------------------------------------
     def add_request(self, er: EngineRequest) -> None:
@@ -168,6 +175,11 @@ class EngineCore:
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
+
+    def rollback(self, request_id: str, num_tokens: int) -> None:
+        """Keep a running request's first num_tokens tokens; forget the rest and
+        their KV (speculative decoding's rejected drafts)."""
+        self.scheduler.rollback(self.scheduler.requests[request_id], num_tokens)
 
     # -- one step -------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:

@@ -6,6 +6,7 @@ import torch
 from engine.request import Request
 from engine.sampler import sample, token_logprobs
 from engine.scheduler import SchedulerOutput, ScheduledRequest
+from kvcache.dsv4_paged import DSV4PagedCache
 from kvcache.kv_manager import KVCacheManager
 from kvcache.metadata import AttentionMetadata, GroupMetadata
 
@@ -14,9 +15,23 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv: KVCacheManager, kv_caches: list):
         self.model = model
         self.kv = kv
-        self.kv_caches = kv_caches     # indexed by layer
+        self.kv_caches = kv_caches     # indexed by layer, or one DSV4PagedCache
+
+    def _build_dsv4(self, sched: list[ScheduledRequest]):
+        """Stateful (DeepSeek-V4) pool: the metadata is per-sequence views of it."""
+        input_ids, positions, qsl, seqs = [], [], [0], []
+        for s in sched:
+            req, start, n = s.req, s.req.num_computed_tokens, s.num_new_tokens
+            input_ids.extend(req.token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            qsl.append(qsl[-1] + n)
+            seqs.append((start, [self.kv.block_table(req.request_id, g) for g in range(len(self.kv.groups))]))
+        return (torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
+                self.kv_caches.batch(seqs, qsl), qsl)
 
     def _build(self, sched: list[ScheduledRequest]):
+        if isinstance(self.kv_caches, DSV4PagedCache):
+            return self._build_dsv4(sched)
         bs = self.kv.block_size
         input_ids, positions, qsl, seq_lens = [], [], [0], []
         slots = [[] for _ in self.kv.groups]

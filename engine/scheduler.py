@@ -120,6 +120,17 @@ class Scheduler:
             req.num_computed_tokens += s.num_new_tokens
             self.kv.cache_full_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
 
+    def rollback(self, req: Request, num_tokens: int) -> None:
+        """Truncate a request to its first num_tokens tokens, KV included."""
+        if not 0 < num_tokens <= req.num_tokens or num_tokens < req.num_prompt_tokens:
+            raise ValueError(f"cannot keep {num_tokens} of {req.num_tokens} tokens "
+                             f"({req.num_prompt_tokens} in the prompt)")
+        computed = min(req.num_computed_tokens, num_tokens)
+        if req.status == Status.RUNNING:
+            self.kv.truncate(req.request_id, computed)    # raises, changing nothing, if too deep
+        del req.token_ids[num_tokens:]
+        req.num_computed_tokens = computed
+
     def finish(self, req: Request) -> None:
         if req.status == Status.RUNNING:
             self.running.remove(req)

@@ -40,6 +40,13 @@ class Ring:
         self.capacity = capacity
         self.data = torch.zeros(capacity, dim, dtype=dtype, device=device)
 
+    @classmethod
+    def over(cls, data: torch.Tensor) -> "Ring":
+        """A ring on existing storage [capacity, dim] (a slot of the paged pool)."""
+        ring = cls.__new__(cls)
+        ring.capacity, ring.data = data.shape[0], data
+        return ring
+
     def write(self, start: int, x: torch.Tensor) -> None:
         """Store x[i] as position start + i (only the last `capacity` survive)."""
         n = x.shape[0]
@@ -173,10 +180,9 @@ class DSV4LayerState:
 class DSV4SequenceState:
     """One sequence's cache for every layer of the model (or of its MTP head)."""
 
-    def __init__(self, layer_specs: list[dict], max_rollback: int = 0, dtype=torch.float32, device=None,
+    def __init__(self, layer_specs: list, max_rollback: int = 0, dtype=torch.float32, device=None,
                  entry_format: str | None = None):
-        """layer_specs: one dict per layer with keys layer_type, head_dim,
-        sliding_window, ratio, index_head_dim (what the model's kv_cache_spec gives).
+        """layer_specs: the model's kv_cache_spec() (kvcache.spec.DSV4LayerSpec per layer).
         entry_format: None, or a component format name for the compressed KV entries
         (tq4, tq3, tq2, q8; see kvcache/kv_formats.py)."""
         self.max_rollback = max_rollback
@@ -186,9 +192,10 @@ class DSV4SequenceState:
         if entry_format is not None:
             from kvcache.kv_formats import component
             fmt = component(entry_format)
-        self.layers = [DSV4LayerState(**spec, max_rollback=max_rollback, dtype=dtype, device=device,
+        self.layers = [DSV4LayerState(s.layer_type, s.head_dim, s.sliding_window, s.ratio, s.index_head_dim,
+                                      max_rollback=max_rollback, dtype=dtype, device=device,
                                       entry_format=fmt, seed=i)
-                       for i, spec in enumerate(layer_specs)]
+                       for i, s in enumerate(layer_specs)]
 
     def advance(self, n: int) -> None:
         self.length += n

@@ -4,6 +4,11 @@ Layers that share an attention shape of context (all full-attention layers;
 all sliding-window layers with one window) form a group with its own pool and
 block tables, as in vLLM's hybrid allocator: a sliding-window group frees the
 blocks that fall out of its window while the full group keeps them.
+
+Two more group shapes serve stateful models (DeepSeek-V4, kvcache/dsv4_paged.py):
+a group with ratio r holds one row per r tokens (compressed entries), so its
+block covers block_size * r tokens; a per_seq group gives each sequence one
+fixed-size slot (a 'block' of its own pool) for state that does not grow.
 """
 from dataclasses import dataclass, field
 
@@ -17,6 +22,8 @@ NULL_BLOCK = -1   # a table entry whose block was freed (out of window); masked 
 class KVGroup:
     sliding_window: int | None
     layer_ids: list[int]
+    ratio: int = 1            # tokens per row: a block holds block_size * ratio tokens' worth
+    per_seq: bool = False     # one slot per sequence, whatever its length
 
 
 def group_layers(specs: list[LayerSpec]) -> list[KVGroup]:
@@ -32,15 +39,20 @@ class _ReqBlocks:
     tables: list[list[int]]                     # per group
     hashes: list[int] = field(default_factory=list)   # chained hash of each full block
     num_cached: int = 0                         # full blocks already registered in the pools
+    high: int = 0                               # highest num_computed + num_new ever allocated
 
 
 class KVCacheManager:
     def __init__(self, groups: list[KVGroup], num_blocks: list[int], block_size: int,
-                 enable_caching: bool = True):
+                 enable_caching: bool = True, max_rollback: int | None = None):
+        """max_rollback: how far truncate() may go back from the highest position
+        ever allocated (ring-buffered state keeps only that many extra positions);
+        None for position-addressed storage."""
         self.groups = groups
         self.block_size = block_size
         self.pools = [BlockPool(n, enable_caching) for n in num_blocks]
         self.enable_caching = enable_caching
+        self.max_rollback = max_rollback
         self.reqs: dict[str, _ReqBlocks] = {}
 
     # -- prefix cache ---------------------------------------------------------
@@ -51,6 +63,12 @@ class KVCacheManager:
             parent = rb.hashes[-1] if rb.hashes else 0
             rb.hashes.append(hash((parent, tuple(token_ids[i * bs:(i + 1) * bs]))))
         return rb.hashes
+
+    def _blocks_needed(self, g: KVGroup, num_tokens: int) -> int:
+        """Blocks of group g that positions [0, num_tokens) occupy."""
+        if g.per_seq:
+            return 1
+        return -(-(num_tokens // g.ratio) // self.block_size)
 
     def _window_start_block(self, g: KVGroup, num_tokens: int) -> int:
         """First block a query at position num_tokens still needs in group g."""
@@ -93,7 +111,7 @@ class KVCacheManager:
         for gi, g in enumerate(self.groups):
             pool, table = self.pools[gi], rb.tables[gi]
             first = self._window_start_block(g, num_computed)
-            need_total = (end + bs - 1) // bs
+            need_total = self._blocks_needed(g, end)
             adopting = hit_blocks > 0 and not table
             adopt = list(range(first, hit_blocks)) if adopting else []
             live = [b for j, b in enumerate(table) if j < first and b != NULL_BLOCK]
@@ -120,7 +138,30 @@ class KVCacheManager:
                 table.append(pool.allocate())
         if hit_blocks:
             rb.num_cached = max(rb.num_cached, hit_blocks)
+        rb.high = max(rb.high, end)
         return True
+
+    def truncate(self, req_id: str, num_tokens: int) -> None:
+        """Forget positions >= num_tokens (speculative-decoding rollback): free
+        the blocks past them. Ring-buffered state (max_rollback) is intact only
+        within max_rollback of the highest position ever written."""
+        rb = self.reqs[req_id]
+        if self.enable_caching:
+            # The block holding num_tokens may be registered (or shared) with
+            # contents that would now be overwritten: that needs copy-on-write.
+            raise NotImplementedError("rollback with prefix caching is not supported")
+        if self.max_rollback is not None and num_tokens < rb.high - self.max_rollback:
+            raise ValueError(f"cannot roll back to {num_tokens} tokens: state keeps only "
+                             f"{self.max_rollback} positions before {rb.high}")
+        for gi, g in enumerate(self.groups):
+            table = rb.tables[gi]
+            if g.sliding_window is not None and NULL_BLOCK in table[self._window_start_block(g, num_tokens):]:
+                raise ValueError(f"cannot roll back to {num_tokens} tokens: window blocks already freed")
+            keep = self._blocks_needed(g, num_tokens)
+            while len(table) > keep:
+                b = table.pop()
+                if b != NULL_BLOCK:
+                    self.pools[gi].free(b)
 
     def cache_full_blocks(self, req_id: str, token_ids: list[int], num_computed: int) -> None:
         """Register blocks that became full (their KV is written) for reuse."""

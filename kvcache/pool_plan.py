@@ -6,7 +6,7 @@ import torch
 from kvcache.dense_cache import DenseLayerCache
 from kvcache.kv_formats import KVPolicy, is_preset
 from kvcache.kv_manager import KVGroup, group_layers
-from kvcache.spec import LayerSpec
+from kvcache.spec import DSV4LayerSpec, LayerSpec
 
 DTYPES = {"f32": torch.float32, "float32": torch.float32, "f16": torch.float16,
           "float16": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
@@ -43,6 +43,8 @@ class KVPlan:
     block_bytes: list[int]            # per group: bytes of one block across the group's layers
     block_size: int
     layer_bytes_per_token: dict[int, int]   # per layer
+    prefix_caching: bool = True       # whether the pool's contents are block-addressable
+    max_rollback: int | None = None   # tokens a sequence can be truncated by (None: any)
 
     @property
     def capacity_tokens(self) -> int:
@@ -68,7 +70,11 @@ class KVPlan:
 
 
 def plan_kv_pool(specs: list[LayerSpec], budget_bytes: int, block_size: int, dtype: torch.dtype,
-                 max_num_seqs: int, max_num_batched_tokens: int) -> KVPlan:
+                 max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int = 1 << 30,
+                 max_rollback: int = 0) -> KVPlan:
+    if specs and isinstance(specs[0], DSV4LayerSpec):
+        from kvcache.dsv4_paged import plan_dsv4_pool   # (it builds on this module)
+        return plan_dsv4_pool(specs, budget_bytes, block_size, dtype, max_num_seqs, max_model_len, max_rollback)
     groups = group_layers(specs)
     by_idx = {s.layer_idx: s for s in specs}
     # Measure one block of each layer's real storage.
@@ -97,7 +103,11 @@ def plan_kv_pool(specs: list[LayerSpec], budget_bytes: int, block_size: int, dty
                   {i: layer_block[i] // block_size for i in by_idx})
 
 
-def allocate_kv_caches(specs: list[LayerSpec], plan: KVPlan, dtype: torch.dtype) -> list:
+def allocate_kv_caches(specs: list[LayerSpec], plan: KVPlan, dtype: torch.dtype):
+    """Per-layer storage list (dense / TurboQuant), or one DSV4PagedCache."""
+    if specs and isinstance(specs[0], DSV4LayerSpec):
+        from kvcache.dsv4_paged import DSV4PagedCache
+        return DSV4PagedCache(specs, plan.groups, plan.num_blocks, plan.block_size, plan.max_rollback, dtype)
     caches = [None] * (max(s.layer_idx for s in specs) + 1)
     by_idx = {s.layer_idx: s for s in specs}
     for gi, g in enumerate(plan.groups):

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvcache.dsv4_state import DSV4Batch, DSV4SequenceState
+from kvcache.spec import DSV4LayerSpec
 from parallel.linear import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from parallel.state import all_reduce, get_tp_rank, get_tp_size
 
@@ -464,9 +465,11 @@ class Attention(nn.Module):
             entries = self._compress(self.compressor, None if state is None else state.compressor, raw, start, n)
             S = entries.shape[0]
             visible = torch.arange(S, device=pos.device)[None, :] < ((pos + 1) // self.ratio)[:, None]
-            if self.layer_type == CSA and S > 0:
+            if self.layer_type == CSA:
+                # The indexer's carry must see every token, even before the first entry.
                 ind = self.compressor.indexer
                 ikeys = self._compress(ind, None if state is None else state.indexer, idx_raw, start, n)
+            if self.layer_type == CSA and S > 0:
                 scores = ind.scores(q_res, x, pos, ikeys, self.comp_inv_freq).masked_fill(~visible, float("-inf"))
                 k = min(ind.topk, S)
                 top = scores.topk(k, dim=-1).indices
@@ -482,6 +485,12 @@ class Attention(nn.Module):
         combined = combined - combined.max(dim=-1, keepdim=True).values
         probs = combined.softmax(dim=-1)[..., :-1]
         return torch.einsum("nhk,kd->nhd", probs.to(keys.dtype), keys)
+
+
+def layer_spec(c: dict, i: int, layer_type: str) -> DSV4LayerSpec:
+    """Cache needs of layer i of a normalised config (no model needed: the planner uses it too)."""
+    return DSV4LayerSpec(i, layer_type, c["head_dim"], c["sliding_window"], c["compress_rates"].get(layer_type, 0),
+                         c["index_head_dim"] if layer_type == CSA else 0)
 
 
 # ---------------------------------------------------------------- layers / model
@@ -591,17 +600,14 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     # -------------------------------------------------------------- cache
 
-    def _spec(self, i: int, layer_type: str) -> dict:
-        c = self.config
-        return dict(layer_type=layer_type, head_dim=c["head_dim"], sliding_window=c["sliding_window"],
-                    ratio=c["compress_rates"].get(layer_type, 0),
-                    index_head_dim=c["index_head_dim"] if layer_type == CSA else 0)
+    def _spec(self, i: int, layer_type: str) -> DSV4LayerSpec:
+        return layer_spec(self.config, i, layer_type)
 
-    def kv_cache_spec(self) -> list[dict]:
-        """Per layer: what its cache state holds (see kvcache/dsv4_state.py)."""
+    def kv_cache_spec(self) -> list[DSV4LayerSpec]:
+        """Per layer: what its cache state holds (kvcache/dsv4_state.py, dsv4_paged.py)."""
         return [self._spec(i, t) for i, t in enumerate(self.config["layer_types"])]
 
-    def mtp_cache_spec(self) -> list[dict]:
+    def mtp_cache_spec(self) -> list[DSV4LayerSpec]:
         return [self._spec(0, SWA)]
 
     def new_state(self, max_rollback: int = 0, mtp: bool = False, entry_format: str | None = None

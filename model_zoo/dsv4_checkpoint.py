@@ -63,8 +63,12 @@ _MTP = re.compile(r"^(?:model\.)?mtp\.(\d+)\.(.*)$")
 def hf_name(name: str) -> str:
     """transformers' name for an official (or already-transformers) tensor name.
     MTP tensors come out as `mtp.K.<transformers-style decoder-layer name>`."""
-    if name.startswith(("model.", "lm_head.")) and not _MTP.match(name):
+    if name.startswith("lm_head.") and not _MTP.match(name):
         return name
+    if name.startswith("model.") and not _MTP.match(name):
+        # transformers' save_pretrained writes official names under "model."
+        # (layers.N.attn.wq_a ...); its own names map to themselves here.
+        return hf_name(name[len("model."):])
     m = _MTP.match(name)
     if m:
         k, rest = m.groups()

@@ -1,0 +1,246 @@
+"""DeepSeek-V4's cache in the engine's paged pool (vLLM's hybrid-allocator shape).
+
+Two kinds of KV-cache group (kv_manager.KVGroup):
+
+  entry groups (one per compression ratio r: CSA r=4, HCA r=128)
+      paged blocks of `block_size` compressed entries, i.e. block_size * r
+      tokens' worth; a sequence's table grows with context (entry w lives in
+      block table[w // block_size], row w % block_size). A CSA layer's block
+      holds its compressed K=V entries (head_dim) and its lightning-indexer
+      keys (index_head_dim); an HCA layer's only the entries.
+  the state group (per_seq)
+      one fixed-size slot per running sequence, taken on its first
+      allocation and freed on finish / preemption: every layer's sliding
+      window ring (window - 1 + max_rollback K=V vectors) and, for CSA / HCA,
+      the compressors' carry rings (raw kv + gate projections of the last
+      (1 + overlap) * r + max_rollback tokens; CSA's indexer has its own).
+
+A sequence's length is the engine's num_computed_tokens; entries visible are
+length // r, so truncating to L (rollback) is: length = L, free entry blocks
+past L // r. The rings are position-addressed (slot = position % capacity),
+and their capacities keep max_rollback extra positions, so the window and
+carry of any L >= (highest position ever written) - max_rollback are intact.
+
+Prefix caching is off for V4: window and carry are per-sequence state, not
+block-addressable (a hit would need them snapshotted at block boundaries).
+
+The model reads all of this through the same interface as the per-sequence
+kvcache.dsv4_state classes (Ring / entries .n, .append, .get), so
+model_zoo/deepseek_v4.py runs unchanged on either.
+"""
+from dataclasses import dataclass
+
+import torch
+
+from kvcache.dsv4_state import DSV4Batch, Ring
+from kvcache.kv_manager import KVGroup
+from kvcache.pool_plan import KVPlan
+from kvcache.spec import DSV4LayerSpec
+
+CSA = "compressed_sparse_attention"
+
+
+def dsv4_groups(specs: list[DSV4LayerSpec]) -> list[KVGroup]:
+    """Entry groups by ascending ratio (group 0 grows fastest), then the state group."""
+    ratios = sorted({s.ratio for s in specs if s.ratio})
+    groups = [KVGroup(None, [s.layer_idx for s in specs if s.ratio == r], ratio=r) for r in ratios]
+    return groups + [KVGroup(None, [s.layer_idx for s in specs], per_seq=True)]
+
+
+# ---------------------------------------------------------------- storage
+
+class DSV4LayerStorage:
+    """One layer's tensors: per-slot rings [num_slots, cap, dim] and, for CSA /
+    HCA, entry rows [num_blocks * block_size, dim]."""
+
+    def __init__(self, spec: DSV4LayerSpec, num_slots: int, num_entry_blocks: int, block_size: int,
+                 max_rollback: int, dtype, device=None):
+        self.spec = spec
+        D, R, r = spec.head_dim, max_rollback, spec.ratio
+
+        def zeros(*shape):
+            return torch.zeros(*shape, dtype=dtype, device=device)
+        self.window = zeros(num_slots, spec.sliding_window - 1 + R, D)
+        self.state = {"window": self.window}     # per-slot tensors
+        self.entries = {}                        # per-entry-row tensors
+        if r:
+            csa = spec.layer_type == CSA
+            # Carry capacity as in dsv4_state.CompressorState: the raw vectors a
+            # window closing next needs (overlap: the previous window too) + rollback.
+            cap = (2 if csa else 1) * r + R
+            width = 2 * D if csa else D
+            self.state["comp_kv"], self.state["comp_gate"] = zeros(num_slots, cap, width), zeros(num_slots, cap, width)
+            self.entries["comp"] = zeros(num_entry_blocks * block_size, D)
+            if csa:
+                Di = spec.index_head_dim
+                self.state["idx_kv"], self.state["idx_gate"] = (zeros(num_slots, cap, 2 * Di),
+                                                                zeros(num_slots, cap, 2 * Di))
+                self.entries["idx"] = zeros(num_entry_blocks * block_size, Di)
+
+    def state_nbytes(self) -> dict[str, int]:
+        """Bytes of one slot, by part."""
+        return {k: v[0].numel() * v.element_size() for k, v in self.state.items()}
+
+    def entry_block_nbytes(self, block_size: int) -> int:
+        return sum(block_size * v.shape[1] * v.element_size() for v in self.entries.values())
+
+
+class PagedEntries:
+    """A sequence's entries in paged rows: the dsv4_state.Entries interface."""
+
+    def __init__(self, data: torch.Tensor, table: torch.Tensor, block_size: int, n: int):
+        self.data, self.table, self.block_size, self.n = data, table, block_size, n
+
+    def _rows(self, a: int, b: int) -> torch.Tensor:
+        i = torch.arange(a, b)
+        return self.table[i // self.block_size] * self.block_size + i % self.block_size
+
+    def append(self, x: torch.Tensor) -> None:
+        self.data.index_copy_(0, self._rows(self.n, self.n + x.shape[0]), x.to(self.data.dtype))
+        self.n += x.shape[0]
+
+    def truncate(self, n: int) -> None:
+        self.n = min(self.n, n)
+
+    def get(self) -> torch.Tensor:
+        return self.data.index_select(0, self._rows(0, self.n))
+
+
+@dataclass
+class CompressorView:
+    ratio: int
+    raw_kv: Ring
+    raw_gate: Ring
+    entries: PagedEntries
+
+
+@dataclass
+class LayerView:
+    layer_type: str
+    window: Ring
+    compressor: CompressorView | None = None
+    indexer: CompressorView | None = None
+
+
+class SequenceView:
+    """One sequence's cache for one forward: what the model reads as a DSV4SequenceState."""
+
+    def __init__(self, length: int, layers: list[LayerView]):
+        self.length, self.layers = length, layers
+
+    def advance(self, n: int) -> None:
+        self.length += n
+
+
+class DSV4PagedCache:
+    """All layers' storage; `batch` builds the model's metadata for one step."""
+
+    def __init__(self, specs: list[DSV4LayerSpec], groups: list[KVGroup], num_blocks: list[int],
+                 block_size: int, max_rollback: int, dtype, device=None):
+        self.specs, self.groups, self.block_size = specs, groups, block_size
+        self.state_group = len(groups) - 1
+        self.group_of_ratio = {g.ratio: gi for gi, g in enumerate(groups) if not g.per_seq}
+        num_slots = num_blocks[self.state_group]
+        self.layers = [DSV4LayerStorage(s, num_slots, num_blocks[self.group_of_ratio[s.ratio]] if s.ratio else 0,
+                                        block_size, max_rollback, dtype, device) for s in specs]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in self.layers
+                   for t in (*layer.state.values(), *layer.entries.values()))
+
+    def _view(self, layer: DSV4LayerStorage, slot: int, length: int, tables: dict[int, torch.Tensor]) -> LayerView:
+        st, s = layer.state, layer.spec
+        view = LayerView(s.layer_type, Ring.over(st["window"][slot]))
+        if s.ratio:
+            table, bs, n = tables[s.ratio], self.block_size, length // s.ratio
+            view.compressor = CompressorView(s.ratio, Ring.over(st["comp_kv"][slot]), Ring.over(st["comp_gate"][slot]),
+                                             PagedEntries(layer.entries["comp"], table, bs, n))
+            if s.layer_type == CSA:
+                view.indexer = CompressorView(s.ratio, Ring.over(st["idx_kv"][slot]), Ring.over(st["idx_gate"][slot]),
+                                              PagedEntries(layer.entries["idx"], table, bs, n))
+        return view
+
+    def batch(self, seqs: list[tuple[int, list[list[int]]]], query_start_loc: list[int]) -> DSV4Batch:
+        """seqs: per sequence (num_computed_tokens, its block table per group)."""
+        states = []
+        for length, tables in seqs:
+            slot = tables[self.state_group][0]
+            by_ratio = {r: torch.tensor(tables[gi], dtype=torch.long) for r, gi in self.group_of_ratio.items()}
+            states.append(SequenceView(length, [self._view(layer, slot, length, by_ratio) for layer in self.layers]))
+        return DSV4Batch(states, query_start_loc)
+
+
+# ---------------------------------------------------------------- planning
+
+@dataclass
+class DSV4Plan(KVPlan):
+    """KVPlan for V4: the last group is the per-sequence state (a 'block' is one
+    slot); capacity is the longest context one sequence can hold."""
+    capacity: int = 0
+    state_bytes_per_seq: int = 0
+    kind_bytes_per_token: dict | None = None
+    state_bytes_by_part: dict | None = None
+    max_rollback: int = 0
+    prefix_caching: bool = False
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.capacity
+
+    @property
+    def bytes_per_token(self) -> float:
+        """Pool bytes one more token of context costs (entries + indexer keys, all layers)."""
+        return sum(self.kind_bytes_per_token.values())
+
+    def bytes_per_token_by_kind(self) -> dict[str, float]:
+        return dict(self.kind_bytes_per_token)
+
+
+def _per_token(block_bytes: int, tokens: int) -> float:
+    q, r = divmod(block_bytes, tokens)
+    return q if r == 0 else block_bytes / tokens
+
+
+def plan_dsv4_pool(specs: list[DSV4LayerSpec], budget_bytes: int, block_size: int, dtype: torch.dtype,
+                   max_num_seqs: int, max_model_len: int, max_rollback: int = 0) -> DSV4Plan:
+    """Slots for max_num_seqs sequences; the rest to entry groups sized for a
+    common context capacity C (+ one partly filled block per running sequence
+    in each group, so that concurrency never costs more than C tokens' worth).
+    Bytes are measured on a one-block, one-slot storage of each layer."""
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError("DeepSeek-V4's paged cache stores entries in 16/32-bit floats for now "
+                         "(kv_cache_dtype auto, f32, f16 or bf16)")
+    groups = dsv4_groups(specs)
+    probe = [DSV4LayerStorage(s, 1, 1, block_size, max_rollback, dtype) for s in specs]
+    layer_block = {s.layer_idx: p.entry_block_nbytes(block_size) for s, p in zip(specs, probe)}
+    state_by_part: dict[str, dict[str, int]] = {}
+    for s, p in zip(specs, probe):
+        kind = state_by_part.setdefault(s.layer_type, {})
+        for part, b in p.state_nbytes().items():
+            kind[part] = kind.get(part, 0) + b
+    state_bytes = sum(sum(p.state_nbytes().values()) for p in probe)
+    entry_groups = groups[:-1]
+    block_bytes = [sum(layer_block[i] for i in g.layer_ids) for g in entry_groups] + [state_bytes]
+    per_token = sum(b / (block_size * g.ratio) for g, b in zip(entry_groups, block_bytes))
+    slack = sum(max_num_seqs * b for b in block_bytes[:-1])
+    rest = budget_bytes - max_num_seqs * state_bytes - slack
+    if entry_groups:
+        capacity = min(int(rest / per_token), max_model_len) if rest > 0 else 0
+        if capacity < 1:
+            raise ValueError(f"KV cache budget {budget_bytes} bytes is too small for {max_num_seqs} DeepSeek-V4 "
+                             f"sequences ({state_bytes} bytes of window/carry state each, {slack} bytes of "
+                             f"block slack); raise kv_cache_memory or lower max_num_seqs")
+    else:   # sliding layers only: nothing grows with context
+        capacity = max_model_len
+    num_blocks = [-(-capacity // (block_size * g.ratio)) + max_num_seqs for g in entry_groups] + [max_num_seqs]
+    kinds: dict[str, float] = {}
+    for s in specs:
+        if s.ratio:
+            kinds[s.layer_type] = kinds.get(s.layer_type, 0) + _per_token(layer_block[s.layer_idx],
+                                                                        block_size * s.ratio)
+    return DSV4Plan(groups, num_blocks, block_bytes, block_size,
+                    {s.layer_idx: _per_token(layer_block[s.layer_idx], block_size * s.ratio) if s.ratio else 0
+                     for s in specs},
+                    capacity=capacity, state_bytes_per_seq=state_bytes, kind_bytes_per_token=kinds,
+                    state_bytes_by_part=state_by_part, max_rollback=max_rollback)
