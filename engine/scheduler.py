@@ -121,7 +121,9 @@ class Scheduler:
             self.kv.cache_full_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
 
     def rollback(self, req: Request, num_tokens: int) -> None:
-        """Truncate a request to its first num_tokens tokens, KV included."""
+        """Truncate a request to its first num_tokens tokens, KV included. When
+        all that is left is computed, the caller appends the next token to run
+        (speculative decoding's bonus token) before the next step."""
         if not 0 < num_tokens <= req.num_tokens or num_tokens < req.num_prompt_tokens:
             raise ValueError(f"cannot keep {num_tokens} of {req.num_tokens} tokens "
                              f"({req.num_prompt_tokens} in the prompt)")

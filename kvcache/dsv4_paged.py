@@ -92,7 +92,7 @@ class PagedEntries:
         self.data, self.table, self.block_size, self.n = data, table, block_size, n
 
     def _rows(self, a: int, b: int) -> torch.Tensor:
-        i = torch.arange(a, b)
+        i = torch.arange(a, b, device=self.table.device)
         return self.table[i // self.block_size] * self.block_size + i % self.block_size
 
     def append(self, x: torch.Tensor) -> None:
@@ -137,7 +137,7 @@ class DSV4PagedCache:
 
     def __init__(self, specs: list[DSV4LayerSpec], groups: list[KVGroup], num_blocks: list[int],
                  block_size: int, max_rollback: int, dtype, device=None):
-        self.specs, self.groups, self.block_size = specs, groups, block_size
+        self.specs, self.groups, self.block_size, self.device = specs, groups, block_size, device
         self.state_group = len(groups) - 1
         self.group_of_ratio = {g.ratio: gi for gi, g in enumerate(groups) if not g.per_seq}
         num_slots = num_blocks[self.state_group]
@@ -166,7 +166,8 @@ class DSV4PagedCache:
         states = []
         for length, tables in seqs:
             slot = tables[self.state_group][0]
-            by_ratio = {r: torch.tensor(tables[gi], dtype=torch.long) for r, gi in self.group_of_ratio.items()}
+            by_ratio = {r: torch.tensor(tables[gi], dtype=torch.long, device=self.device)
+                        for r, gi in self.group_of_ratio.items()}
             states.append(SequenceView(length, [self._view(layer, slot, length, by_ratio) for layer in self.layers]))
         return DSV4Batch(states, query_start_loc)
 

@@ -25,6 +25,11 @@ from test_server_process import ServerProcess
 
 from engine import LLM, SamplingParams
 from engine.request import EngineRequest
+from kvcache.dsv4_paged import dsv4_groups
+from kvcache.kv_manager import KVCacheManager
+from kvcache.spec import DSV4LayerSpec
+
+CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
 
 TOL = 1e-4
 V = CONFIG["vocab_size"]
@@ -166,6 +171,33 @@ def test_rollback_through_the_pool(tiny_v4):
     assert got == want[4:]
     assert got_lp == want_lp[4:]     # bit-identical logprobs
     assert core.kv.num_used_blocks == 0
+
+
+def test_kv_manager_entry_groups_and_state_slots():
+    """The pool's view of V4 (no model): an entry group's block covers
+    block_size * ratio tokens, a state slot is one per sequence, truncate frees
+    entry blocks and keeps the slot, free returns everything."""
+    specs = [DSV4LayerSpec(0, "sliding_attention", 8, 4), DSV4LayerSpec(1, CSA, 8, 4, 4, 4),
+             DSV4LayerSpec(2, HCA, 8, 4, 16)]
+    groups = dsv4_groups(specs)
+    assert [(g.ratio, g.per_seq, g.layer_ids) for g in groups] == [(4, False, [1]), (16, False, [2]),
+                                                                   (1, True, [0, 1, 2])]
+    kv = KVCacheManager(groups, [9, 4, 2], 4, enable_caching=False, max_rollback=3)
+    assert kv.allocate("a", [], 0, 15)          # 3 CSA entries, 0 HCA entries
+    assert [len(kv.block_table("a", g)) for g in range(3)] == [1, 0, 1]
+    assert kv.allocate("a", [], 15, 50)         # 65 tokens: 16 CSA entries, 4 HCA entries
+    assert [len(kv.block_table("a", g)) for g in range(3)] == [4, 1, 1]
+    assert kv.allocate("b", [], 0, 68) and not kv.allocate("c", [], 0, 1)   # two slots only
+    assert [len(kv.block_table("b", g)) for g in range(3)] == [5, 1, 1] and kv.pools[0].num_free == 0
+    with pytest.raises(ValueError, match="roll back"):
+        kv.truncate("a", 61)                    # 4 behind the highest position
+    kv.truncate("a", 62)
+    assert [len(kv.block_table("a", g)) for g in range(3)] == [4, 1, 1]
+    kv.truncate("b", 65)                        # 16 CSA entries: the 5th block goes
+    assert [len(kv.block_table("b", g)) for g in range(3)] == [4, 1, 1] and kv.pools[0].num_free == 1
+    kv.free("a")
+    kv.free("b")
+    assert kv.num_used_blocks == 0 and kv.usage == 0
 
 
 def test_bytes_per_token_by_layer_kind(tiny_v4):
