@@ -1,0 +1,170 @@
+"""Triton kernels for attention over TurboQuant-compressed paged KV blocks:
+the GPU counterpart of TQLayerCache._attend (same math, tested against it
+with Triton's interpreter on CPU).
+
+One kernel serves decode and chunked prefill. A program takes a tile of
+query rows of one sequence and one KV head, where a row is one (token,
+query head) pair of that KV head's G query heads, so every K/V tile it
+decodes is shared by all of them. It walks the sequence's key positions
+through the block table, decodes each tile of keys and values in registers
+(unpacking the b-bit codes, codebook lookup, per-group fp16 scale; or int8
+times a per-vector scale; or fp16), and keeps an online softmax. Nothing is
+materialised uncompressed in memory. Decode can split the key range of a
+sequence over several programs (flash-decoding); the partial results are
+merged by their log-sum-exp in torch.
+
+The caller rotates and scales the queries (TQLayerCache._rotate_q) and
+de-rotates the output (TQLayerCache._finish): the kernels work entirely in
+the rotated domain. triton is imported lazily so that importing kvcache
+never needs it.
+"""
+import torch
+
+_KIND = {"f16": 0, "int8": 1, "tq": 2}
+
+
+def _kernel():
+    from kvcache.tq_triton_kernels import tq_attn_kernel   # imports triton
+    return tq_attn_kernel
+
+
+_CB: dict = {}
+
+
+def _component(codec, store, device):
+    """Kernel arguments for one component: (data, scale, codebook, strides, constexprs)."""
+    kind = codec.fmt.kind
+    data = store["x"] if kind == "f16" else store["q"] if kind == "int8" else store["codes"]
+    scale = store.get("scale", data)
+    if kind == "tq":
+        key = (id(codec.codebook), str(device))
+        if key not in _CB:     # the codebook is lru_cached per (bits, group): one copy per device
+            _CB[key] = codec.codebook.to(device=device, dtype=torch.float32)
+        cb, bits, group = _CB[key], codec.fmt.bits, codec.group
+    else:
+        cb, bits, group = data, codec.fmt.bits, codec.D
+    return (data, scale, cb, (data.stride(0), data.stride(1), scale.stride(0), scale.stride(1)),
+            (_KIND[kind], bits, group))
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _launch(cache, q, q_t, out, o_t, block_tables, q_start, q_len, seq_len,
+            n_row_tiles, rows, block_n, splits, num_warps=8):
+    """q / out: tensors with the head dims at (h, g) and tokens at stride q_t / o_t."""
+    kernel = _kernel()
+    H, D = cache.num_kv_heads, cache.head_dim
+    G = q.shape[2]
+    dev = q.device
+    kd, ks, kcb, kst, kce = _component(cache.kc, cache.k, dev)
+    vd, vs, vcb, vst, vce = _component(cache.vc, cache.v, dev)
+    sq_h, sq_g = q.stride(1), q.stride(2)
+    win = cache.sliding_window
+    if splits == 1:
+        o, o_strides, lse, l_strides = out, (0, o_t, out.stride(1), out.stride(2)), out, (0, 0, 0, 0)
+    else:
+        # Partial outputs [S, T, H, G, D] float32 and their log-sum-exp [S, T, H, G].
+        T = out.numel() // (H * G * D)
+        o = torch.empty(splits, T, H, G, D, dtype=torch.float32, device=dev)
+        lse = torch.empty(splits, T, H, G, dtype=torch.float32, device=dev)
+        o_strides = (o.stride(0), o.stride(1), o.stride(2), o.stride(3))
+        l_strides = (lse.stride(0), lse.stride(1), lse.stride(2), lse.stride(3))
+    grid = (n_row_tiles, block_tables.shape[0], H * splits)
+    kernel[grid](q, o, lse, block_tables, q_start, q_len, seq_len,
+                 kd, ks, kcb, vd, vs, vcb,
+                 q_t, sq_h, sq_g, *o_strides, *l_strides, block_tables.stride(0),
+                 *kst, *vst, win or 0, G=G, BLOCK_SIZE=cache.block_size,
+                 D=D, ROWS=rows, BLOCK_N=block_n, SPLITS=splits,
+                 K_KIND=kce[0], K_BITS=kce[1], K_GROUP=kce[2],
+                 V_KIND=vce[0], V_BITS=vce[1], V_GROUP=vce[2],
+                 HAS_WINDOW=win is not None, F32=q.dtype == torch.float32, num_warps=num_warps)
+    if splits == 1:
+        return None
+    # Merge the splits: weights exp(lse_s - max lse); an empty split has lse = -1e30.
+    w = torch.exp(lse - lse.amax(0, keepdim=True))
+    return (o * w.unsqueeze(-1)).sum(0) / w.sum(0).unsqueeze(-1)          # [T, H, G, D]
+
+
+_ROWS: dict = {}
+
+
+def _decode_rows(B: int, device):
+    """Decode's query starts (0..B-1) and lengths (1), kept per (B, device):
+    no allocation per layer and step."""
+    key = (B, str(device))
+    if key not in _ROWS:
+        _ROWS[key] = (torch.arange(B, dtype=torch.int32, device=device),
+                      torch.ones(B, dtype=torch.int32, device=device))
+    return _ROWS[key]
+
+
+def _auto_splits(batch: int, heads: int, max_len: int, block_n: int, device) -> int:
+    """Enough programs to fill the GPU, each with at least 4 key tiles."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(-(-2 * sms // (batch * heads)), -(-max_len // (4 * block_n)), 64))
+
+
+def tq_paged_decode(cache, qr: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    num_splits: int | None = None, block_n: int = 32) -> torch.Tensor:
+    """One query token per sequence over its compressed blocks.
+
+    cache: a TQLayerCache; qr: [B, H, G, 1, D] rotated, scaled queries (as
+    TQLayerCache._rotate_q(q.unsqueeze(1), scale)); block_tables: [B, W] long;
+    seq_lens: [B] (context incl. the token being decoded). Returns the
+    rotated-domain output [B, H, G, 1, D] in qr's dtype, like _attend.
+    """
+    B, H, G, Lq, D = qr.shape
+    assert Lq == 1 and H == cache.num_kv_heads and D == cache.head_dim
+    dev = qr.device
+    seq_lens = torch.as_tensor(seq_lens, device=dev).to(torch.int32)
+    block_tables = block_tables.to(dev)
+    rows = max(16, _next_pow2(G))
+    # Upper bound on the keys read, without a host sync on seq_lens.
+    span = block_tables.shape[1] * cache.block_size
+    if cache.sliding_window is not None:
+        span = min(span, cache.sliding_window)
+    splits = num_splits or _auto_splits(B, H, span, block_n, dev)
+    out = torch.empty_like(qr)
+    q_start, q_len = _decode_rows(B, dev)
+    merged = _launch(cache, qr, qr.stride(0), out, out.stride(0), block_tables,
+                     q_start, q_len, seq_lens, 1, rows, block_n, splits)
+    if merged is not None:
+        out.copy_(merged.unsqueeze(3))
+    return out
+
+
+def tq_prefill(cache, qr: torch.Tensor, block_tables: torch.Tensor, seq_lens,
+               query_start_loc=None, rows: int | None = None, block_n: int | None = None) -> torch.Tensor:
+    """Causal (and windowed) attention of new tokens over the compressed prefix.
+
+    The new tokens must already be written to the cache. qr: [1, H, G, T, D]
+    rotated, scaled queries (TQLayerCache._rotate_q(q.unsqueeze(0), scale)),
+    the tokens of one or more sequences back to back. One sequence:
+    block_tables [W] and seq_lens an int (its last T tokens are the queries).
+    Several: block_tables [B, W], seq_lens [B] and query_start_loc [B + 1].
+    Returns the rotated-domain output [1, H, G, T, D] in qr's dtype.
+    """
+    one, H, G, T, D = qr.shape
+    assert one == 1 and H == cache.num_kv_heads and D == cache.head_dim
+    dev = qr.device
+    if block_tables.dim() == 1:
+        block_tables, seq_lens, query_start_loc = block_tables[None], [int(seq_lens)], [0, T]
+    qsl = [int(x) for x in query_start_loc]
+    lens = [qsl[i + 1] - qsl[i] for i in range(len(qsl) - 1)]
+    out = torch.empty_like(qr)
+    if T == 0:
+        return out
+    # Tiles that compile without register spills on sm_90 (checked with
+    # ptxas for tq3/tq4/int8): smaller ones for head_dim 256 and up.
+    rows = rows or (64 if D <= 128 else 32)
+    block_n = block_n or (32 if D <= 128 else 16)
+    i32 = dict(dtype=torch.int32, device=dev)
+    n_row_tiles = -(-max(lens) * G // rows)
+    _launch(cache, qr, qr.stride(3), out, out.stride(3), block_tables.to(dev),
+            torch.tensor(qsl[:-1], **i32), torch.tensor(lens, **i32),
+            torch.as_tensor(seq_lens).to(**i32), n_row_tiles, rows, block_n, 1)
+    return out
