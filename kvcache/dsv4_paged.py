@@ -27,15 +27,23 @@ block-addressable (a hit would need them snapshotted at block boundaries).
 The model reads all of this through the same interface as the per-sequence
 kvcache.dsv4_state classes (Ring / entries .n, .append, .get), so
 model_zoo/deepseek_v4.py runs unchanged on either.
+
+kv_cache_dtype: a torch dtype stores everything in it; a compressed preset
+(tq4, tq3, k8v4, ...: a kv_formats.KVPolicy) stores the CSA / HCA compressed
+K=V entries in the policy's K format (TurboQuant codes + fp16 norms; K=V, and
+K is the sensitive one) except in protected first/last layers, and windows,
+carry and indexer keys in fp16.
 """
 from dataclasses import dataclass
 
 import torch
 
 from kvcache.dsv4_state import DSV4Batch, Ring
+from kvcache.kv_formats import KVPolicy
 from kvcache.kv_manager import KVGroup
 from kvcache.pool_plan import KVPlan
-from kvcache.spec import DSV4LayerSpec
+from kvcache.spec import DSV4LayerSpec, LayerSpec
+from kvcache.turboquant import Codec
 
 CSA = "compressed_sparse_attention"
 
@@ -54,9 +62,16 @@ class DSV4LayerStorage:
     HCA, entry rows [num_blocks * block_size, dim]."""
 
     def __init__(self, spec: DSV4LayerSpec, num_slots: int, num_entry_blocks: int, block_size: int,
-                 max_rollback: int, dtype, device=None):
+                 max_rollback: int, dtype, device, num_layers: int):
         self.spec = spec
         D, R, r = spec.head_dim, max_rollback, spec.ratio
+        self.codec = None
+        if isinstance(dtype, KVPolicy):
+            fmt = dtype.layer_formats(LayerSpec(spec.layer_idx, 1, D), num_layers)[0]
+            dtype = dtype.f16_dtype
+            if r and fmt.kind != "f16":
+                self.codec = Codec(fmt, 1, D, seed=spec.layer_idx)
+        self.dtype = dtype
 
         def zeros(*shape):
             return torch.zeros(*shape, dtype=dtype, device=device)
@@ -70,7 +85,11 @@ class DSV4LayerStorage:
             cap = (2 if csa else 1) * r + R
             width = 2 * D if csa else D
             self.state["comp_kv"], self.state["comp_gate"] = zeros(num_slots, cap, width), zeros(num_slots, cap, width)
-            self.entries["comp"] = zeros(num_entry_blocks * block_size, D)
+            if self.codec is None:
+                self.entries["comp"] = zeros(num_entry_blocks * block_size, D)
+            else:   # rows of the codec's tensors (codes, norms), one 'head'
+                self.coded = self.codec.alloc(num_entry_blocks * block_size, device)
+                self.entries.update({f"comp_{k}": v for k, v in self.coded.items()})
             if csa:
                 Di = spec.index_head_dim
                 self.state["idx_kv"], self.state["idx_gate"] = (zeros(num_slots, cap, 2 * Di),
@@ -82,7 +101,7 @@ class DSV4LayerStorage:
         return {k: v[0].numel() * v.element_size() for k, v in self.state.items()}
 
     def entry_block_nbytes(self, block_size: int) -> int:
-        return sum(block_size * v.shape[1] * v.element_size() for v in self.entries.values())
+        return sum(block_size * v[0].numel() * v.element_size() for v in self.entries.values())
 
 
 class PagedEntries:
@@ -104,6 +123,25 @@ class PagedEntries:
 
     def get(self) -> torch.Tensor:
         return self.data.index_select(0, self._rows(0, self.n))
+
+
+class PagedCodedEntries(PagedEntries):
+    """Entries in a TurboQuant / int8 format: data is the codec's dict of row tensors."""
+
+    def __init__(self, codec: Codec, data: dict, table: torch.Tensor, block_size: int, n: int, dtype):
+        super().__init__(data, table, block_size, n)
+        self.codec, self.dtype = codec, dtype
+
+    def append(self, x: torch.Tensor) -> None:
+        rows = self._rows(self.n, self.n + x.shape[0])
+        for k, v in self.codec.encode(x.unsqueeze(1)).items():
+            self.data[k].index_copy_(0, rows, v)
+        self.n += x.shape[0]
+
+    def get(self) -> torch.Tensor:
+        rows = self._rows(0, self.n)
+        got = {k: v.index_select(0, rows) for k, v in self.data.items()}
+        return self.codec.dequantize(got, torch.float32).squeeze(1).to(self.dtype)
 
 
 @dataclass
@@ -142,7 +180,7 @@ class DSV4PagedCache:
         self.group_of_ratio = {g.ratio: gi for gi, g in enumerate(groups) if not g.per_seq}
         num_slots = num_blocks[self.state_group]
         self.layers = [DSV4LayerStorage(s, num_slots, num_blocks[self.group_of_ratio[s.ratio]] if s.ratio else 0,
-                                        block_size, max_rollback, dtype, device) for s in specs]
+                                        block_size, max_rollback, dtype, device, len(specs)) for s in specs]
 
     @property
     def nbytes(self) -> int:
@@ -154,8 +192,10 @@ class DSV4PagedCache:
         view = LayerView(s.layer_type, Ring.over(st["window"][slot]))
         if s.ratio:
             table, bs, n = tables[s.ratio], self.block_size, length // s.ratio
+            entries = (PagedEntries(layer.entries["comp"], table, bs, n) if layer.codec is None else
+                       PagedCodedEntries(layer.codec, layer.coded, table, bs, n, layer.dtype))
             view.compressor = CompressorView(s.ratio, Ring.over(st["comp_kv"][slot]), Ring.over(st["comp_gate"][slot]),
-                                             PagedEntries(layer.entries["comp"], table, bs, n))
+                                             entries)
             if s.layer_type == CSA:
                 view.indexer = CompressorView(s.ratio, Ring.over(st["idx_kv"][slot]), Ring.over(st["idx_gate"][slot]),
                                               PagedEntries(layer.entries["idx"], table, bs, n))
@@ -209,11 +249,8 @@ def plan_dsv4_pool(specs: list[DSV4LayerSpec], budget_bytes: int, block_size: in
     common context capacity C (+ one partly filled block per running sequence
     in each group, so that concurrency never costs more than C tokens' worth).
     Bytes are measured on a one-block, one-slot storage of each layer."""
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError("DeepSeek-V4's paged cache stores entries in 16/32-bit floats for now "
-                         "(kv_cache_dtype auto, f32, f16 or bf16)")
     groups = dsv4_groups(specs)
-    probe = [DSV4LayerStorage(s, 1, 1, block_size, max_rollback, dtype) for s in specs]
+    probe = [DSV4LayerStorage(s, 1, 1, block_size, max_rollback, dtype, None, len(specs)) for s in specs]
     layer_block = {s.layer_idx: p.entry_block_nbytes(block_size) for s, p in zip(specs, probe)}
     state_by_part: dict[str, dict[str, int]] = {}
     for s, p in zip(specs, probe):

@@ -444,12 +444,13 @@ class Attention(nn.Module):
         assert w0 == start // r, (w0, start, r)
         if w1 > w0:
             lo = max(0, (w0 - (1 if comp.overlap else 0)) * r)
-            kv = torch.cat([cstate.raw_kv.read(lo, start), raw[0]], dim=0)
-            gate = torch.cat([cstate.raw_gate.read(lo, start), raw[1]], dim=0)
+            # the cache may store another dtype than the model computes in
+            kv = torch.cat([cstate.raw_kv.read(lo, start).to(raw[0].dtype), raw[0]], dim=0)
+            gate = torch.cat([cstate.raw_gate.read(lo, start).to(raw[1].dtype), raw[1]], dim=0)
             cstate.entries.append(comp.emit(kv, gate, lo, w0, w1, self.comp_inv_freq))
         cstate.raw_kv.write(start, raw[0])
         cstate.raw_gate.write(start, raw[1])
-        return cstate.entries.get()
+        return cstate.entries.get().to(raw[0].dtype)
 
     def _sequence(self, q, kv, pos, start, state, x, q_res, raw, idx_raw):
         n = q.shape[0]
@@ -457,7 +458,7 @@ class Attention(nn.Module):
             keys, kpos = kv, pos
         else:
             lo = max(0, start - (self.window - 1))
-            keys = torch.cat([state.window.read(lo, start), kv], dim=0)
+            keys = torch.cat([state.window.read(lo, start).to(kv.dtype), kv], dim=0)
             kpos = torch.arange(lo, start + n, device=pos.device)
             state.window.write(start, kv)
         mask = (kpos[None, :] <= pos[:, None]) & (kpos[None, :] > pos[:, None] - self.window)

@@ -12,8 +12,10 @@ Block size 4: a CSA block holds 16 tokens' worth of entries, an HCA block 64.
   - preemption under a small pool: same tokens, everything freed;
   - rollback through the engine: decode 6 wrong tokens across window closes
     of both compressors, truncate, decode: bit-identical to never having
-    decoded them; entry blocks freed; too deep a rollback refused;
-  - bytes per token per layer kind and per-sequence state from the plan;
+    decoded them (fp32 and tq4 entries); entry blocks freed; too deep a
+    rollback refused;
+  - bytes per token per layer kind and per-sequence state from the plan
+    (fp32, bf16, tq4 entries);
   - `tqserve serve` on the directory answers the openai client.
 """
 import openai
@@ -136,14 +138,15 @@ def run_core(core, rid):
     return toks, lps
 
 
-def test_rollback_through_the_pool(tiny_v4):
+@pytest.mark.parametrize("kv_dtype", ["auto", "tq4"])
+def test_rollback_through_the_pool(tiny_v4, kv_dtype):
     """Prompt 60 + 4 generated: the next decode is position 63, where CSA (4)
     and HCA (16) both close a window; 6 wrong tokens (positions 63..68, CSA
     closes at 64 and 68 too) are decoded, then rolled back."""
     path, _ = tiny_v4
     P, k = prompts(1, 60, 61, seed=4)[0], 6
     sp = greedy(12, logprobs=20)
-    llm = LLM(path, block_size=4, max_rollback_tokens=k)
+    llm = LLM(path, block_size=4, max_rollback_tokens=k, kv_cache_dtype=kv_dtype)
     core = llm.core
     core.add_request(EngineRequest("straight", P, sp))
     want, want_lp = run_core(core, "straight")
@@ -204,21 +207,31 @@ def test_bytes_per_token_by_layer_kind(tiny_v4):
     path, _ = tiny_v4
     llm = LLM(path, block_size=4, max_num_seqs=8, max_rollback_tokens=2)
     plan = llm.core.plan
-    D, Di, W, R, f32 = 32, 16, 8, 2, 4
+    D, Di, W, f32 = 32, 16, 8, 4
     # entries grow with context: CSA (2 layers) K=V entry + indexer key per 4 tokens, HCA (1 layer) per 16
     assert plan.bytes_per_token_by_kind() == {"compressed_sparse_attention": 2 * (D + Di) * f32 // 4,
                                              "heavily_compressed_attention": D * f32 // 16}
     assert plan.bytes_per_token == 96 + 8
     # fixed per sequence: window rings (all 4 layers) + compressor carry rings (CSA overlap: 2 windows)
-    window = 4 * (W - 1 + R) * D * f32
-    carry = 2 * 2 * (2 * 4 + R) * (2 * D + 2 * Di) * f32 + 2 * (16 + R) * D * f32
-    assert plan.state_bytes_per_seq == window + carry
+    def state(R, size):   # R: max_rollback_tokens
+        window = 4 * (W - 1 + R) * D * size
+        carry = 2 * 2 * (2 * 4 + R) * (2 * D + 2 * Di) * size + 2 * (16 + R) * D * size
+        return window + carry
+    assert plan.state_bytes_per_seq == state(2, f32)
     assert plan.num_blocks[-1] == 8                    # one state slot per max_num_seqs
     assert llm.core.runner.kv_caches.nbytes == plan.total_bytes
     print("bytes/token by kind", plan.bytes_per_token_by_kind(), "state bytes/sequence", plan.state_bytes_per_seq,
           plan.state_bytes_by_part)
-    with pytest.raises(ValueError, match="16/32-bit"):
-        LLM(path, block_size=4, kv_cache_dtype="tq3")
+    # 16-bit storage halves everything; tq4 stores the compressed K=V entries as
+    # 4-bit codes + one fp16 norm (18 B per 32-dim entry), indexer keys in fp16
+    ps = prompts(3, 30, 90, seed=7)
+    for name, csa, hca in [("bf16", 2 * (D + Di) * 2 // 4, D * 2 // 16),
+                           ("tq4", 2 * (D // 2 + 2 + Di * 2) / 4, (D // 2 + 2) / 16)]:
+        llm = LLM(path, block_size=4, kv_cache_dtype=name, max_num_batched_tokens=16)
+        assert llm.core.plan.bytes_per_token_by_kind() == {CSA: csa, HCA: hca}
+        assert llm.core.plan.state_bytes_per_seq == state(0, 2)
+        out = llm.generate(ps, greedy(8))
+        assert all(len(o.outputs[0].token_ids) == 8 for o in out) and llm.core.kv.num_used_blocks == 0
 
 
 def test_tqserve_serves_tiny_v4(tiny_v4, tmp_path):
