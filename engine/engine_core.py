@@ -10,6 +10,7 @@ import torch
 
 from engine.engine_args import EngineArgs
 from engine.errors import InvalidRequest
+from engine.kv_calibration import center_keys
 from engine.model_runner import ModelRunner
 from engine.request import EngineRequest, Request
 from engine.scheduler import Scheduler
@@ -131,6 +132,7 @@ class EngineCore:
                                  max_model_len=args.max_model_len or model_len,
                                  max_rollback=args.max_rollback_tokens)
         caches = allocate_kv_caches(specs, self.plan, cdtype)
+        center_keys(self.model, self.source.tokenizer, int(self.source.config.get("vocab_size", 0)), caches)
         if args.max_model_len is not None:
             if args.max_model_len > self.plan.capacity_tokens:
                 raise ValueError(f"max_model_len {args.max_model_len} exceeds the KV cache capacity of "

@@ -9,10 +9,17 @@ against decoded keys one chunk of blocks at a time with an online softmax
 domain and de-rotates once per query head at the end. Only one chunk of
 blocks (chunk_blocks * block_size tokens) is ever decoded at a time; a
 sequence's whole history is never materialised uncompressed.
+
+Keys may be stored centred: set_key_mean(mu) subtracts a per-head constant
+before encoding. q.(k - mu) shifts every score of a query by the same q.mu,
+so softmax and the output are unchanged, while the codebook no longer spends
+its levels on an offset that all keys of a head share (small models' keys
+carry a large one: engine/kv_calibration.py measures it).
 """
 import torch
 
 from kvcache.layer_cache import LayerCache
+from kvcache.tq_triton import tq_paged_decode, tq_prefill   # loads triton only on first GPU call
 from kvcache.turboquant import Codec, ComponentFormat, rotate, unrotate
 
 NEG = -1e30   # finite "minus infinity": a fully masked chunk is wiped exactly by the next rescale
@@ -38,12 +45,20 @@ class TQLayerCache(LayerCache):
         n = num_blocks * block_size
         self.k = self.kc.alloc(n, device)
         self.v = self.vc.alloc(n, device)
+        self.k_mean = None
+
+    def set_key_mean(self, mean: torch.Tensor) -> None:
+        """mean: [num_kv_heads, head_dim], subtracted from every key written after this."""
+        self.k_mean = mean.to(device=self.signs.device, dtype=torch.float32).view(self.num_kv_heads,
+                                                                                  self.head_dim)
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for d in (self.k, self.v) for t in d.values())
 
     def write(self, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self.k_mean is not None:
+            k = k.float() - self.k_mean
         for store, codec, x in ((self.k, self.kc, k), (self.v, self.vc, v)):
             rows = codec.encode(x)
             for name, t in store.items():
@@ -54,8 +69,10 @@ class TQLayerCache(LayerCache):
 
     def dequantized(self, slots: torch.Tensor, dtype=torch.float32):
         """Unrotated K, V at the given slots (tests and debugging only)."""
-        return (self.kc.dequantize(self._rows(self.k, slots), dtype),
-                self.vc.dequantize(self._rows(self.v, slots), dtype))
+        k = self.kc.dequantize(self._rows(self.k, slots), dtype)
+        if self.k_mean is not None:
+            k = k + self.k_mean.to(dtype)
+        return k, self.vc.dequantize(self._rows(self.v, slots), dtype)
 
     # -- attention ---------------------------------------------------------
     def _attend(self, qr, cols, block_tables, qpos, seq_lens):
@@ -116,12 +133,18 @@ class TQLayerCache(LayerCache):
 
     def _decode(self, q, block_tables, seq_lens, scale):
         seq_lens = seq_lens.to(q.device)
+        if q.is_cuda:
+            acc = tq_paged_decode(self, self._rotate_q(q.unsqueeze(1), scale), block_tables, seq_lens)
+            return self._finish(acc, q.dtype)[:, 0]
         cols = self.decode_columns(block_tables, seq_lens)
         acc = self._attend(self._rotate_q(q.unsqueeze(1), scale), cols, block_tables,
                            (seq_lens - 1)[:, None], seq_lens)
         return self._finish(acc, q.dtype)[:, 0]
 
     def _prefill(self, q, block_table, seq_len, scale):
+        if q.is_cuda:
+            acc = tq_prefill(self, self._rotate_q(q.unsqueeze(0), scale), block_table, seq_len)
+            return self._finish(acc, q.dtype)[0]
         Lq = q.shape[0]
         start = seq_len - Lq
         lo = 0 if self.sliding_window is None else max(0, start - self.sliding_window + 1)

@@ -119,9 +119,10 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     if bits in (2, 4):   # whole codes per byte: shifts on uint8, no widening
         sh = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
         return ((packed.unsqueeze(-1) >> sh) & ((1 << bits) - 1)).view(*lead, n).long()
-    p = packed.view(*lead, n // 8, bits).to(torch.int32)     # 3 bits: 24-bit words
-    val = (p << (8 * torch.arange(bits, dtype=torch.int32, device=packed.device))).sum(-1, keepdim=True)
-    sh = bits * torch.arange(8, dtype=torch.int32, device=packed.device)
+    wide = torch.int32 if bits <= 3 else torch.int64     # 8 codes = a 24-bit word fits int32
+    p = packed.view(*lead, n // 8, bits).to(wide)
+    val = (p << (8 * torch.arange(bits, dtype=wide, device=packed.device))).sum(-1, keepdim=True)
+    sh = bits * torch.arange(8, dtype=wide, device=packed.device)
     return ((val >> sh) & ((1 << bits) - 1)).view(*lead, n).long()
 
 

@@ -42,6 +42,9 @@ def test_preset_engine_invariants(tiny_dir, preset):
     llm = LLM(tiny_dir, block_size=4, kv_cache_memory=MEM, kv_cache_dtype=preset)
     caches = llm.core.runner.kv_caches
     assert all(isinstance(c, TQLayerCache) for c in caches) == (preset != "f16")
+    # compressed layers store keys centred on the calibration forward's mean key
+    assert all(c.k_mean is not None and c.k_mean.abs().sum() > 0
+               for c in caches if isinstance(c, TQLayerCache))
     # batch invariance
     ps = prompts(8, seed=10)
     batch = toks(llm.generate(ps, greedy()))

@@ -163,6 +163,35 @@ def test_compressed_attention_equals_dequantized_attention(kv, case):
         assert float((kd - k).pow(2).sum() / k.pow(2).sum()) < 0.2
 
 
+@pytest.mark.parametrize("kv", ["tq4", "k4v3", "tq3", "k8v4"])
+def test_centred_keys_leave_attention_unchanged(kv):
+    """Keys stored minus a per-head mean: compressed attention still equals
+    attention over the dequantized (mean added back) keys, and keys with a
+    large shared offset reconstruct far better than uncentred ones."""
+    Hq, H, D, bs = 6, 2, 64, 8
+    kf, vf = parse_preset(kv)
+    seqs = [(bs * 3 + 1, 1), (bs * 4 + 2, bs + 3)]
+    slots, meta = _build(seqs, bs, 30)
+    N = slots.numel()
+    torch.manual_seed(7)
+    mean = torch.randn(H, D) * 4
+    k, v = torch.randn(N, H, D) + mean, torch.randn(N, H, D)
+    plain = TQLayerCache(30, bs, H, D, kf, vf, 0, None, seed=3, chunk_tokens=2 * bs)
+    centred = TQLayerCache(30, bs, H, D, kf, vf, 0, None, seed=3, chunk_tokens=2 * bs)
+    centred.set_key_mean(k.mean(0))
+    q = torch.randn(meta.query_start_loc[-1], Hq, D)
+    errs = []
+    for c in (plain, centred):
+        c.write(slots, k, v)
+        kd, vd = c.dequantized(slots)
+        ref = DenseLayerCache(30, bs, H, D, torch.float32, 0, None)
+        ref.write(slots, kd, vd)
+        out, exp = c.attention(q, meta, D ** -0.5), ref.attention(q, meta, D ** -0.5)
+        assert torch.allclose(out, exp, atol=2e-5, rtol=1e-4), (out - exp).abs().max()
+        errs.append(float((kd - k).pow(2).sum() / (k - k.mean(0)).pow(2).sum()))
+    assert errs[1] < errs[0] / 3, errs
+
+
 def test_decode_is_batch_invariant():
     """A sequence's decode output does not depend on its batch (to float
     rounding: the dense path is not bitwise either)."""

@@ -1,6 +1,8 @@
 """KV-format fidelity: perplexity through the engine (teacher-forced prompt
 logprobs, every token attending over the compressed cache) on
-tinyshakespeare, for f16 and each preset, with the measured bits per value.
+tinyshakespeare, and passkey retrieval (a 5-digit key hidden at 10 depths in
+~600 and ~1,500 tokens of repeated filler; greedy answer must contain it),
+for f16 and each preset, with the measured bits per value.
 
     .venv/bin/python tests/bench/kv_fidelity.py [--models smollm2-135m,gemma3-270m] \
         [--presets f16,tq4,...] [--num-seqs 8] [--seq-len 1024]
@@ -33,6 +35,38 @@ def windows(tokenizer_llm, num_seqs, seq_len):
     return [ids[i * seq_len:(i + 1) * seq_len] for i in range(num_seqs)]
 
 
+FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
+          "There and back again. ")
+DEPTHS = [i / 9 for i in range(10)]
+
+
+def passkey_prompts(llm, lengths=(600, 1500)) -> list[tuple[str, str]]:
+    """(prompt, key) pairs: the key sentence at 10 relative depths of about
+    `length` tokens of filler, then the question."""
+    import random
+    rnd = random.Random(1234)
+    per = len(llm.encode(FILLER)[1]) - 1
+    out = []
+    for length in lengths:
+        n = max(1, length // per)
+        for d in DEPTHS:
+            key = str(rnd.randint(10000, 99999))
+            at = round(d * n)
+            text = (FILLER * at + f"The pass key is {key}. Remember it. {key} is the pass key. "
+                    + FILLER * (n - at) + "What is the pass key? The pass key is")
+            out.append((text, key))
+    return out
+
+
+def passkey(llm, prompts) -> dict:
+    from engine import SamplingParams
+    outs = llm.generate([p for p, _ in prompts], SamplingParams(max_tokens=8, temperature=0.0))
+    hits = [key in o.outputs[0].text for (_, key), o in zip(prompts, outs)]
+    half = len(hits) // 2
+    return {"short": sum(hits[:half]), "long": sum(hits[half:]), "of": half,
+            "tokens": [len(o.prompt_token_ids) for o in outs[::half]]}
+
+
 def bits_per_value(llm) -> dict:
     """Measured from the pool plan (real tensors), per layer kind."""
     plan = llm.core.plan
@@ -50,7 +84,7 @@ def run(model, presets, num_seqs, seq_len, protect, mem):
     rows, seqs = [], None
     for p in presets:
         t0 = time.time()
-        llm = LLM(model, kv_cache_dtype=p, kv_cache_memory=mem, max_model_len=seq_len + 16,
+        llm = LLM(model, kv_cache_dtype=p, kv_cache_memory=mem, max_model_len=max(seq_len, 2048) + 16,
                   kv_protect_layers=protect, enable_prefix_caching=False)
         if seqs is None:
             seqs = windows(llm, num_seqs, seq_len)
@@ -60,9 +94,12 @@ def run(model, presets, num_seqs, seq_len, protect, mem):
             for t, lp in zip(ids[1:], o.prompt_logprobs[1:]):
                 nll -= lp[t]
                 n += 1
-        row = {"preset": p, "ppl": math.exp(nll / n), "tokens": n, "bits_per_value": bits_per_value(llm),
+        pk = passkey(llm, passkey_prompts(llm))
+        row = {"preset": p, "ppl": math.exp(nll / n), "tokens": n, "passkey": pk,
+               "bits_per_value": bits_per_value(llm),
                "bytes_per_token": llm.core.plan.bytes_per_token, "seconds": round(time.time() - t0, 1)}
-        log(f"{model} {p}: ppl {row['ppl']:.4f}, bits/value {row['bits_per_value']}")
+        log(f"{model} {p}: ppl {row['ppl']:.4f}, passkey {pk['short']}+{pk['long']}/{2 * pk['of']}, "
+            f"bits/value {row['bits_per_value']}")
         rows.append(row)
         del llm
     base = next((r["ppl"] for r in rows if r["preset"] == "f16"), None)
@@ -92,12 +129,14 @@ def main():
     for model in a.models.split(","):
         rows = run(model, a.presets.split(","), a.num_seqs, a.seq_len, a.protect_layers, a.kv_cache_memory)
         res["models"][model] = rows
-        lines += [f"## {model}", "", "| preset | bits/value | bytes/token (full layers) | PPL | delta vs f16 |",
-                  "|---|---|---|---|---|"]
+        lines += [f"## {model}", "", "| preset | bits/value | bytes/token (full layers) | PPL | delta vs f16 | passkey ~600 | passkey ~1500 |",
+                  "|---|---|---|---|---|---|---|"]
         for r in rows:
             d = "" if r["delta_vs_f16_pct"] is None else f"{r['delta_vs_f16_pct']:+.2f}%"
             bpv = ", ".join(f"{k} {v:.3f}" for k, v in r["bits_per_value"].items())
-            lines.append(f"| {r['preset']} | {bpv} | {r['bytes_per_token']} | {r['ppl']:.4f} | {d} |")
+            pk = r["passkey"]
+            lines.append(f"| {r['preset']} | {bpv} | {r['bytes_per_token']} | {r['ppl']:.4f} | {d} "
+                         f"| {pk['short']}/{pk['of']} | {pk['long']}/{pk['of']} |")
         lines.append("")
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
