@@ -62,9 +62,45 @@ def _erfinv(y: float) -> float:
 
 
 @lru_cache(maxsize=None)
+def sphere_lloyd_max(bits: int, dim: int, grid: int = 1 << 18) -> tuple[tuple[float, ...], float]:
+    """Lloyd-Max quantizer for one coordinate of a uniformly random unit vector
+    in `dim` dimensions, the exact law of a rotated unit vector's coordinates
+    (density proportional to (1 - x^2)^((dim - 3) / 2) on (-1, 1)); it tends to
+    N(0, 1/dim) as dim grows but has lighter tails at 32-64 dims, where the
+    Gaussian codebook wastes its outer levels (measured: SmolLM2 k4v4 PPL
+    +2.5% -> +1.6%). Centroids and MSE are in units of 1/sqrt(dim), comparable
+    to lloyd_max(bits). Solved on a fine grid (prefix sums make each Lloyd
+    step O(levels)), starting from the Gaussian solution."""
+    r = math.sqrt(dim)
+    z = (torch.arange(grid, dtype=torch.float64) + 0.5) / grid * 2 * r - r
+    w = (1 - z * z / dim).clamp_min(0) ** ((dim - 3) / 2)
+    w = w / w.sum()
+    cw = torch.cat([torch.zeros(1, dtype=torch.float64), w.cumsum(0)])
+    cx = torch.cat([torch.zeros(1, dtype=torch.float64), (w * z).cumsum(0)])
+    c = torch.tensor(lloyd_max(bits)[0], dtype=torch.float64)
+    for _ in range(500):
+        cut = torch.searchsorted(z, (c[1:] + c[:-1]) / 2)
+        edges = torch.cat([torch.zeros(1, dtype=torch.long), cut, torch.tensor([grid])])
+        mass = cw[edges[1:]] - cw[edges[:-1]]
+        new = (cx[edges[1:]] - cx[edges[:-1]]) / mass
+        done = float((new - c).abs().max()) < 1e-12
+        c = new
+        if done:
+            break
+    mse = float((w * z * z).sum() - (mass * c * c).sum())
+    return tuple(c.tolist()), mse
+
+
+@lru_cache(maxsize=None)
 def _codebook(bits: int, group: int) -> torch.Tensor:
-    c, _ = lloyd_max(bits)
+    c, _ = sphere_lloyd_max(bits, group)
     return torch.tensor(c, dtype=torch.float32) / math.sqrt(group)
+
+
+def codebook_mse(bits: int, group: int) -> float:
+    """Per-coordinate MSE (unit-variance units) the codebook attains on
+    uniformly random unit vectors of `group` dims."""
+    return sphere_lloyd_max(bits, group)[1]
 
 
 # -- rotation -----------------------------------------------------------------
@@ -229,7 +265,7 @@ class Codec:
 def unit_mse(y: torch.Tensor, bits: int, group: int | None = None) -> float:
     """Per-coordinate MSE (relative to a unit-variance coordinate) of quantizing
     the unit vectors of rotated vectors y [N, D] (per norm group) with the
-    Lloyd-Max codebook, before norm correction: comparable to LLOYD_MAX_MSE."""
+    Lloyd-Max codebook, before norm correction: comparable to codebook_mse."""
     D = y.shape[-1]
     g = group or D
     u = y.float().reshape(-1, g)
