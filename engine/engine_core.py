@@ -10,7 +10,7 @@ import torch
 
 from engine.engine_args import EngineArgs
 from engine.errors import InvalidRequest
-from engine.kv_calibration import center_keys
+from engine.kv_calibration import calibrate, set_key_means
 from engine.model_runner import ModelRunner
 from engine.request import EngineRequest, Request
 from engine.scheduler import Scheduler
@@ -126,13 +126,15 @@ class EngineCore:
         specs = self.model.kv_cache_spec()
         cdtype = kv_dtype(args.kv_cache_dtype, dtype, args.kv_cache_dtype_k, args.kv_cache_dtype_v,
                           args.kv_protect_layers)
+        cdtype, key_means = calibrate(self.model, self.source.tokenizer,
+                                      int(self.source.config.get("vocab_size", 0)), specs, cdtype)
         model_len = int(self.source.config.get("max_position_embeddings") or 4096)
         self.plan = plan_kv_pool(specs, kv_budget(args.kv_cache_memory), args.block_size, cdtype,
                                  args.max_num_seqs, args.max_num_batched_tokens,
                                  max_model_len=args.max_model_len or model_len,
                                  max_rollback=args.max_rollback_tokens)
         caches = allocate_kv_caches(specs, self.plan, cdtype)
-        center_keys(self.model, self.source.tokenizer, int(self.source.config.get("vocab_size", 0)), caches)
+        set_key_means(caches, key_means)
         if args.max_model_len is not None:
             if args.max_model_len > self.plan.capacity_tokens:
                 raise ValueError(f"max_model_len {args.max_model_len} exceeds the KV cache capacity of "

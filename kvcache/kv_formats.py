@@ -10,8 +10,17 @@ Presets (kv_cache_dtype):
 Component names (kv_cache_dtype_k / kv_cache_dtype_v overrides): f16 | q8 | 8 |
   tq4 | 4 | tq3 | 3 | tq2 | 2, optionally with g32 / g64.
 
+Budget presets: tq4, tq3 and tq2 are byte budgets: the storage of 4 / 3 / 2-bit
+K and V in every compressed layer (4.25 / 3.25 / 2.25 bits per value with
+head_dim 64's norms), redistributed between K and V and across layers. The
+engine measures each layer's attention error for every (K, V) split of
+KV_MENU on a calibration text (engine/kv_calibration.py) and picks per-layer
+splits within the budget (allocate_bits): Gemma3's keys need 5 bits where
+SmolLM2's do with 4. Without calibration they mean uniform K = V = 4 / 3 / 2.
+
 Policy: the first and last `protect_layers` layers and every sliding-window
-layer (unless quantize_sliding) are kept f16; every other layer gets (K, V).
+layer (unless quantize_sliding) are kept f16; every other layer gets (K, V),
+or its calibrated split.
 """
 from dataclasses import dataclass
 import re
@@ -23,15 +32,18 @@ from kvcache.spec import LayerSpec
 from kvcache.tq_cache import TQLayerCache
 from kvcache.turboquant import F16, INT8, ComponentFormat, tq
 
+BUDGETS = {"tq4": 4, "tq3": 3, "tq2": 2}    # bits: the uniform split whose bytes the budget is
+KV_MENU = [(k, v) for k in (2, 3, 4, 5) for v in (2, 3, 4)]   # TurboQuant (K bits, V bits) splits
+
 PRESETS = ["f16", "tq4", "tq3", "tq2", "k8v8", "k8v4", "k8v3", "k8v2", "k4v4", "k4v3", "k4v2",
            "k3v3", "k3v2", "k2v2", "k16v4", "k16v3", "k3v3g32", "tq4g32", "tq3g32"]
 
 
 def component(name: str) -> ComponentFormat:
     """'f16' | '16' | 'q8' | 'int8' | '8' | 'tq4' | '4' | ... with optional 'g32' / 'g64'."""
-    m = re.fullmatch(r"(f16|16|q8|int8|8|(?:tq)?([234]))(?:g(32|64))?", name.strip().lower())
+    m = re.fullmatch(r"(f16|16|q8|int8|8|(?:tq)?([2345]))(?:g(32|64))?", name.strip().lower())
     if not m:
-        raise ValueError(f"unknown KV component format {name!r}; use f16, q8, tq4, tq3 or tq2 "
+        raise ValueError(f"unknown KV component format {name!r}; use f16, q8, tq5, tq4, tq3 or tq2 "
                          f"(optionally with g32 / g64)")
     group = int(m.group(3)) if m.group(3) else None
     if m.group(2):
@@ -49,7 +61,7 @@ def parse_preset(name: str) -> tuple[ComponentFormat, ComponentFormat]:
     if m:
         c = component(m.group(1) + (m.group(2) or ""))
         return c, c
-    m = re.fullmatch(r"k(16|8|[234])v(16|8|[234])(g32|g64)?", n)
+    m = re.fullmatch(r"k(16|8|[2345])v(16|8|[234])(g32|g64)?", n)
     if m:
         g = m.group(3) or ""
         k, v = m.group(1), m.group(2)
@@ -74,6 +86,8 @@ class KVPolicy:
     quantize_sliding: bool = False
     seed: int = 0
     f16_dtype: torch.dtype = torch.float16
+    budget: int | None = None            # calibrated per-layer splits within k{b}v{b}'s bytes (BUDGETS)
+    per_layer: tuple = ()                # ((layer_idx, k_fmt, v_fmt), ...) chosen by calibration
 
     @classmethod
     def from_names(cls, preset: str, k: str | None = None, v: str | None = None,
@@ -85,18 +99,28 @@ class KVPolicy:
             vf = component(v)
         if protect_layers < 0:
             raise ValueError(f"kv_protect_layers must be >= 0, got {protect_layers}")
-        return cls(kf, vf, protect_layers, **kw)
+        budget = BUDGETS.get(preset.strip().lower()) if not (k or v) else None
+        return cls(kf, vf, protect_layers, budget=budget, **kw)
 
     @property
     def name(self) -> str:
+        if self.per_layer:
+            splits = sorted({f"k{k.bits}v{v.bits}" for _, k, v in self.per_layer})
+            return f"k{self.budget}v{self.budget} bytes as {'/'.join(splits)} per layer,protect={self.protect_layers}"
         return f"k={self.k.name},v={self.v.name},protect={self.protect_layers}"
 
-    def layer_formats(self, spec: LayerSpec, num_layers: int) -> tuple[ComponentFormat, ComponentFormat]:
+    def compressed(self, spec: LayerSpec, num_layers: int) -> bool:
+        """Whether this layer gets the policy's formats (not kept f16)."""
         i, n = spec.layer_idx, self.protect_layers
-        if i < n or i >= num_layers - n:
+        return not (i < n or i >= num_layers - n or
+                    (spec.sliding_window is not None and not self.quantize_sliding))
+
+    def layer_formats(self, spec: LayerSpec, num_layers: int) -> tuple[ComponentFormat, ComponentFormat]:
+        if not self.compressed(spec, num_layers):
             return F16, F16
-        if spec.sliding_window is not None and not self.quantize_sliding:
-            return F16, F16
+        for i, k, v in self.per_layer:
+            if i == spec.layer_idx:
+                return k, v
         return self.k, self.v
 
     def make_layer_cache(self, spec: LayerSpec, num_blocks: int, block_size: int, group_id: int,
@@ -116,3 +140,29 @@ class KVPolicy:
 def layer_seed(seed: int, layer_idx: int) -> int:
     """Deterministic per-layer rotation seed."""
     return (seed * 1_000_003 + layer_idx * 7919 + 12345) & 0x7FFFFFFF
+
+
+def allocate_bits(options: dict[int, dict[tuple, tuple[float, float]]], budget_bits: float) -> dict[int, tuple]:
+    """Pick one option per layer minimising the summed error with total bits
+    <= budget_bits. options[layer][key] = (bits, error), bits being what the
+    layer stores per token. Greedy from every layer's cheapest option: take the
+    affordable upgrade with the largest error drop per extra bit, until none
+    is left (the usual marginal-analysis answer to this knapsack)."""
+    pick = {i: min(o, key=lambda key: (o[key][0], o[key][1])) for i, o in options.items()}
+    spent = sum(options[i][key][0] for i, key in pick.items())
+    if spent > budget_bits:
+        raise ValueError(f"KV bit budget {budget_bits:g} is below the cheapest format ({spent:g})")
+    while True:
+        best, best_gain = None, 0.0
+        for i, o in options.items():
+            b0, e0 = o[pick[i]]
+            for key, (b, e) in o.items():
+                if e < e0 and spent - b0 + b <= budget_bits + 1e-9:
+                    gain = (e0 - e) / max(b - b0, 1e-9)
+                    if gain > best_gain:
+                        best, best_gain = (i, key), gain
+        if best is None:
+            return pick
+        i, key = best
+        spent += options[i][key][0] - options[i][pick[i]][0]
+        pick[i] = key

@@ -26,9 +26,11 @@ def _load_tile(data, scale, cb, slots, h, d, mask,
         # word into its 8 codes and interleave them back to [N, D].
         j = tl.arange(0, D // 8)
         ptr = data + row + (j * BITS)[None, :]
-        w = tl.load(ptr, mask=m2, other=0).to(tl.int32)
+        # 8 codes of up to 4 bits fit an int32 word; 5 bits need 40.
+        WORD: tl.constexpr = tl.int64 if BITS > 4 else tl.int32
+        w = tl.load(ptr, mask=m2, other=0).to(WORD)
         for i in tl.static_range(1, BITS):
-            w = w | (tl.load(ptr + i, mask=m2, other=0).to(tl.int32) << (8 * i))
+            w = w | (tl.load(ptr + i, mask=m2, other=0).to(WORD) << (8 * i))
         MASK: tl.constexpr = (1 << BITS) - 1
         # join() appends its new axis last, so the first join is the most
         # significant digit of i = 4a + 2b + c.

@@ -165,7 +165,7 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
 # -- formats ------------------------------------------------------------------
 @dataclass(frozen=True)
 class ComponentFormat:
-    """How one of K or V is stored: kind 'f16' | 'int8' | 'tq' (bits 2/3/4, norm group)."""
+    """How one of K or V is stored: kind 'f16' | 'int8' | 'tq' (bits 2-5, norm group)."""
     kind: str
     bits: int = 16
     group: int | None = None     # tq: values per norm (None = the whole head)
@@ -184,8 +184,8 @@ INT8 = ComponentFormat("int8", 8)
 
 
 def tq(bits: int, group: int | None = None) -> ComponentFormat:
-    if bits not in (2, 3, 4):
-        raise ValueError(f"TurboQuant bits must be 2, 3 or 4, got {bits}")
+    if bits not in (2, 3, 4, 5):
+        raise ValueError(f"TurboQuant bits must be 2, 3, 4 or 5, got {bits}")
     return ComponentFormat("tq", bits, group)
 
 

@@ -18,7 +18,7 @@ from kvcache.tq_cache import TQLayerCache
 from kvcache.tq_triton import tq_paged_decode, tq_prefill
 from kvcache.turboquant import F16, INT8, tq
 
-FORMATS = {"f16": F16, "int8": INT8, "tq2": tq(2), "tq3": tq(3), "tq4": tq(4), "tq4g32": tq(4, 32)}
+FORMATS = {"f16": F16, "int8": INT8, "tq2": tq(2), "tq3": tq(3), "tq4": tq(4), "tq5": tq(5), "tq4g32": tq(4, 32)}
 BS = 16
 
 

@@ -269,3 +269,15 @@ def test_capacity_at_fixed_budget(head_dim, kv_heads):
     assert fits["tq4"] >= 3.7 * fits["f16"], fits
     assert fits["tq3"] >= 4.8 * fits["f16"], fits
     assert fits["k4v3"] > fits["tq4"] and fits["k8v4"] < fits["tq4"]
+
+
+def test_allocate_bits_greedy_within_budget():
+    from kvcache.kv_formats import allocate_bits
+    # layer 0 barely cares about bits, layer 1 a lot: the budget goes to layer 1
+    opts = {0: {(2, 2): (4, 0.10), (3, 3): (6, 0.09), (4, 4): (8, 0.085)},
+            1: {(2, 2): (4, 0.90), (3, 3): (6, 0.30), (4, 4): (8, 0.05), (5, 3): (8, 0.02)}}
+    assert allocate_bits(opts, 12) == {0: (2, 2), 1: (5, 3)}
+    assert allocate_bits(opts, 10) == {0: (2, 2), 1: (3, 3)}
+    assert allocate_bits(opts, 16) == {0: (4, 4), 1: (5, 3)}
+    with pytest.raises(ValueError, match="below the cheapest"):
+        allocate_bits(opts, 7)
