@@ -18,6 +18,7 @@ carry a large one: engine/kv_calibration.py measures it).
 """
 import torch
 
+from kvcache import tq_cpu
 from kvcache.layer_cache import LayerCache
 from kvcache.tq_triton import tq_paged_decode, tq_prefill   # loads triton only on first GPU call
 from kvcache.turboquant import Codec, ComponentFormat, rotate, unrotate
@@ -76,7 +77,14 @@ class TQLayerCache(LayerCache):
 
     # -- attention ---------------------------------------------------------
     def _attend(self, qr, cols, block_tables, qpos, seq_lens):
-        """Online-softmax attention over compressed blocks.
+        """CPU attention over compressed blocks: the compiled kernel
+        (kvcache/tq_cpu.py), or the torch reference with TQSERVE_TQ_CPU=torch."""
+        if tq_cpu.enabled(self.head_dim):
+            return tq_cpu.attend(self, qr, cols, block_tables, qpos, seq_lens)
+        return self._attend_torch(qr, cols, block_tables, qpos, seq_lens)
+
+    def _attend_torch(self, qr, cols, block_tables, qpos, seq_lens):
+        """Online-softmax attention over compressed blocks (the reference).
 
         qr: [B, H, G, Lq, D] rotated, scaled queries; cols: [B, nblk] block
         columns to read (in block-table order); qpos: [B, Lq] query positions;

@@ -1,0 +1,130 @@
+"""Compiled CPU attention over TurboQuant paged blocks (kvcache/csrc/tq_cpu_attn.cpp).
+
+TQLayerCache._attend uses it on CPU; TQLayerCache._attend_torch stays the
+reference it is tested against (tests/test_tq_cpu.py). The kernel decodes one
+block of keys and values at a time straight from the packed codes, shared by
+every query row of a KV head, with an online softmax: the torch path's
+per-chunk op overhead and float intermediates dominate decode on CPU.
+
+The source is a plain C ABI called through ctypes, so building needs only a
+C++ compiler with OpenMP (g++), no torch headers or ninja. It is compiled at
+first use into $TQSERVE_KERNEL_CACHE (default ~/.cache/tqserve/kernels),
+keyed by the source, flags and host CPU. A failed build raises with the
+compiler's output; TQSERVE_TQ_CPU=torch selects the torch path instead.
+"""
+import ctypes
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+SRC = Path(__file__).resolve().parent / "csrc" / "tq_cpu_attn.cpp"
+CXX = os.environ.get("CXX", "g++")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+ROW_TILE = 16        # query tokens per work item in prefill (times G query heads)
+_KIND = {"f16": 0, "int8": 1, "tq": 2}
+
+
+class _Comp(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int32), ("bits", ctypes.c_int32), ("group", ctypes.c_int32),
+                ("pad", ctypes.c_int32), ("data", ctypes.c_void_p), ("d_slot", ctypes.c_int64),
+                ("d_head", ctypes.c_int64), ("scale", ctypes.c_void_p), ("s_slot", ctypes.c_int64),
+                ("s_head", ctypes.c_int64), ("codebook", ctypes.c_void_p)]
+
+
+HEAD_DIMS = (8, 16, 32, 64, 128, 256, 512)   # the kernel's compiled specialisations
+
+
+def enabled(head_dim: int) -> bool:
+    """Whether TQLayerCache runs the compiled kernel on CPU (the default)."""
+    return os.environ.get("TQSERVE_TQ_CPU", "kernel").lower() != "torch" and head_dim in HEAD_DIMS
+
+
+def _cpu_id() -> str:
+    try:
+        flags = next((ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return platform.machine() + flags
+
+
+@lru_cache(maxsize=None)
+def _lib() -> ctypes.CDLL:
+    src = SRC.read_bytes()
+    try:
+        ver = subprocess.run([CXX, "--version"], capture_output=True, text=True).stdout
+    except OSError as e:
+        raise RuntimeError(f"TurboQuant CPU kernel: no C++ compiler ({CXX}: {e}); install g++ "
+                           f"or set TQSERVE_TQ_CPU=torch to use the slower torch path") from None
+    key = hashlib.sha256(src + " ".join([CXX] + FLAGS).encode() + ver.encode() + _cpu_id().encode())
+    cache = Path(os.environ.get("TQSERVE_KERNEL_CACHE", Path.home() / ".cache" / "tqserve" / "kernels"))
+    so = cache / f"tq_cpu_attn-{key.hexdigest()[:16]}.so"
+    if not so.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        # Build beside the target and rename: concurrent first uses never load a partial file.
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+        os.close(fd)
+        r = subprocess.run([CXX, *FLAGS, str(SRC), "-o", tmp], capture_output=True, text=True)
+        if r.returncode != 0:
+            os.unlink(tmp)
+            raise RuntimeError(f"building the TurboQuant CPU attention kernel failed ({CXX} {' '.join(FLAGS)} "
+                               f"{SRC}):\n{r.stderr[-4000:]}\nInstall g++ with OpenMP, or set "
+                               f"TQSERVE_TQ_CPU=torch to use the slower torch path.")
+        os.replace(tmp, so)
+    lib = ctypes.CDLL(str(so))
+    lib.tq_cpu_attend.restype = ctypes.c_int
+    lib.tq_cpu_attend.argtypes = ([ctypes.POINTER(_Comp)] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 6
+                                  + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
+                                     ctypes.c_int])
+    return lib
+
+
+def build() -> None:
+    """Compile (or load) the kernel now; raises with the compiler's output on failure."""
+    _lib()
+
+
+_CB: dict = {}
+
+
+def _comp(codec, store) -> _Comp:
+    kind = codec.fmt.kind
+    data = store["x"] if kind == "f16" else store["q"] if kind == "int8" else store["codes"]
+    c = _Comp(_KIND[kind], codec.fmt.bits, codec.group if kind == "tq" else codec.D, 0,
+              data.data_ptr(), data.stride(0), data.stride(1), 0, 0, 0, None)
+    if kind != "f16":
+        sc = store["scale"]
+        assert sc.dtype == torch.float16
+        c.scale, c.s_slot, c.s_head = sc.data_ptr(), sc.stride(0), sc.stride(1)
+    if kind == "tq":
+        key = id(codec.codebook)
+        if key not in _CB:     # codebooks are lru_cached per (bits, group): one float32 copy each
+            _CB[key] = (codec.codebook, codec.codebook.float().contiguous())
+        c.codebook = _CB[key][1].data_ptr()
+    return c
+
+
+def attend(cache, qr, cols, block_tables, qpos, seq_lens) -> torch.Tensor:
+    """Same contract as TQLayerCache._attend_torch: qr [B, H, G, Lq, D] rotated,
+    scaled queries -> rotated output [B, H, G, Lq, D] (in qr's dtype)."""
+    B, H, G, Lq, D = qr.shape
+    q = qr.to(torch.float32).contiguous()
+    out = torch.empty_like(q)
+    bt = block_tables.to(torch.int64).contiguous()
+    cols = cols.to(torch.int64).contiguous()
+    qpos = qpos.to(torch.int64).expand(B, Lq).contiguous()
+    seq_lens = seq_lens.to(torch.int64).contiguous()
+    k, v = _comp(cache.kc, cache.k), _comp(cache.vc, cache.v)
+    rc = _lib().tq_cpu_attend(ctypes.byref(k), ctypes.byref(v), q.data_ptr(), out.data_ptr(), B, H, G, Lq, D,
+                              cache.block_size, bt.data_ptr(), bt.shape[1], cols.data_ptr(), cols.shape[1],
+                              qpos.data_ptr(), seq_lens.data_ptr(), cache.sliding_window or 0,
+                              torch.get_num_threads(), ROW_TILE)
+    if rc != 0:
+        raise ValueError(f"TurboQuant CPU kernel: unsupported head_dim {D}")
+    return out.to(qr.dtype)
