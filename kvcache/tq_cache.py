@@ -145,6 +145,17 @@ class TQLayerCache(LayerCache):
             acc = tq_paged_decode(self, self._rotate_q(q.unsqueeze(1), scale), block_tables, seq_lens)
             return self._finish(acc, q.dtype)[:, 0]
         cols = self.decode_columns(block_tables, seq_lens)
+        if tq_cpu.enabled(self.head_dim):
+            # One [D, D] matmul each way instead of the Walsh-Hadamard
+            # butterflies: at batch 1 their ~20 small ops per call cost more
+            # than the kernel's attention itself.
+            rt = getattr(self, "_rot_t", None)
+            if rt is None:
+                rt = self._rot_t = tq_cpu.rotation_t(self.signs)
+            B, Hq, D = q.shape
+            qr = (q.float() @ rt).mul_(scale).view(B, self.num_kv_heads, Hq // self.num_kv_heads, 1, D)
+            acc = tq_cpu.attend(self, qr, cols, block_tables, (seq_lens - 1)[:, None], seq_lens)
+            return (acc.view(B, Hq, D) @ rt.T).to(q.dtype)
         acc = self._attend(self._rotate_q(q.unsqueeze(1), scale), cols, block_tables,
                            (seq_lens - 1)[:, None], seq_lens)
         return self._finish(acc, q.dtype)[:, 0]

@@ -125,3 +125,14 @@ def test_build_failure_is_a_clear_error(monkeypatch, tmp_path):
     with pytest.raises(RuntimeError, match="TQSERVE_TQ_CPU=torch"):
         tq_cpu._lib.__wrapped__()
     assert not list(tmp_path.iterdir())     # no partial library left behind
+
+
+@pytest.mark.parametrize("kf,vf", [("tq4", "tq3"), ("int8", "tq4")])
+def test_decode_entry_point_equals_torch_path(kf, vf, monkeypatch):
+    """_decode's kernel path (rotation by a [D, D] matmul) vs the torch path."""
+    lens = [40, 3, 77]
+    c, bt = _cache(FORMATS[kf], FORMATS[vf], 3, 64, lens, window=None)
+    q = torch.randn(3, 9, 64, generator=torch.Generator().manual_seed(2))
+    out = c._decode(q, bt, torch.tensor(lens), 0.125)
+    monkeypatch.setenv("TQSERVE_TQ_CPU", "torch")
+    _close(out, c._decode(q, bt, torch.tensor(lens), 0.125))
