@@ -14,6 +14,7 @@ from engine.kv_calibration import calibrate, set_key_means
 from engine.model_runner import ModelRunner
 from engine.request import EngineRequest, Request
 from engine.scheduler import Scheduler
+from kvcache.kv_formats import KVPolicy
 from kvcache.kv_manager import KVCacheManager
 from kvcache.pool_plan import allocate_kv_caches, kv_dtype, plan_kv_pool
 from model_zoo.models import build_model
@@ -134,6 +135,8 @@ class EngineCore:
                                  max_model_len=args.max_model_len or model_len,
                                  max_rollback=args.max_rollback_tokens)
         caches = allocate_kv_caches(specs, self.plan, cdtype)
+        if isinstance(cdtype, KVPolicy) and isinstance(caches, list):
+            log.info("KV formats by layer: %s", cdtype.describe(specs, self.plan.layer_bytes_per_token))
         set_key_means(caches, key_means)
         if args.max_model_len is not None:
             if args.max_model_len > self.plan.capacity_tokens:

@@ -22,10 +22,12 @@ import logging
 import time
 
 import torch
+import torch.nn.functional as F
 
 from kvcache.attention import Attention
-from kvcache.kv_formats import KV_MENU, KVPolicy, allocate_bits, layer_seed
-from kvcache.turboquant import Codec, tq
+from kvcache.dense_cache import expand_kv
+from kvcache.kv_formats import KV_MENU, KVPolicy, allocate_bits, bits_format, layer_seed
+from kvcache.turboquant import Codec
 
 log = logging.getLogger("tqserve.engine")
 
@@ -105,21 +107,32 @@ def calibration_ids(tokenizer, vocab_size: int) -> list[int]:
     return torch.randint(0, vocab_size, (256,), generator=g).tolist()
 
 
+def _attention(mod: Attention, q, k, v) -> torch.Tensor:
+    """Causal attention of one sequence (the flash path when there is no window)."""
+    k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
+    q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    if mod.sliding_window is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=mod.scale).transpose(0, 1)
+    pos = torch.arange(q.shape[1])
+    mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - mod.sliding_window)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=mod.scale).transpose(0, 1)
+
+
 @torch.no_grad()
-def split_errors(mod: Attention, q, k, v, k_mean, seed: int) -> dict[tuple, tuple[float, float]]:
+def split_errors(mod: Attention, q, k, v, k_mean, seed: int) -> dict:
     """{(K bits, V bits): (bits per token, relative attention-output error)}
     over KV_MENU for one layer: the output with K and V round-tripped through
     the codec (keys centred as stored) against the exact one."""
     H, D = k.shape[1:]
-    ref = mod._no_cache(q, k, v)
+    ref = _attention(mod, q, k, v)
     rt = {}
     for b in sorted({b for kv in KV_MENU for b in kv}):
-        c = Codec(tq(b), H, D, seed)
+        c = Codec(bits_format(b), H, D, seed)
         rt[b] = (c.dequantize(c.encode(k - k_mean)) + k_mean, c.dequantize(c.encode(v)),
                  c.bits_per_value() * H * D)
     out = {}
     for kb, vb in KV_MENU:
-        o = mod._no_cache(q, rt[kb][0], rt[vb][1])
+        o = _attention(mod, q, rt[kb][0], rt[vb][1])
         out[(kb, vb)] = (rt[kb][2] + rt[vb][2], float((o - ref).pow(2).sum() / ref.pow(2).sum()))
     return out
 
@@ -142,7 +155,7 @@ def calibrate(model, tokenizer, vocab_size: int, specs: list, policy):
                                              layer_seed(policy.seed, s.layer_idx)) for s in layers}
         b = policy.budget
         pick = allocate_bits(options, sum(o[(b, b)][0] for o in options.values()))
-        policy = replace(policy, per_layer=tuple((i, tq(kb), tq(vb)) for i, (kb, vb) in sorted(pick.items())))
+        policy = replace(policy, per_layer=tuple((i, bits_format(kb), bits_format(vb)) for i, (kb, vb) in sorted(pick.items())))
         err = sum(options[i][key][1] for i, key in pick.items()) / len(pick)
         log.info("KV calibration: %s, mean attention error %.4f", policy.name, err)
     log.info("KV calibration: key means for %d layers in %.1fs", len(means), time.monotonic() - t0)

@@ -33,7 +33,11 @@ from kvcache.tq_cache import TQLayerCache
 from kvcache.turboquant import F16, INT8, ComponentFormat, tq
 
 BUDGETS = {"tq4": 4, "tq3": 3, "tq2": 2}    # bits: the uniform split whose bytes the budget is
-KV_MENU = [(k, v) for k in (2, 3, 4, 5) for v in (2, 3, 4)]   # TurboQuant (K bits, V bits) splits
+KV_MENU = [(k, v) for k in (2, 3, 4, 5) for v in (2, 3, 4)]   # (K bits, V bits) splits (8 = int8: never picked)
+
+
+def bits_format(bits: int) -> ComponentFormat:
+    return INT8 if bits == 8 else tq(bits)
 
 PRESETS = ["f16", "tq4", "tq3", "tq2", "k8v8", "k8v4", "k8v3", "k8v2", "k4v4", "k4v3", "k4v2",
            "k3v3", "k3v2", "k2v2", "k16v4", "k16v3", "k3v3g32", "tq4g32", "tq3g32"]
@@ -122,6 +126,20 @@ class KVPolicy:
             if i == spec.layer_idx:
                 return k, v
         return self.k, self.v
+
+    def describe(self, specs: list, layer_bytes: dict[int, int]) -> str:
+        """'layers 0-9 k4v4 204 B/token, 10 k5v3 204 B/token, ...' (runs of equal format)."""
+        n = max(s.layer_idx for s in specs) + 1
+        runs = []
+        for s in sorted(specs, key=lambda s: s.layer_idx):
+            k, v = self.layer_formats(s, n)
+            fmt = "f16" if k == F16 and v == F16 else f"k:{k.name} v:{v.name}"
+            key = (fmt, layer_bytes[s.layer_idx])
+            if runs and runs[-1][0] == key and runs[-1][2] == s.layer_idx - 1:
+                runs[-1][2] = s.layer_idx
+            else:
+                runs.append([key, s.layer_idx, s.layer_idx])
+        return ", ".join(f"{a}{'' if a == b else f'-{b}'} {fmt} {nb} B/token" for (fmt, nb), a, b in runs)
 
     def make_layer_cache(self, spec: LayerSpec, num_blocks: int, block_size: int, group_id: int,
                          num_layers: int):

@@ -61,8 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     s.add_argument("--kv-cache-dtype", default="auto",
                    help="auto | f32 | f16 | bf16 | tq4 | tq3 | tq2 | k8v4 | k4v3 | k4v2 | k3v3 | ...")
-    s.add_argument("--kv-cache-dtype-k", default=None, help="K format override: f16 | q8 | tq4 | tq3 | tq2")
-    s.add_argument("--kv-cache-dtype-v", default=None, help="V format override: f16 | q8 | tq4 | tq3 | tq2")
+    s.add_argument("--kv-cache-dtype-k", default=None, help="K format override: f16 | q8 | tq5 | tq4 | tq3 | tq2")
+    s.add_argument("--kv-cache-dtype-v", default=None, help="V format override: f16 | q8 | tq5 | tq4 | tq3 | tq2")
     s.add_argument("--kv-protect-layers", type=int, default=0,
                    help="keep the first and last N layers' KV in f16")
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
