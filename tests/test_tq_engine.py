@@ -109,12 +109,13 @@ def test_budget_preset_splits_within_uniform_bytes(tiny_dir, preset, uniform):
     budget = LLM(tiny_dir, block_size=4, kv_cache_memory=MEM, kv_cache_dtype=preset)
     flat = LLM(tiny_dir, block_size=4, kv_cache_memory=MEM, kv_cache_dtype=uniform)
     assert budget.core.plan.bytes_per_token <= flat.core.plan.bytes_per_token
-    got = capture_qkv(budget.core.model, calibration_ids(None, budget.core.info.vocab_size))
+    got = capture_qkv(budget.core.model, calibration_ids(None, budget.core.info.vocab_size), grads=True)
     b = int(uniform[1])
     err = {"budget": 0.0, "flat": 0.0}
     for i, c in enumerate(budget.core.runner.kv_caches):
-        mod, q, k, v = got[i]
-        opts = split_errors(mod, q, k, v, k.mean(0), layer_seed(0, i))
+        mod, q, k, v, g = got[i]
+        assert g.abs().sum() > 0
+        opts = split_errors(mod, q, k, v, g, k.mean(0), layer_seed(0, i))
         err["budget"] += opts[(c.k_fmt.bits, c.v_fmt.bits)][1]
         err["flat"] += opts[(b, b)][1]
     assert err["budget"] <= err["flat"], err
