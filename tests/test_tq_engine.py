@@ -175,12 +175,13 @@ def test_real_kv_roundtrip_mse_near_lloyd_max(model, smol_f16):
 def test_smollm2_k8v4_greedy_equals_f16_and_ppl(smol_f16):
     """k8v4 (int8 K, 4-bit V: 6.25 bits/value) against f16 KV.
 
-    Greedy equality for 16 tokens holds on text continuations; it does NOT
-    hold on the chat prompts of test_real_models (measured: "What is the
-    capital of France?" flips at token 0, the haiku at token 1): their top-2
-    margins are 0.08-0.13 nats and k8v4 moves logprobs by 0.1-0.3 nats. So
-    quality is also checked teacher-forced: perplexity within +3% of f16
-    (measured +1.3% on 2 x 512 tokens)."""
+    Greedy equality for 16 tokens holds on these text continuations. It is
+    not a property of every prompt: k8v4 moves a token's logprob by 0.0-0.55
+    nats (measured over 8 continuations; the 4-bit V is the noisy part), so a
+    greedy path through a top-2 margin under ~0.15 nats can flip (3 of 8
+    continuations, and the chat prompts of test_real_models with margins of
+    0.08-0.13). So quality is also checked teacher-forced: perplexity within
+    +3% of f16."""
     tok = smol_f16.tokenizer
     text = shakespeare(40_000)
     ps = [tok.encode(text[o:o + 600])[:100] for o in (5000, 20000, 30000)]
