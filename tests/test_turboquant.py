@@ -271,13 +271,10 @@ def test_capacity_at_fixed_budget(head_dim, kv_heads):
     assert fits["k4v3"] > fits["tq4"] and fits["k8v4"] < fits["tq4"]
 
 
-def test_allocate_bits_greedy_within_budget():
-    from kvcache.kv_formats import allocate_bits
-    # layer 0 barely cares about bits, layer 1 a lot: the budget goes to layer 1
-    opts = {0: {(2, 2): (4, 0.10), (3, 3): (6, 0.09), (4, 4): (8, 0.085)},
-            1: {(2, 2): (4, 0.90), (3, 3): (6, 0.30), (4, 4): (8, 0.05), (5, 3): (8, 0.02)}}
-    assert allocate_bits(opts, 12) == {0: (2, 2), 1: (5, 3)}
-    assert allocate_bits(opts, 10) == {0: (2, 2), 1: (3, 3)}
-    assert allocate_bits(opts, 16) == {0: (4, 4), 1: (5, 3)}
-    with pytest.raises(ValueError, match="below the cheapest"):
-        allocate_bits(opts, 7)
+def test_choose_split_least_error_within_budget():
+    from kvcache.kv_formats import KV_MENU, choose_split
+    # bits = K + V per layer; K errors weigh 4x V errors
+    opts = {i: {(k, v): (k + v, 4 * 2.0 ** -k + 2.0 ** -v + i) for k, v in KV_MENU} for i in range(3)}
+    assert choose_split(opts, 4) == (5, 3)
+    assert choose_split(opts, 3) == (4, 2)
+    assert choose_split(opts, 2) == (2, 2)
