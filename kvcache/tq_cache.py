@@ -1,14 +1,16 @@
 """Paged KV storage for one layer in TurboQuant / int8 / f16 component formats,
-and attention that reads the compressed blocks directly (torch: the CPU path
-and the reference for GPU kernels).
+and attention that reads the compressed blocks directly: a compiled kernel on
+CPU (tq_cpu.py), Triton on GPU (tq_triton.py), and the torch implementation
+here (_attend_torch), which both are tested against.
 
 Same interface as DenseLayerCache (write / attention / nbytes). K and V are
 stored rotated (see turboquant.py); attention rotates the query once, scores
 against decoded keys one chunk of blocks at a time with an online softmax
 (running max and sum), accumulates the weighted value vectors in the rotated
 domain and de-rotates once per query head at the end. Only one chunk of
-blocks (chunk_blocks * block_size tokens) is ever decoded at a time; a
-sequence's whole history is never materialised uncompressed.
+blocks (chunk_blocks * block_size tokens; the kernels: one block) is ever
+decoded at a time; a sequence's whole history is never materialised
+uncompressed.
 
 Keys may be stored centred: set_key_mean(mu) subtracts a per-head constant
 before encoding. q.(k - mu) shifts every score of a query by the same q.mu,
@@ -21,7 +23,7 @@ import torch
 from kvcache import tq_cpu
 from kvcache.layer_cache import LayerCache
 from kvcache.tq_triton import tq_paged_decode, tq_prefill   # loads triton only on first GPU call
-from kvcache.turboquant import Codec, ComponentFormat, rotate, unrotate
+from kvcache.turboquant import Codec, ComponentFormat
 
 NEG = -1e30   # finite "minus infinity": a fully masked chunk is wiped exactly by the next rescale
 
@@ -130,13 +132,13 @@ class TQLayerCache(LayerCache):
         """[B, Lq, Hq, D] -> [B, H, G, Lq, D] rotated and scaled."""
         B, Lq, Hq, D = q.shape
         H = self.num_kv_heads
-        qr = rotate(q.float(), self.signs) * scale
+        qr = (q.float() @ self.kc.rot_t(q.device)) * scale     # rotate(q): one matmul
         return qr.view(B, Lq, H, Hq // H, D).permute(0, 2, 3, 1, 4).to(q.dtype)
 
     def _finish(self, acc, dtype):
         """[B, H, G, Lq, D] rotated -> [B, Lq, Hq, D] (one de-rotation per query head)."""
         B, H, G, Lq, D = acc.shape
-        o = unrotate(acc.float(), self.signs)
+        o = acc.float() @ self.kc.rot_t(acc.device).T            # unrotate(acc)
         return o.permute(0, 3, 1, 2, 4).reshape(B, Lq, H * G, D).to(dtype)
 
     def _decode(self, q, block_tables, seq_lens, scale):
@@ -145,17 +147,6 @@ class TQLayerCache(LayerCache):
             acc = tq_paged_decode(self, self._rotate_q(q.unsqueeze(1), scale), block_tables, seq_lens)
             return self._finish(acc, q.dtype)[:, 0]
         cols = self.decode_columns(block_tables, seq_lens)
-        if tq_cpu.enabled(self.head_dim):
-            # One [D, D] matmul each way instead of the Walsh-Hadamard
-            # butterflies: at batch 1 their ~20 small ops per call cost more
-            # than the kernel's attention itself.
-            rt = getattr(self, "_rot_t", None)
-            if rt is None:
-                rt = self._rot_t = tq_cpu.rotation_t(self.signs)
-            B, Hq, D = q.shape
-            qr = (q.float() @ rt).mul_(scale).view(B, self.num_kv_heads, Hq // self.num_kv_heads, 1, D)
-            acc = tq_cpu.attend(self, qr, cols, block_tables, (seq_lens - 1)[:, None], seq_lens)
-            return (acc.view(B, Hq, D) @ rt.T).to(q.dtype)
         acc = self._attend(self._rotate_q(q.unsqueeze(1), scale), cols, block_tables,
                            (seq_lens - 1)[:, None], seq_lens)
         return self._finish(acc, q.dtype)[:, 0]

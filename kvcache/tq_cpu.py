@@ -90,12 +90,6 @@ def build() -> None:
     _lib()
 
 
-def rotation_t(signs: torch.Tensor) -> torch.Tensor:
-    """R^T as a float32 [D, D] matrix (x @ R^T = rotate(x), y @ R = unrotate(y))."""
-    from kvcache.turboquant import rotate
-    return rotate(torch.eye(signs.numel(), dtype=torch.float32, device=signs.device), signs).contiguous()
-
-
 _CB: dict = {}
 
 

@@ -135,6 +135,13 @@ def unrotate(y: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     return fwht(y) * signs.to(y.dtype)
 
 
+def rotation_t(signs: torch.Tensor) -> torch.Tensor:
+    """R^T as a float32 [D, D] matrix: x @ R^T = rotate(x), y @ R = unrotate(y).
+    One matmul replaces the butterflies' ~20 small ops, which dominate when a
+    decode step writes or reads one token per layer."""
+    return rotate(torch.eye(signs.numel(), dtype=torch.float32, device=signs.device), signs).contiguous()
+
+
 # -- bit packing --------------------------------------------------------------
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """[..., n] integer codes < 2**bits (n % 8 == 0) -> [..., n * bits // 8] uint8.
@@ -143,6 +150,12 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     of that group's `bits` bytes, so 8 codes of 3 bits fill exactly 3 bytes."""
     n = codes.shape[-1]
     assert n % 8 == 0
+    if bits in (2, 4):   # whole codes per byte: a few uint8 ops
+        c = codes.to(torch.uint8).view(*codes.shape[:-1], n * bits // 8, 8 // bits)
+        out = c[..., 0].clone()
+        for j in range(1, 8 // bits):
+            out |= c[..., j] << (bits * j)
+        return out
     c = codes.to(torch.int64).view(*codes.shape[:-1], n // 8, 8)
     val = (c << (bits * torch.arange(8, device=codes.device))).sum(-1, keepdim=True)
     out = (val >> (8 * torch.arange(bits, device=codes.device))) & 255
@@ -205,6 +218,13 @@ class Codec:
             assert head_dim % self.group == 0 and head_dim * fmt.bits % 8 == 0
             self.codebook = _codebook(fmt.bits, self.group)
             self.bounds = (self.codebook[1:] + self.codebook[:-1]) / 2
+        self._rot = {}     # device -> R^T
+
+    def rot_t(self, device) -> torch.Tensor:
+        r = self._rot.get(str(device))
+        if r is None:
+            r = self._rot[str(device)] = rotation_t(self.signs.to(device))
+        return r
 
     def alloc(self, num_slots: int, device) -> dict[str, torch.Tensor]:
         H, D, f = self.H, self.D, self.fmt
@@ -237,7 +257,7 @@ class Codec:
 
     def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         """x: [T, H, D] (unrotated) -> storage rows."""
-        return self.quantize_rotated(rotate(x.float(), self.signs.to(x.device)))
+        return self.quantize_rotated(x.float() @ self.rot_t(x.device))
 
     def decode(self, rows: dict[str, torch.Tensor], dtype=torch.float32) -> torch.Tensor:
         """Storage rows [..., H, *] -> rotated vectors [..., H, D]."""
@@ -255,7 +275,8 @@ class Codec:
 
     def dequantize(self, rows: dict[str, torch.Tensor], dtype=torch.float32) -> torch.Tensor:
         """Storage rows -> vectors in the original (unrotated) domain."""
-        return unrotate(self.decode(rows, dtype), self.signs.to(dtype=dtype))
+        y = self.decode(rows, torch.float32)
+        return (y @ self.rot_t(y.device).T).to(dtype)
 
     def bits_per_value(self) -> float:
         rows = self.alloc(1, "cpu")
