@@ -179,21 +179,29 @@ def test_real_kv_roundtrip_mse_near_lloyd_max(model, smol_f16):
 def test_smollm2_k8v4_greedy_equals_f16_and_ppl(smol_f16):
     """k8v4 (int8 K, 4-bit V: 6.25 bits/value) against f16 KV.
 
-    Greedy equality for 16 tokens holds on these text continuations. It is
-    not a property of every prompt: k8v4 moves a token's logprob by 0.0-0.55
-    nats (measured over 8 continuations; the 4-bit V is the noisy part), so a
-    greedy path through a top-2 margin under ~0.15 nats can flip (3 of 8
-    continuations, and the chat prompts of test_real_models with margins of
-    0.08-0.13). So quality is also checked teacher-forced: perplexity within
-    +3% of f16."""
+    k8v4 moves a token's logprob by 0.0-0.55 nats (measured over 8 plain
+    text continuations; the 4-bit V is the noisy part), so greedy equality is
+    a property of confident continuations only: on plain text, paths through
+    top-2 margins under ~0.15 nats flip (3 of 8; and the chat prompts of
+    test_real_models, margins 0.08-0.13), and which ones flip changes with
+    float reduction order (thread count). So the greedy check runs on
+    continuations whose f16 margins are all >= 1 nat (checked here: a
+    counting prompt and passages seen twice), and quality in general is
+    checked teacher-forced: perplexity within +3% of f16."""
     tok = smol_f16.tokenizer
     text = shakespeare(40_000)
-    ps = [tok.encode(text[o:o + 600])[:100] for o in (5000, 20000, 30000)]
-    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    ref = toks(smol_f16.generate(ps, sp))
+    ps = [tok.encode("1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,")]
+    for o in (5000, 10000, 30000):
+        line = text[o:o + 300]
+        ps.append(tok.encode(line + "\n\n" + line + "\n\n" + line[:60]))
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    ref = smol_f16.generate(ps, sp)
+    for o in ref:
+        c = o.outputs[0]
+        assert all(lp[t] - max(v for u, v in lp.items() if u != t) >= 1.0 for t, lp in zip(c.token_ids, c.logprobs))
     k8v4 = LLM("smollm2-135m", kv_cache_memory=64 << 20, max_model_len=1024, kv_cache_dtype="k8v4")
     assert k8v4.core.plan.bytes_per_token * 16 / 6.25 == smol_f16.core.plan.bytes_per_token
-    assert toks(k8v4.generate(ps, sp)) == ref
+    assert toks(k8v4.generate(ps, sp)) == toks(ref)
     seqs = [tok.encode(text[o:o + 2000])[:256] for o in (0, 10000)]
 
     def ppl(llm):
