@@ -1,8 +1,9 @@
 """Startup calibration for compressed KV formats: per-layer key offsets and,
 for the bit-budget presets (tq4 / tq3 / tq2), each layer's (K, V) bit split.
 
-Keys of a head share a large constant offset in many models (SmolLM2's keys
-lose 2-3 points of perplexity to 4-bit codes because of it). Subtracting a
+Keys of a head share a large constant offset in many models: with it, 4-bit
+keys cost SmolLM2 +5.1% perplexity, +3.8% with keys centred
+(tests/bench/results/kv_levers_smollm2-135m.md). Subtracting a
 constant from every key leaves attention unchanged (kvcache/tq_cache.py), so
 the engine measures each layer's mean key on a fixed built-in text once,
 after loading, and the compressed caches store keys minus that mean. The text
@@ -14,8 +15,8 @@ The same forward gives each layer's queries, so for a budget preset every
 (K, V) split of KV_MENU is tried on the captured K/V (round-trip through the
 codec), scored by the layer's attention-output error weighted by the squared
 loss gradient (one backward pass), and the best split that fits the budget is
-taken for all layers (kv_formats.choose_split). Measured: Gemma3-270M gets
-5-bit K / 3-bit V for tq4 (perplexity +1.1% vs +3.3% at 4/4), SmolLM2 4/4.
+taken for all layers (kv_formats.choose_split): Gemma3-270M gets 5-bit K /
+3-bit V for tq4, SmolLM2 4/4.
 """
 from dataclasses import replace
 import logging
@@ -141,8 +142,10 @@ def split_errors(mod: Attention, q, k, v, g, k_mean, seed: int) -> dict:
     centred as stored) against the exact one, each output coordinate's error
     weighted by its squared loss gradient g (a diagonal-Fisher estimate of the
     loss increase, so layers whose outputs the rest of the model amplifies
-    count more: a plain relative error gives SmolLM2's first layer 2-bit keys,
-    which costs +1.5% perplexity alone); g None = relative error."""
+    count more: a plain relative error ranks SmolLM2's first layer among the
+    least sensitive, yet 2-bit K/V there costs more perplexity than in most
+    layers);
+    g None = relative error."""
     H, D = k.shape[1:]
     ref = _attention(mod, q, k, v)
     rt = {}

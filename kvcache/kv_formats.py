@@ -14,11 +14,10 @@ Budget presets: tq4, tq3 and tq2 are byte budgets: the storage of 4 / 3 / 2-bit
 K and V (4.25 / 3.25 / 2.25 bits per value with head_dim 64's norms), split
 between K and V per model. The engine scores every (K, V) split of KV_MENU
 that fits on a calibration text (engine/kv_calibration.py) and takes the best
-(choose_split): Gemma3's keys need 5 bits (tq4 = k5v3: PPL +1.1% vs +3.3% at
-k4v4) where SmolLM2's do with 4 (k4v4 +2.1% vs k5v3 +2.8%). One split for all
-layers: per-layer splits chosen the same way scored better on the
-calibration text but worse on held-out perplexity (SmolLM2 +2.8%, Gemma3
-+1.6%). Without calibration they mean uniform K = V = 4 / 3 / 2.
+(choose_split): SmolLM2 gets k4v4 / k3v3, Gemma3 k5v3 / k4v2 (measured in
+tests/bench/results/kv_levers_*.md). One split for all layers: per-layer
+splits chosen the same way scored better on the calibration text but worse
+on held-out perplexity. Without calibration they mean uniform K = V = 4 / 3 / 2.
 
 Policy: the first and last `protect_layers` layers and every sliding-window
 layer (unless quantize_sliding) are kept f16; every other layer gets (K, V),

@@ -67,10 +67,11 @@ def sphere_lloyd_max(bits: int, dim: int, grid: int = 1 << 18) -> tuple[tuple[fl
     in `dim` dimensions, the exact law of a rotated unit vector's coordinates
     (density proportional to (1 - x^2)^((dim - 3) / 2) on (-1, 1)); it tends to
     N(0, 1/dim) as dim grows but has lighter tails at 32-64 dims, where the
-    Gaussian codebook wastes its outer levels (measured: SmolLM2 k4v4 PPL
-    +2.5% -> +1.6%). Centroids and MSE are in units of 1/sqrt(dim), comparable
-    to lloyd_max(bits). Solved on a fine grid (prefix sums make each Lloyd
-    step O(levels)), starting from the Gaussian solution."""
+    Gaussian codebook wastes its outer levels (SmolLM2 k4v4 with centred keys:
+    PPL +3.8% -> +3.3%, tests/bench/results/kv_levers_smollm2-135m.md).
+    Centroids and MSE are in units of 1/sqrt(dim), comparable to
+    lloyd_max(bits). Solved on a fine grid (prefix sums make each Lloyd step
+    O(levels)), starting from the Gaussian solution."""
     r = math.sqrt(dim)
     z = (torch.arange(grid, dtype=torch.float64) + 0.5) / grid * 2 * r - r
     w = (1 - z * z / dim).clamp_min(0) ** ((dim - 3) / 2)

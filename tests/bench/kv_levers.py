@@ -21,7 +21,7 @@ Config: k{K}v{V}[g32|g64] with K, V in 16 | 8 (int8) | 2-5 (TurboQuant), plus
            needs the whole sequence first; measures what a better key offset
            than the calibration text's could gain)
 Only layers whose cache grows with context are quantized (sliding layers
-stay 16-bit, as in the engine). Writes tests/bench/results/kv_levers_MODEL.{json,md}.
+stay 16-bit, as in the engine). Writes tests/bench/results/kv_levers_MODEL.{json,md} (or --out).
 """
 import argparse
 import json
@@ -87,6 +87,7 @@ def main():
     ap.add_argument("--configs", required=True)
     ap.add_argument("--num-seqs", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--out", default=None, help="results path without suffix (default results/kv_levers_MODEL)")
     a = ap.parse_args()
     configs = a.configs.split(",")
     cfgs = [parse(c) for c in configs]
@@ -141,7 +142,7 @@ def main():
         Attention._no_cache = plain
         TQ._codebook = orig_codebook
     date = time.strftime("%Y-%m-%d %H:%M")
-    out = OUT / f"kv_levers_{a.model}"
+    out = Path(a.out) if a.out else OUT / f"kv_levers_{a.model}"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"model": a.model, "num_seqs": a.num_seqs,
                                                     "seq_len": a.seq_len, "date": date, "rows": rows}, indent=1))
