@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from kvcache import tq_cpu
-from kvcache.tq_cache import TQLayerCache
 from kvcache.turboquant import F16, INT8, tq
+from tq_paged import BS, assert_close, paged_cache
 
 FORMATS = {"f16": F16, "int8": INT8, "tq2": tq(2), "tq3": tq(3), "tq4": tq(4), "tq4g32": tq(4, 32),
            "tq3g32": tq(3, 32), "tq2g64": tq(2, 64)}
@@ -17,32 +17,14 @@ try:                      # 5-bit codes where the codec has them (the kernel rea
     FORMATS["tq5"] = tq(5)
 except ValueError:
     pass
-BS = 16
-
-
-def _cache(kf, vf, H, D, lens, window=None, seed=0):
-    """Each sequence's tokens in shuffled blocks, one spare block-table column."""
-    g = torch.Generator().manual_seed(seed)
-    W = max(-(-L // BS) for L in lens) + 1
-    nblocks = W * len(lens) + 3
-    c = TQLayerCache(nblocks, BS, H, D, kf, vf, 0, window, seed=seed + 1, chunk_tokens=2 * BS)
-    bt = torch.randperm(nblocks, generator=g)[:W * len(lens)].view(len(lens), W)
-    slots = torch.cat([bt[i, torch.arange(L) // BS] * BS + torch.arange(L) % BS for i, L in enumerate(lens)])
-    k = torch.randn(len(slots), H, D, generator=g) * 2 + 0.5
-    v = torch.randn(len(slots), H, D, generator=g)
-    c.write(slots, k, v)
-    return c, bt
 
 
 def _close(out, ref, rel=2e-5):
-    assert out.shape == ref.shape and out.dtype == ref.dtype
-    assert torch.isfinite(out).all()
-    err = float((out.float() - ref.float()).abs().max())
-    assert err <= rel * float(ref.float().abs().max()), err
+    assert_close(out, ref, rel)
 
 
 def _check_decode(kf, vf, H, G, D, lens, window=None, dtype=torch.float32, rel=2e-5):
-    c, bt = _cache(kf, vf, H, D, lens, window)
+    c, bt = paged_cache(kf, vf, H, D, lens, window)
     q = torch.randn(len(lens), H * G, D, generator=torch.Generator().manual_seed(7)).to(dtype)
     seq = torch.tensor(lens)
     qr = c._rotate_q(q.unsqueeze(1), D ** -0.5)
@@ -52,7 +34,7 @@ def _check_decode(kf, vf, H, G, D, lens, window=None, dtype=torch.float32, rel=2
 
 
 def _check_prefill(kf, vf, H, G, D, seq_len, q_len, window=None):
-    c, bt = _cache(kf, vf, H, D, [seq_len], window)
+    c, bt = paged_cache(kf, vf, H, D, [seq_len], window)
     q = torch.randn(q_len, H * G, D, generator=torch.Generator().manual_seed(5))
     start = seq_len - q_len
     lo = 0 if window is None else max(0, start - window + 1)
@@ -106,7 +88,7 @@ def test_long_decode_batch():
 
 
 def test_torch_path_selected_by_env(monkeypatch):
-    c, bt = _cache(tq(4), tq(4), 1, 64, [20])
+    c, bt = paged_cache(tq(4), tq(4), 1, 64, [20])
     seq = torch.tensor([20])
     q = torch.randn(1, 2, 64)
     calls = []
@@ -131,7 +113,7 @@ def test_build_failure_is_a_clear_error(monkeypatch, tmp_path):
 def test_decode_entry_point_equals_torch_path(kf, vf, monkeypatch):
     """_decode's kernel path (rotation by a [D, D] matmul) vs the torch path."""
     lens = [40, 3, 77]
-    c, bt = _cache(FORMATS[kf], FORMATS[vf], 3, 64, lens, window=None)
+    c, bt = paged_cache(FORMATS[kf], FORMATS[vf], 3, 64, lens, window=None)
     q = torch.randn(3, 9, 64, generator=torch.Generator().manual_seed(2))
     out = c._decode(q, bt, torch.tensor(lens), 0.125)
     monkeypatch.setenv("TQSERVE_TQ_CPU", "torch")

@@ -17,37 +17,17 @@ from kvcache.metadata import AttentionMetadata, GroupMetadata
 from kvcache.tq_cache import TQLayerCache
 from kvcache.tq_triton import tq_paged_decode, tq_prefill
 from kvcache.turboquant import F16, INT8, tq
+from tq_paged import BS, assert_close, paged_cache
 
 FORMATS = {"f16": F16, "int8": INT8, "tq2": tq(2), "tq3": tq(3), "tq4": tq(4), "tq5": tq(5), "tq4g32": tq(4, 32)}
-BS = 16
-
-
-def _cache(kf, vf, H, D, lens, window=None, seed=0):
-    """A cache holding len tokens of each sequence in shuffled blocks; returns
-    (cache, block_tables [B, W])."""
-    g = torch.Generator().manual_seed(seed)
-    W = max(-(-L // BS) for L in lens) + 1          # one spare column: unused entries exist
-    nblocks = W * len(lens) + 3
-    c = TQLayerCache(nblocks, BS, H, D, kf, vf, 0, window, seed=seed + 1, chunk_tokens=2 * BS)
-    bt = torch.randperm(nblocks, generator=g)[:W * len(lens)].view(len(lens), W)
-    slots = torch.cat([bt[i, torch.arange(L) // BS] * BS + torch.arange(L) % BS
-                       for i, L in enumerate(lens)])
-    # Keys with a mean offset and larger norm than values, as in real models.
-    k = torch.randn(len(slots), H, D, generator=g) * 2 + 0.5
-    v = torch.randn(len(slots), H, D, generator=g)
-    c.write(slots, k, v)
-    return c, bt
 
 
 def _close(out, ref, rel=1e-4):
-    assert out.shape == ref.shape and out.dtype == ref.dtype
-    assert torch.isfinite(out).all()
-    err = float((out.float() - ref.float()).abs().max())
-    assert err <= rel * float(ref.float().abs().max()), err
+    assert_close(out, ref, rel)
 
 
 def _decode(c, q, bt, lens, splits, dtype=None):
-    """The dispatch the lead adds to TQLayerCache._decode."""
+    """What TQLayerCache._decode does on CUDA, on CPU tensors."""
     qr = c._rotate_q(q.unsqueeze(1), q.shape[-1] ** -0.5)
     if dtype is not None:
         qr = qr.to(dtype)
@@ -56,7 +36,7 @@ def _decode(c, q, bt, lens, splits, dtype=None):
 
 
 def _check_decode(kf, vf, H, G, D, lens, window=None, splits=(1, 3)):
-    c, bt = _cache(kf, vf, H, D, lens, window)
+    c, bt = paged_cache(kf, vf, H, D, lens, window)
     q = torch.randn(len(lens), H * G, D, generator=torch.Generator().manual_seed(7))
     ref = c._decode(q, bt, torch.tensor(lens), D ** -0.5)
     for s in splits:
@@ -91,7 +71,7 @@ def test_decode_16_bit_queries():
     # GPU models run bf16: the kernel then dots in 16 bits with fp32
     # accumulation. The interpreter's tl.dot multiplies bf16 as raw uint16
     # bits (numpy has no bf16), so fp16 exercises that path here.
-    c, bt = _cache(tq(4), tq(3), 2, 64, [30, 9])
+    c, bt = paged_cache(tq(4), tq(3), 2, 64, [30, 9])
     q = torch.randn(2, 6, 64, generator=torch.Generator().manual_seed(3))
     ref = c._decode(q, bt, torch.tensor([30, 9]), 0.125)
     _close(_decode(c, q, bt, [30, 9], 2, torch.float16), ref, rel=1e-2)
@@ -100,7 +80,7 @@ def test_decode_16_bit_queries():
 def test_decode_reads_the_stored_codes():
     # Corrupting one key's codes must change the kernel output exactly as it
     # changes the reference: the kernel reads the packed store, nothing else.
-    c, bt = _cache(tq(3), tq(3), 1, 64, [24])
+    c, bt = paged_cache(tq(3), tq(3), 1, 64, [24])
     q = torch.randn(1, 2, 64, generator=torch.Generator().manual_seed(5))
     before = _decode(c, q, bt, [24], 1)
     slot = int(bt[0, 1]) * BS + 3                   # position 19
@@ -120,7 +100,7 @@ def test_decode_reads_the_stored_codes():
 ])
 @pytest.mark.parametrize("seq_len,chunk", [(45, 13), (45, 45), (33, 1)])
 def test_prefill_chunk(kf, vf, H, G, D, window, seq_len, chunk):
-    c, bt = _cache(FORMATS[kf], FORMATS[vf], H, D, [seq_len], window)
+    c, bt = paged_cache(FORMATS[kf], FORMATS[vf], H, D, [seq_len], window)
     q = torch.randn(chunk, H * G, D, generator=torch.Generator().manual_seed(seq_len + chunk))
     ref = c._prefill(q, bt[0], seq_len, D ** -0.5)
     qr = c._rotate_q(q.unsqueeze(0), D ** -0.5)
@@ -130,7 +110,7 @@ def test_prefill_chunk(kf, vf, H, G, D, window, seq_len, chunk):
 
 def test_prefill_several_sequences_in_one_launch():
     lens, chunks = [40, 18, 7], [9, 18, 2]
-    c, bt = _cache(tq(4), tq(3), 2, 64, lens, window=12)
+    c, bt = paged_cache(tq(4), tq(3), 2, 64, lens, window=12)
     q = torch.randn(sum(chunks), 6, 64, generator=torch.Generator().manual_seed(11))
     qsl = [0, 9, 27, 29]
     qr = c._rotate_q(q.unsqueeze(0), 0.125)
@@ -154,7 +134,7 @@ class _TritonTQ(TQLayerCache):
 
 def test_attention_mixed_batch_matches_torch_path():
     lens, qlens = [21, 3, 50, 36], [1, 1, 14, 36]     # two decodes, a chunk, a whole prompt
-    ref_c, bt = _cache(tq(4), INT8, 2, 64, lens, window=24)
+    ref_c, bt = paged_cache(tq(4), INT8, 2, 64, lens, window=24)
     tri_c = _TritonTQ.__new__(_TritonTQ)
     tri_c.__dict__.update(ref_c.__dict__)              # same storage, Triton dispatch
     qsl = [0]
