@@ -125,6 +125,22 @@ def test_budget_preset_split_within_uniform_bytes(tiny_dir, preset, uniform):
     assert toks(budget.generate(prompts(2), greedy()))   # and it serves
 
 
+def test_calibration_without_gradients_scores_relative_error(tiny_dir, monkeypatch):
+    """Models whose kernels have no backward (torch's int4 matmul) still get a
+    calibrated split, scored by relative attention error."""
+    import engine.kv_calibration as kc
+    real = kc.capture_qkv
+
+    def no_backward(model, ids, grads=False):
+        if grads:
+            raise RuntimeError("derivative for _weight_int4pack_mm_for_cpu is not implemented")
+        return real(model, ids)
+    monkeypatch.setattr(kc, "capture_qkv", no_backward)
+    llm = LLM(tiny_dir, block_size=4, kv_cache_memory=MEM, kv_cache_dtype="tq4")
+    assert all(c.k_mean is not None for c in llm.core.runner.kv_caches)
+    assert toks(llm.generate(prompts(2), greedy()))
+
+
 def capture_kv(llm, prompt):
     """K/V (after RoPE) of every layer for one prompt, via forward hooks."""
     got = {}
