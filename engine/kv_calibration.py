@@ -27,8 +27,8 @@ import torch.nn.functional as F
 
 from kvcache.attention import Attention
 from kvcache.dense_cache import expand_kv
-from kvcache.kv_formats import KV_MENU, KVPolicy, bits_format, choose_split, layer_seed
-from kvcache.turboquant import Codec
+from kvcache.kv_formats import KV_MENU, KVPolicy, choose_split, layer_seed
+from kvcache.turboquant import Codec, tq
 
 log = logging.getLogger("tqserve.engine")
 
@@ -147,7 +147,7 @@ def split_errors(mod: Attention, q, k, v, g, k_mean, seed: int) -> dict:
     ref = _attention(mod, q, k, v)
     rt = {}
     for b in sorted({b for kv in KV_MENU for b in kv}):
-        c = Codec(bits_format(b), H, D, seed)
+        c = Codec(tq(b), H, D, seed)
         rt[b] = (c.dequantize(c.encode(k - k_mean)) + k_mean, c.dequantize(c.encode(v)),
                  c.bits_per_value() * H * D)
     out = {}
@@ -182,7 +182,7 @@ def calibrate(model, tokenizer, vocab_size: int, specs: list, policy):
                                              layer_seed(policy.seed, s.layer_idx)) for s in layers}
         b = policy.budget
         kb, vb = choose_split(options, b)
-        policy = replace(policy, k=bits_format(kb), v=bits_format(vb))
+        policy = replace(policy, k=tq(kb), v=tq(vb))
         scores = ", ".join(f"k{k}v{v} {sum(o[(k, v)][1] for o in options.values()):.4g}"
                            for k, v in KV_MENU if (k, v) in ((b, b), (kb, vb)))
         log.info("KV calibration: tq%d -> k%dv%d (weighted error %s)", b, kb, vb, scores)

@@ -34,11 +34,9 @@ from kvcache.tq_cache import TQLayerCache
 from kvcache.turboquant import F16, INT8, ComponentFormat, tq
 
 BUDGETS = {"tq4": 4, "tq3": 3, "tq2": 2}    # bits: the uniform split whose bytes the budget is
-KV_MENU = [(k, v) for k in (2, 3, 4, 5) for v in (2, 3, 4)]   # (K bits, V bits) splits (8 = int8: never picked)
-
-
-def bits_format(bits: int) -> ComponentFormat:
-    return INT8 if bits == 8 else tq(bits)
+# TurboQuant (K bits, V bits) splits the budget presets choose from (int8 K
+# was tried as well: calibration never picked it).
+KV_MENU = [(k, v) for k in (2, 3, 4, 5) for v in (2, 3, 4)]
 
 PRESETS = ["f16", "tq4", "tq3", "tq2", "k8v8", "k8v4", "k8v3", "k8v2", "k4v4", "k4v3", "k4v2",
            "k3v3", "k3v2", "k2v2", "k16v4", "k16v3", "k3v3g32", "tq4g32", "tq3g32"]
