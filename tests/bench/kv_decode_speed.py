@@ -21,20 +21,14 @@ import json
 import os
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-OUT = ROOT / "tests" / "bench" / "results"
+from bench_paths import OUT, log  # puts the repo on sys.path
 
 # SmolLM2-135M: 30 layers x 3 KV heads x 64 dims x (K, V) x 2 bytes (f16).
 F16_BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * 2
 
-
-def log(msg):
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def run_case(preset, ctx, batch, steps, warmup, dtype, distinct, threads):

@@ -12,20 +12,13 @@ Writes tests/bench/results/kv_fidelity.{json,md}.
 import argparse
 import json
 import math
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-DATA = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
-OUT = ROOT / "tests" / "bench" / "results"
+from bench_paths import DATA, OUT, log  # puts the repo on sys.path
 
 PRESETS = ["f16", "k8v4", "tq4", "k4v3", "k3v3", "k3v3g32", "k4v2", "tq3", "tq2"]
 
-
-def log(msg):
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def windows(tokenizer_llm, num_seqs, seq_len):

@@ -27,16 +27,12 @@ import argparse
 import json
 import math
 import re
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-DATA = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
-OUT = ROOT / "tests" / "bench" / "results"
+from bench_paths import DATA, OUT, log  # puts the repo on sys.path
 
 from engine.kv_calibration import calibration_ids, key_means  # noqa: E402
 from kvcache import turboquant as TQ  # noqa: E402
@@ -45,9 +41,6 @@ from kvcache.kv_formats import component, layer_seed  # noqa: E402
 from model_zoo.models import build_model  # noqa: E402
 from model_zoo.resolve import open_model  # noqa: E402
 
-
-def log(msg):
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def parse(cfg: str) -> dict:

@@ -14,19 +14,11 @@ import json
 import os
 import random
 import subprocess
-import sys
 import textwrap
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-DATA = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
-OUT = ROOT / "tests" / "bench" / "results"
+from bench_paths import DATA, OUT, log  # puts the repo on sys.path
 
-
-def log(msg):
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def make_prompts(tok, n, lo, hi, seed):

@@ -33,14 +33,8 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-DATA = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
-OUT = ROOT / "tests" / "bench" / "results"
+from bench_paths import ROOT, DATA, OUT, log  # puts the repo on sys.path
 
-
-def log(msg):
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 # --------------------------------------------------------------------------

@@ -19,20 +19,13 @@ Writes tests/bench/results/tq_triton_gpu.{json,md}. Needs CUDA.
 import argparse
 import json
 import sys
-import time
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-OUT = ROOT / "tests" / "bench" / "results"
+from bench_paths import OUT, log  # puts the repo on sys.path
 
 HQ, H, D, BS = 32, 8, 128, 16
 
-
-def log(msg):
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def cuda_time_us(fn, iters):

@@ -1,0 +1,15 @@
+"""What every benchmark script starts with: the repo on sys.path, the data
+and results locations, and a timestamped progress line on stderr. Scripts run
+as files, so their own folder (this one) is importable."""
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+DATA = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+OUT = ROOT / "tests" / "bench" / "results"
+
+
+def log(msg):
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
