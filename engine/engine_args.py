@@ -16,6 +16,7 @@ class EngineArgs:
     kv_cache_dtype_k: str | None = None           # K format override: f16 | q8 | tq4 | tq3 | tq2
     kv_cache_dtype_v: str | None = None           # V format override
     kv_protect_layers: int = 0                    # first/last N layers keep f16 KV
+    kv_hot: str = "k"                             # off | k | kv: int8 sink + newest blocks (kv_formats.py)
     dtype: str = "float32"
     # "int4": 4-bit weights of the checkpoint (GGUF Q4_1) run by torch's int4
     # CPU kernel instead of being dequantized; needs dtype bfloat16.

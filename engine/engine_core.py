@@ -126,7 +126,7 @@ class EngineCore:
                      len(linears))
         specs = self.model.kv_cache_spec()
         cdtype = kv_dtype(args.kv_cache_dtype, dtype, args.kv_cache_dtype_k, args.kv_cache_dtype_v,
-                          args.kv_protect_layers)
+                          args.kv_protect_layers, args.kv_hot)
         cdtype, key_means = calibrate(self.model, self.source.tokenizer,
                                       int(self.source.config.get("vocab_size", 0)), specs, cdtype)
         model_len = int(self.source.config.get("max_position_embeddings") or 4096)
@@ -161,11 +161,13 @@ class EngineCore:
             bytes_per_token_by_kind=self.plan.bytes_per_token_by_kind(), block_size=args.block_size,
             num_blocks=list(self.plan.num_blocks), kv_total_bytes=self.plan.total_bytes,
             vocab_size=int(self.source.config.get("vocab_size", 0)))
+        per_seq = (f" + {self.plan.state_bytes_per_seq} B/sequence of window/carry state"
+                   if hasattr(self.plan, "state_bytes_per_seq") else
+                   f" + {self.plan.hot_bytes_per_seq} B/sequence of hot tokens" if self.plan.hot_bytes_per_seq else "")
         log.info("engine ready in %.1fs: %s, max_model_len %d, KV %d tokens x %s B/token (%s)%s, %.1f MiB",
                  time.monotonic() - t0, args.model, self.max_model_len, self.plan.capacity_tokens,
-                 f"{self.plan.bytes_per_token:g}", self.plan.bytes_per_token_by_kind(),
-                 f" + {self.plan.state_bytes_per_seq} B/sequence of window/carry state"
-                 if hasattr(self.plan, "state_bytes_per_seq") else "", self.plan.total_bytes / 2**20)
+                 f"{self.plan.bytes_per_token:g}", self.plan.bytes_per_token_by_kind(), per_seq,
+                 self.plan.total_bytes / 2**20)
 
     # -- requests -------------------------------------------------------------
     def add_request(self, er: EngineRequest) -> None:

@@ -32,7 +32,7 @@ class Attention(nn.Module):
         if meta is None:
             return self._no_cache(q, k, v).reshape(T, -1)
         cache = meta.kv_caches[self.layer_idx]
-        cache.write(meta.groups[cache.group_id].slot_mapping, k, v)
+        cache.store(meta, k, v)
         return cache.attention(q, meta, self.scale).reshape(T, -1)
 
     def _no_cache(self, q, k, v):

@@ -22,6 +22,15 @@ on held-out perplexity. Without calibration they mean uniform K = V = 4 / 3 / 2.
 Policy: the first and last `protect_layers` layers and every sliding-window
 layer (unless quantize_sliding) are kept f16; every other layer gets (K, V),
 or its calibrated split.
+
+Hot tokens (hot = "k", the default, or "kv"; "" = off): in full-attention
+layers with TurboQuant K (or V, for "kv"), each sequence's first block and
+the block being filled are also held int8 (keys, or keys and values) in the
+manager's hot group, and queries read them from there (kvcache/tq_cache.py).
+Measured on 8 x 1,024 tokens (tests/bench/results/kv_levers_*): SmolLM2 k4v4
++3.31% -> +1.55% perplexity ("k") / +0.98% ("kv"), k3v3 +11.7% -> +4.7% /
++3.2%. Cost: two int8 key blocks per running sequence ("k": ~1.5% of a
+2,048-token sequence's tq4 bytes; "kv" twice that).
 """
 from dataclasses import dataclass
 import re
@@ -90,10 +99,11 @@ class KVPolicy:
     seed: int = 0
     f16_dtype: torch.dtype = torch.float16
     budget: int | None = None            # calibrate the K/V split within k{b}v{b}'s bytes (BUDGETS)
+    hot: str = "k"                       # "" | "k" | "kv": int8 copies of sink and newest blocks
 
     @classmethod
     def from_names(cls, preset: str, k: str | None = None, v: str | None = None,
-                   protect_layers: int = 0, **kw) -> "KVPolicy":
+                   protect_layers: int = 0, hot: str = "k", **kw) -> "KVPolicy":
         kf, vf = parse_preset(preset)
         if k:
             kf = component(k)
@@ -101,12 +111,15 @@ class KVPolicy:
             vf = component(v)
         if protect_layers < 0:
             raise ValueError(f"kv_protect_layers must be >= 0, got {protect_layers}")
+        hot = {"off": "", "none": ""}.get(hot, hot)
+        if hot not in ("", "k", "kv"):
+            raise ValueError(f"kv_hot must be off, k or kv, got {hot!r}")
         budget = BUDGETS.get(preset.strip().lower()) if not (k or v) else None
-        return cls(kf, vf, protect_layers, budget=budget, **kw)
+        return cls(kf, vf, protect_layers, budget=budget, hot=hot, **kw)
 
     @property
     def name(self) -> str:
-        return f"k={self.k.name},v={self.v.name},protect={self.protect_layers}"
+        return f"k={self.k.name},v={self.v.name},protect={self.protect_layers},hot={self.hot or 'off'}"
 
     def compressed(self, spec: LayerSpec, num_layers: int) -> bool:
         """Whether this layer gets the policy's formats (not kept f16)."""
@@ -118,6 +131,22 @@ class KVPolicy:
         if not self.compressed(spec, num_layers):
             return F16, F16
         return self.k, self.v
+
+    def layer_hot(self, spec: LayerSpec, num_layers: int) -> str:
+        """The layer's hot mode: "" unless it is full attention and hot would
+        copy a TurboQuant component (int8 / f16 ones are exact enough)."""
+        k, v = self.layer_formats(spec, num_layers)
+        if not self.hot or spec.sliding_window is not None:
+            return ""
+        return self.hot if k.kind == "tq" or (self.hot == "kv" and v.kind == "tq") else ""
+
+    def hot_block_bytes(self, spec: LayerSpec, block_size: int, num_layers: int) -> int:
+        """Bytes of one hot-group block of this layer (0 if it has none)."""
+        hot = self.layer_hot(spec, num_layers)
+        if not hot:
+            return 0
+        return TQLayerCache(0, block_size, spec.num_kv_heads, spec.head_dim, *self.layer_formats(spec, num_layers),
+                            0, hot=hot, hot_blocks=1, hot_group_id=0).nbytes
 
     def describe(self, specs: list, layer_bytes: dict[int, int]) -> str:
         """'layers 0-9 k4v4 204 B/token, 10 k5v3 204 B/token, ...' (runs of equal format)."""
@@ -134,7 +163,7 @@ class KVPolicy:
         return ", ".join(f"{a}{'' if a == b else f'-{b}'} {fmt} {nb} B/token" for (fmt, nb), a, b in runs)
 
     def make_layer_cache(self, spec: LayerSpec, num_blocks: int, block_size: int, group_id: int,
-                         num_layers: int):
+                         num_layers: int, hot_blocks: int = 0, hot_group_id: int | None = None):
         k, v = self.layer_formats(spec, num_layers)
         if k == F16 and v == F16:
             return DenseLayerCache(num_blocks, block_size, spec.num_kv_heads, spec.head_dim,
@@ -143,8 +172,10 @@ class KVPolicy:
         if d < 8 or d & (d - 1):
             raise ValueError(f"layer {spec.layer_idx}: compressed KV formats need a power-of-two "
                              f"head_dim >= 8 (Walsh-Hadamard rotation), got {d}; use kv_cache_dtype f16")
+        hot = self.layer_hot(spec, num_layers) if hot_group_id is not None else ""
         return TQLayerCache(num_blocks, block_size, spec.num_kv_heads, spec.head_dim, k, v, group_id,
-                            spec.sliding_window, seed=layer_seed(self.seed, spec.layer_idx))
+                            spec.sliding_window, seed=layer_seed(self.seed, spec.layer_idx),
+                            hot=hot, hot_blocks=hot_blocks, hot_group_id=hot_group_id)
 
 
 def layer_seed(seed: int, layer_idx: int) -> int:

@@ -9,6 +9,12 @@ Two more group shapes serve stateful models (DeepSeek-V4, kvcache/dsv4_paged.py)
 a group with ratio r holds one row per r tokens (compressed entries), so its
 block covers block_size * r tokens; a per_seq group gives each sequence one
 fixed-size slot (a 'block' of its own pool) for state that does not grow.
+
+The hot group (TurboQuant's int8 copies of a few tokens, kvcache/tq_cache.py)
+holds only a sequence's first block (the attention sinks) and the block of
+its newest token; during a step also the block its first new token falls in
+(that block's earlier tokens are read from there). The blocks a prefill
+chunk passes through are never allocated: their table entries stay NULL.
 """
 from dataclasses import dataclass, field
 
@@ -24,6 +30,7 @@ class KVGroup:
     layer_ids: list[int]
     ratio: int = 1            # tokens per row: a block holds block_size * ratio tokens' worth
     per_seq: bool = False     # one slot per sequence, whatever its length
+    hot: bool = False         # block 0 + the newest block only (see the module docstring)
 
 
 def group_layers(specs: list[LayerSpec]) -> list[KVGroup]:
@@ -72,9 +79,21 @@ class KVCacheManager:
 
     def _window_start_block(self, g: KVGroup, num_tokens: int) -> int:
         """First block a query at position num_tokens still needs in group g."""
+        if g.hot:
+            return num_tokens // self.block_size
         if g.sliding_window is None:
             return 0
         return max(0, num_tokens - g.sliding_window + 1) // self.block_size
+
+    def _kept(self, g: KVGroup, num_tokens: int, num_blocks: int) -> list[int]:
+        """Block indices < num_blocks that group g holds for a query at num_tokens."""
+        first = self._window_start_block(g, num_tokens)
+        return [j for j in range(num_blocks) if j >= first or (g.hot and j == 0)]
+
+    @staticmethod
+    def _wanted(g: KVGroup, j: int, first: int, need_total: int) -> bool:
+        """Whether new table entry j gets a block (a hot group skips a chunk's middle)."""
+        return not g.hot or j in (0, first, need_total - 1)
 
     def find_prefix_hit(self, req_id: str, token_ids: list[int]) -> int:
         """Number of leading tokens whose KV is cached in every group (a
@@ -86,11 +105,12 @@ class KVCacheManager:
         n = 0
         while n < len(hashes) and self.pools[0].lookup(hashes[n]) is not None:
             n += 1
-        # Sliding groups need only the blocks inside the window of the hit end.
+        # Window groups need only the blocks inside the window of the hit end
+        # (and the first blocks they keep).
         while n > 0 and not all(
                 self.pools[gi].lookup(hashes[j]) is not None
                 for gi, g in enumerate(self.groups)
-                for j in range(self._window_start_block(g, n * self.block_size), n)):
+                for j in self._kept(g, n * self.block_size, n)):
             n -= 1
         return n * self.block_size
 
@@ -113,9 +133,10 @@ class KVCacheManager:
             first = self._window_start_block(g, num_computed)
             need_total = self._blocks_needed(g, end)
             adopting = hit_blocks > 0 and not table
-            adopt = list(range(first, hit_blocks)) if adopting else []
-            live = [b for j, b in enumerate(table) if j < first and b != NULL_BLOCK]
-            new = need_total - (hit_blocks if adopting else len(table))
+            adopt = self._kept(g, num_computed, hit_blocks) if adopting else []
+            live = [b for j, b in enumerate(table) if int(g.hot) <= j < first and b != NULL_BLOCK]
+            start = hit_blocks if adopting else len(table)
+            new = sum(1 for j in range(start, need_total) if self._wanted(g, j, first, need_total))
             # Cached blocks sitting unreferenced in the free queue are not free to us.
             adopt_from_free = sum(1 for j in adopt if pool.ref_cnt[pool.lookup(rb.hashes[j])] == 0)
             avail = pool.num_free - adopt_from_free + sum(1 for b in live if pool.ref_cnt[b] == 1)
@@ -123,6 +144,7 @@ class KVCacheManager:
                 return False
             plans.append((gi, first, need_total, adopt))
         for gi, first, need_total, adopt in plans:
+            g = self.groups[gi]
             pool, table = self.pools[gi], rb.tables[gi]
             if not table and hit_blocks:
                 table.extend([NULL_BLOCK] * hit_blocks)
@@ -130,12 +152,12 @@ class KVCacheManager:
                     b = pool.lookup(rb.hashes[j])
                     pool.touch(b)
                     table[j] = b
-            for j in range(min(first, len(table))):
+            for j in range(int(g.hot), min(first, len(table))):
                 if table[j] != NULL_BLOCK:
                     pool.free(table[j])
                     table[j] = NULL_BLOCK
             while len(table) < need_total:
-                table.append(pool.allocate())
+                table.append(pool.allocate() if self._wanted(g, len(table), first, need_total) else NULL_BLOCK)
         if hit_blocks:
             rb.num_cached = max(rb.num_cached, hit_blocks)
         rb.high = max(rb.high, end)
@@ -155,9 +177,9 @@ class KVCacheManager:
                              f"{self.max_rollback} positions before {rb.high}")
         for gi, g in enumerate(self.groups):
             table = rb.tables[gi]
-            if g.sliding_window is not None and NULL_BLOCK in table[self._window_start_block(g, num_tokens):]:
-                raise ValueError(f"cannot roll back to {num_tokens} tokens: window blocks already freed")
             keep = self._blocks_needed(g, num_tokens)
+            if NULL_BLOCK in table[self._window_start_block(g, num_tokens):keep]:
+                raise ValueError(f"cannot roll back to {num_tokens} tokens: window blocks already freed")
             while len(table) > keep:
                 b = table.pop()
                 if b != NULL_BLOCK:

@@ -13,7 +13,7 @@ DTYPES = {"f32": torch.float32, "float32": torch.float32, "f16": torch.float16,
 
 
 def kv_dtype(name: str, model_dtype: torch.dtype, k: str | None = None, v: str | None = None,
-             protect_layers: int = 0) -> "torch.dtype | KVPolicy":
+             protect_layers: int = 0, hot: str = "k") -> "torch.dtype | KVPolicy":
     """A torch dtype for plain 16/32-bit storage, or a KVPolicy for compressed
     formats (TurboQuant presets, K/V overrides, protected layers: kv_formats.py)."""
     if not (k or v or protect_layers):
@@ -22,16 +22,17 @@ def kv_dtype(name: str, model_dtype: torch.dtype, k: str | None = None, v: str |
         if name in DTYPES:
             return DTYPES[name]
     if name in ("auto", "float16") or is_preset(name):
-        return KVPolicy.from_names("f16" if name in ("auto", "float16") else name, k, v, protect_layers)
+        return KVPolicy.from_names("f16" if name in ("auto", "float16") else name, k, v, protect_layers, hot)
     raise ValueError(f"unknown kv_cache_dtype {name!r}; supported: auto, {', '.join(DTYPES)}, "
                      f"tq4, tq3, tq2, k8v4, k4v3, k4v2, k3v3, ... (kvcache/kv_formats.py)")
 
 
 def make_layer_cache(spec: LayerSpec, num_blocks: int, block_size: int, dtype, group_id: int,
-                     num_layers: int | None = None):
+                     num_layers: int | None = None, hot_blocks: int = 0, hot_group_id: int | None = None):
     if isinstance(dtype, KVPolicy):
         return dtype.make_layer_cache(spec, num_blocks, block_size, group_id,
-                                      num_layers if num_layers is not None else spec.layer_idx + 1)
+                                      num_layers if num_layers is not None else spec.layer_idx + 1,
+                                      hot_blocks, hot_group_id)
     return DenseLayerCache(num_blocks, block_size, spec.num_kv_heads, spec.head_dim, dtype,
                            group_id, spec.sliding_window)
 
@@ -57,9 +58,16 @@ class KVPlan:
         g = self.groups[0]
         return sum(self.layer_bytes_per_token[i] for i in g.layer_ids)
 
+    @property
+    def hot_bytes_per_seq(self) -> int:
+        """Hot-token bytes a running sequence holds: its first and newest block."""
+        return sum(2 * b for g, b in zip(self.groups, self.block_bytes) if g.hot)
+
     def bytes_per_token_by_kind(self) -> dict[str, int]:
         out = {}
         for g in self.groups:
+            if g.hot:       # per sequence, not per token (hot_bytes_per_seq)
+                continue
             kind = "full" if g.sliding_window is None else f"sliding_{g.sliding_window}"
             out[kind] = sum(self.layer_bytes_per_token[i] for i in g.layer_ids)
         return out
@@ -81,6 +89,11 @@ def plan_kv_pool(specs: list[LayerSpec], budget_bytes: int, block_size: int, dty
     nl = max(by_idx) + 1
     layer_block = {i: make_layer_cache(s, 1, block_size, dtype, 0, nl).nbytes for i, s in by_idx.items()}
     block_bytes = [sum(layer_block[i] for i in g.layer_ids) for g in groups]
+    hot = {i: dtype.hot_block_bytes(s, block_size, nl) for i, s in by_idx.items()} \
+        if isinstance(dtype, KVPolicy) else {}
+    if any(hot.values()):
+        groups.append(KVGroup(None, [i for i in sorted(hot) if hot[i]], hot=True))
+        block_bytes.append(sum(hot.values()))
     # Sliding groups never need more than their windows (plus one step's chunk)
     # for every running sequence; give them that, or an equal-token share if the
     # budget is tighter, and the rest to the group that grows with context.
@@ -89,11 +102,18 @@ def plan_kv_pool(specs: list[LayerSpec], budget_bytes: int, block_size: int, dty
     num_blocks = [0] * len(groups)
     rest = budget_bytes
     for gi, g in enumerate(groups):
-        if g.sliding_window is None or gi == 0:
+        if g.hot:
+            # Block 0 and the newest block of every running sequence, and
+            # during a step the block a chunk started mid-way in (kv_manager):
+            # few chunks at once do (a long prompt's continuation); more than
+            # 8 at once would preempt, as a full pool does.
+            num_blocks[gi] = max_num_seqs * 2 + min(max_num_seqs, 8)
+        elif g.sliding_window is None or gi == 0:
             continue
-        need = max_num_seqs * (-(-(g.sliding_window - 1) // block_size) + 2) + \
-            -(-max_num_batched_tokens // block_size)
-        num_blocks[gi] = max(1, min(need, equal_share_blocks))
+        else:
+            need = max_num_seqs * (-(-(g.sliding_window - 1) // block_size) + 2) + \
+                -(-max_num_batched_tokens // block_size)
+            num_blocks[gi] = max(1, min(need, equal_share_blocks))
         rest -= num_blocks[gi] * block_bytes[gi]
     num_blocks[0] = int(rest // block_bytes[0])
     if num_blocks[0] < 1:
@@ -110,8 +130,14 @@ def allocate_kv_caches(specs: list[LayerSpec], plan: KVPlan, dtype: torch.dtype)
         return DSV4PagedCache(specs, plan.groups, plan.num_blocks, plan.block_size, plan.max_rollback, dtype)
     caches = [None] * (max(s.layer_idx for s in specs) + 1)
     by_idx = {s.layer_idx: s for s in specs}
+    hot_gid = next((gi for gi, g in enumerate(plan.groups) if g.hot), None)
+    hot_layers = set(plan.groups[hot_gid].layer_ids) if hot_gid is not None else set()
     for gi, g in enumerate(plan.groups):
+        if gi == hot_gid:
+            continue
         for i in g.layer_ids:
+            hot = i in hot_layers
             caches[i] = make_layer_cache(by_idx[i], plan.num_blocks[gi], plan.block_size, dtype, gi,
-                                         len(caches))
+                                         len(caches), plan.num_blocks[hot_gid] if hot else 0,
+                                         hot_gid if hot else None)
     return caches

@@ -17,22 +17,52 @@ before encoding. q.(k - mu) shifts every score of a query by the same q.mu,
 so softmax and the output are unchanged, while the codebook no longer spends
 its levels on an offset that all keys of a head share (small models' keys
 carry a large one: engine/kv_calibration.py measures it).
+
+Hot tokens (hot="k" or "kv", full-attention layers only): each sequence's
+first block (the attention sinks) and the block a query sits in are also
+held int8, in a small pool of their own (the manager's hot group: keeps a
+sequence's block 0 and its newest block, kv_manager.KVGroup.hot).
+A query reads those keys (and, with "kv", values) int8 and every other key
+from its codes: two passes over disjoint key sets (CODED, HOT) whose
+outputs merge by log-sum-exp. Which copy a key is read from depends only on
+the query's position, so chunking, batching and prefix hits do not change
+a result. Small models lean on these few tokens: SmolLM2 k4v4 +3.3% -> ~1%
+perplexity (tests/bench/results/kv_levers_*).
 """
 import torch
 
 from kvcache import tq_cpu
 from kvcache.layer_cache import LayerCache
 from kvcache.tq_triton import tq_paged_decode, tq_prefill   # loads triton only on first GPU call
-from kvcache.turboquant import Codec, ComponentFormat
+from kvcache.turboquant import INT8, Codec, ComponentFormat
 
 NEG = -1e30   # finite "minus infinity": a fully masked chunk is wiped exactly by the next rescale
+# Which keys one attention pass reads, for a query at position p (block size
+# bs, sink = the hot first block's tokens, 0 without hot tokens):
+ALL = 0       # every key <= p (and inside the sliding window)
+CODED = 1     # keys in [sink, (p // bs) * bs): the compressed ones
+HOT = 2       # keys < sink or in [(p // bs) * bs, p]: read from the hot stores
+
+
+def _put(store: dict, slots: torch.Tensor, rows: dict) -> None:
+    for name, t in store.items():
+        t.index_copy_(0, slots, rows[name])
+
+
+def merge(o1, lse1, o2, lse2):
+    """Attention over two disjoint key sets -> over their union (o: [..., D],
+    lse: [...]; one side may be empty: lse -inf, o 0)."""
+    m = torch.maximum(lse1, lse2).clamp_min(NEG)
+    w1, w2 = torch.exp(lse1 - m).unsqueeze(-1), torch.exp(lse2 - m).unsqueeze(-1)
+    return ((o1.float() * w1 + o2.float() * w2) / (w1 + w2)).to(o1.dtype)
 
 
 class TQLayerCache(LayerCache):
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  k_fmt: ComponentFormat, v_fmt: ComponentFormat, group_id: int,
                  sliding_window: int | None = None, seed: int = 0,
-                 device: str | torch.device = "cpu", chunk_tokens: int = 512):
+                 device: str | torch.device = "cpu", chunk_tokens: int = 512,
+                 hot: str = "", hot_blocks: int = 0, hot_group_id: int | None = None):
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -49,6 +79,29 @@ class TQLayerCache(LayerCache):
         self.k = self.kc.alloc(n, device)
         self.v = self.vc.alloc(n, device)
         self.k_mean = None
+        # Hot tokens: int8 copies in the hot group's blocks (same rotation).
+        if hot not in ("", "k", "kv"):
+            raise ValueError(f"hot must be '', 'k' or 'kv', got {hot!r}")
+        if hot and sliding_window is not None:
+            raise ValueError("hot tokens are for full-attention layers")
+        self.hot = hot
+        self.sink = block_size if hot else 0
+        self.extra_groups = (hot_group_id,) if hot else ()
+        self.hk, self.hv = {}, {}
+        if hot:
+            self.hkc = Codec(INT8, num_kv_heads, head_dim, seed)
+            self.hk = self.hkc.alloc(hot_blocks * block_size, device)
+            if hot == "kv":
+                self.hvc = Codec(INT8, num_kv_heads, head_dim, seed)
+                self.hv = self.hvc.alloc(hot_blocks * block_size, device)
+
+    def part_stores(self, part: int):
+        """(K codec, K store, V codec, V store) a pass over `part` reads."""
+        if part != HOT:
+            return self.kc, self.k, self.vc, self.v
+        if self.hot == "kv":
+            return self.hkc, self.hk, self.hvc, self.hv
+        return self.hkc, self.hk, self.vc, self.v
 
     def set_key_mean(self, mean: torch.Tensor) -> None:
         """mean: [num_kv_heads, head_dim], subtracted from every key written after this."""
@@ -57,15 +110,46 @@ class TQLayerCache(LayerCache):
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for d in (self.k, self.v) for t in d.values())
+        return sum(t.numel() * t.element_size() for d in (self.k, self.v, self.hk, self.hv)
+                   for t in d.values())
 
-    def write(self, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(self, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              hot_slots: torch.Tensor | None = None):
+        """Encode new K/V [T, Hkv, D] into their slots, and with hot_slots
+        also the hot copies (a negative slot: no hot block, not stored).
+        Returns the new tokens' rows as a hot pass reads them (K hot rows, V
+        hot or coded rows) when hot_slots is given."""
         if self.k_mean is not None:
             k = k.float() - self.k_mean
-        for store, codec, x in ((self.k, self.kc, k), (self.v, self.vc, v)):
-            rows = codec.encode(x)
-            for name, t in store.items():
-                t.index_copy_(0, slot_mapping, rows[name])
+        rot = self.kc.rot_t(k.device)
+        yk, yv = k.float() @ rot, v.float() @ rot          # rotate once for both copies
+        kr, vr = self.kc.quantize_rotated(yk), self.vc.quantize_rotated(yv)
+        _put(self.k, slot_mapping, kr)
+        _put(self.v, slot_mapping, vr)
+        if hot_slots is None:
+            return None
+        hk = self.hkc.quantize_rotated(yk)
+        hv = self.hvc.quantize_rotated(yv) if self.hot == "kv" else vr
+        keep = hot_slots >= 0
+        sel = None if bool(keep.all()) else keep.nonzero().squeeze(1)
+        for store, rows in ((self.hk, hk), (self.hv, hv)):
+            if store:
+                _put(store, hot_slots if sel is None else hot_slots[sel],
+                     rows if sel is None else {n: t[sel] for n, t in rows.items()})
+        return hk, hv
+
+    def store(self, meta, k: torch.Tensor, v: torch.Tensor) -> None:
+        if not self.hot:
+            self.write(meta.groups[self.group_id].slot_mapping, k, v)
+            return
+        hk, hv = self.write(meta.groups[self.group_id].slot_mapping, k, v,
+                            meta.groups[self.extra_groups[0]].slot_mapping)
+        # Each prefill's new rows, in batch order: _prefill reads its chunk's
+        # own-block keys from them (a chunk's middle blocks have no hot block).
+        qsl = meta.query_start_loc
+        self._chunks = [({n: t[qsl[i]:qsl[i + 1]] for n, t in hk.items()},
+                         {n: t[qsl[i]:qsl[i + 1]] for n, t in hv.items()})
+                        for i in range(meta.num_decodes, meta.num_seqs)]
 
     def _rows(self, store: dict, slots: torch.Tensor) -> dict:
         return {name: t.index_select(0, slots) for name, t in store.items()}
@@ -78,20 +162,26 @@ class TQLayerCache(LayerCache):
         return k, self.vc.dequantize(self._rows(self.v, slots), dtype)
 
     # -- attention ---------------------------------------------------------
-    def _attend(self, qr, cols, block_tables, qpos, seq_lens):
+    def _attend(self, qr, cols, block_tables, qpos, seq_lens, part=ALL, v_tables=None):
         """CPU attention over compressed blocks: the compiled kernel
         (kvcache/tq_cpu.py), or the torch reference with TQSERVE_TQ_CPU=torch."""
         if tq_cpu.enabled(self.head_dim):
-            return tq_cpu.attend(self, qr, cols, block_tables, qpos, seq_lens)
-        return self._attend_torch(qr, cols, block_tables, qpos, seq_lens)
+            return tq_cpu.attend(self, qr, cols, block_tables, qpos, seq_lens, part, v_tables)
+        return self._attend_torch(qr, cols, block_tables, qpos, seq_lens, part, v_tables)
 
-    def _attend_torch(self, qr, cols, block_tables, qpos, seq_lens):
+    def _attend_torch(self, qr, cols, block_tables, qpos, seq_lens, part=ALL, v_tables=None):
         """Online-softmax attention over compressed blocks (the reference).
 
         qr: [B, H, G, Lq, D] rotated, scaled queries; cols: [B, nblk] block
         columns to read (in block-table order); qpos: [B, Lq] query positions;
-        seq_lens: [B]. Returns the rotated-domain output [B, H, G, Lq, D].
+        seq_lens: [B]; part: which keys (ALL / CODED / HOT) from which stores
+        (part_stores); v_tables: the values' block tables when they differ
+        from the keys' (hot keys with coded values). Returns the rotated-domain
+        output [B, H, G, Lq, D] in qr's dtype and its log-sum-exp [B, H, G, Lq]
+        float32 (-inf, with output 0, for a row that sees no key).
         """
+        kc, ks, vc, vs = self.part_stores(part)
+        v_tables = block_tables if v_tables is None else v_tables
         B, H, G, Lq, D = qr.shape
         bs, dev = self.block_size, qr.device
         m = torch.full((B, H, G, Lq, 1), NEG, dtype=qr.dtype, device=dev)
@@ -109,15 +199,20 @@ class TQLayerCache(LayerCache):
         n = C * bs
         for c0 in range(0, cols.shape[1], C):
             cc = cols[:, c0:c0 + C]
-            blocks = block_tables.gather(1, cc.clamp(max=width - 1))
-            slots = (blocks.unsqueeze(-1) * bs + offs).flatten()
-            kpos = (cc.unsqueeze(-1) * bs + offs).flatten(1)                      # [B, n]
-            k = self.kc.decode(self._rows(self.k, slots), qr.dtype).view(B, n, H, D).transpose(1, 2)
-            v = self.vc.decode(self._rows(self.v, slots), qr.dtype).view(B, n, H, D).transpose(1, 2)
+            kslots, vslots = ((t.gather(1, cc.clamp(max=width - 1)).unsqueeze(-1) * bs + offs).flatten()
+                              for t in (block_tables, v_tables))
+            kpos = (cc.unsqueeze(-1) * bs + offs).flatten(1)[:, None, :]            # [B, 1, n]
+            k = kc.decode(self._rows(ks, kslots), qr.dtype).view(B, n, H, D).transpose(1, 2)
+            v = vc.decode(self._rows(vs, vslots), qr.dtype).view(B, n, H, D).transpose(1, 2)
             s = torch.matmul(qf, k.transpose(-1, -2)).view(B, H, G, Lq, n)
-            valid = (kpos[:, None, :] <= qpos[:, :, None]) & (kpos[:, None, :] < seq_lens[:, None, None])
+            valid = (kpos <= qpos[:, :, None]) & (kpos < seq_lens[:, None, None])
             if self.sliding_window is not None:
-                valid &= kpos[:, None, :] > qpos[:, :, None] - self.sliding_window
+                valid &= kpos > qpos[:, :, None] - self.sliding_window
+            own = (qpos // bs * bs)[:, :, None]                                  # the query's block start
+            if part == CODED:
+                valid &= (kpos >= self.sink) & (kpos < own)
+            elif part == HOT:
+                valid &= (kpos < self.sink) | (kpos >= own)
             s = s.masked_fill(~valid[:, None, None], NEG)
             m_new = torch.maximum(m, s.amax(-1, keepdim=True))
             alpha = torch.exp(m - m_new)
@@ -126,7 +221,9 @@ class TQLayerCache(LayerCache):
             pv = torch.matmul(p.view(B, H, G * Lq, n), v).view(B, H, G, Lq, D)
             acc = acc * alpha + pv
             m = m_new
-        return acc / l
+        seen = m > NEG / 2
+        lse = torch.where(seen, m + torch.log(l), float("-inf")).squeeze(-1).float()
+        return torch.where(seen, acc / l, 0.0), lse
 
     def _rotate_q(self, q, scale):
         """[B, Lq, Hq, D] -> [B, H, G, Lq, D] rotated and scaled."""
@@ -141,27 +238,114 @@ class TQLayerCache(LayerCache):
         o = acc.float() @ self.kc.rot_t(acc.device).T            # unrotate(acc)
         return o.permute(0, 3, 1, 2, 4).reshape(B, Lq, H * G, D).to(dtype)
 
-    def _decode(self, q, block_tables, seq_lens, scale):
+    def _decode(self, q, block_tables, seq_lens, scale, hot_tables=None):
         seq_lens = seq_lens.to(q.device)
+        qr = self._rotate_q(q.unsqueeze(1), scale)
         if q.is_cuda:
-            acc = tq_paged_decode(self, self._rotate_q(q.unsqueeze(1), scale), block_tables, seq_lens)
+            if not self.hot:
+                acc, _ = tq_paged_decode(self, qr, block_tables, seq_lens)
+            else:
+                v_hot = hot_tables if self.hot == "kv" else block_tables
+                acc = merge(*tq_paged_decode(self, qr, block_tables, seq_lens, part=CODED),
+                            *tq_paged_decode(self, qr, hot_tables, seq_lens, part=HOT, v_tables=v_hot))
             return self._finish(acc, q.dtype)[:, 0]
+        qpos = (seq_lens - 1)[:, None]
         cols = self.decode_columns(block_tables, seq_lens)
-        acc = self._attend(self._rotate_q(q.unsqueeze(1), scale), cols, block_tables,
-                           (seq_lens - 1)[:, None], seq_lens)
+        if not self.hot:
+            acc, _ = self._attend(qr, cols, block_tables, qpos, seq_lens)
+            return self._finish(acc, q.dtype)[:, 0]
+        # Hot pass: block 0 and the query's own block (a masked block 1 when
+        # they are the same); coded pass: the blocks between.
+        own = (seq_lens - 1) // self.block_size
+        hot_cols = torch.stack([torch.zeros_like(own), own.clamp(min=1)], 1)
+        v_hot = hot_tables if self.hot == "kv" else block_tables
+        acc = self._merge_coded(qr, cols[:, 1:], block_tables, qpos, seq_lens,
+                                self._attend(qr, hot_cols, hot_tables, qpos, seq_lens, HOT, v_hot))
         return self._finish(acc, q.dtype)[:, 0]
 
-    def _prefill(self, q, block_table, seq_len, scale):
-        if q.is_cuda:
-            acc = tq_prefill(self, self._rotate_q(q.unsqueeze(0), scale), block_table, seq_len)
-            return self._finish(acc, q.dtype)[0]
+    def _merge_coded(self, qr, cols, block_tables, qpos, seq_lens, hot):
+        """The hot pass's result merged with a coded pass over cols (if any)."""
+        if cols.shape[1] == 0:
+            return hot[0]
+        return merge(*self._attend(qr, cols, block_tables, qpos, seq_lens, CODED), *hot)
+
+    def _prefill(self, q, block_table, seq_len, scale, hot_table=None):
+        qr = self._rotate_q(q.unsqueeze(0), scale)
         Lq = q.shape[0]
         start = seq_len - Lq
-        lo = 0 if self.sliding_window is None else max(0, start - self.sliding_window + 1)
         bs, dev = self.block_size, q.device
-        first, last = lo // bs, -(-seq_len // bs)
-        cols = torch.arange(first, last, device=dev)[None]
+        lens = torch.tensor([seq_len], device=dev)
         qpos = torch.arange(start, seq_len, device=dev)[None]
-        acc = self._attend(self._rotate_q(q.unsqueeze(0), scale), cols, block_table[None], qpos,
-                           torch.tensor([seq_len], device=dev))
+        if self.hot:
+            # Coded pass over blocks 1 up to the last query's own block;
+            # the hot pass (block 0 + each query's own block) in torch.
+            hot = self._hot_prefill(qr, block_table, hot_table, seq_len)
+            cols = torch.arange(1, max(1, (seq_len - 1) // bs), device=dev)[None]
+            if cols.shape[1] == 0:
+                return self._finish(hot[0], q.dtype)[0]
+            if q.is_cuda:
+                coded = tq_prefill(self, qr, block_table, seq_len, part=CODED)
+            else:
+                coded = self._attend(qr, cols, block_table[None], qpos, lens, CODED)
+            return self._finish(merge(*coded, *hot), q.dtype)[0]
+        if q.is_cuda:
+            acc, _ = tq_prefill(self, qr, block_table, seq_len)
+            return self._finish(acc, q.dtype)[0]
+        lo = 0 if self.sliding_window is None else max(0, start - self.sliding_window + 1)
+        cols = torch.arange(lo // bs, -(-seq_len // bs), device=dev)[None]
+        acc, _ = self._attend(qr, cols, block_table[None], qpos, lens)
         return self._finish(acc, q.dtype)[0]
+
+    def _hot_prefill(self, qr, block_table, hot_table, seq_len):
+        """The HOT pass of a prefill chunk: each query attends to block 0
+        and to its own block up to itself, rows before the chunk from the hot
+        pool, the chunk's own rows from store() (their middle blocks have no
+        hot block). Block-diagonal, so [nb, bs, 2 * bs] scores at most.
+        Returns (out [1, H, G, Lq, D], lse [1, H, G, Lq])."""
+        new_k, new_v = self._chunks.pop(0)
+        _, H, G, Lq, D = qr.shape
+        bs, dev, f32 = self.block_size, qr.device, torch.float32
+        start = seq_len - Lq
+        b0 = start // bs
+        nb = -(-seq_len // bs) - b0
+        before = start - b0 * bs                      # own-block rows written by earlier steps
+        kc, _, vc, _ = self.part_stores(HOT)
+        v_store, v_table = (self.hv, hot_table) if self.hot == "kv" else (self.v, block_table)
+
+        def rows(pos):   # [n, H, D] K and V at positions < start, from the pools
+            ks = hot_table[pos // bs] * bs + pos % bs
+            vs = v_table[pos // bs] * bs + pos % bs
+            return kc.decode(self._rows(self.hk, ks), f32), vc.decode(self._rows(v_store, vs), f32)
+
+        nk, nv = kc.decode(new_k, f32), vc.decode(new_v, f32)
+        own_k = torch.zeros(nb * bs, H, D, dtype=f32, device=dev)
+        own_v = torch.zeros_like(own_k)
+        if before:
+            own_k[:before], own_v[:before] = rows(b0 * bs + torch.arange(before, device=dev))
+        own_k[before:before + Lq], own_v[before:before + Lq] = nk, nv
+        # Block 0 (read by queries in later blocks): stored rows, then the chunk's.
+        n_old = min(bs, start)
+        sink_k = torch.zeros(bs, H, D, dtype=f32, device=dev)
+        sink_v = torch.zeros_like(sink_k)
+        if n_old:
+            sink_k[:n_old], sink_v[:n_old] = rows(torch.arange(n_old, device=dev))
+        n_new = min(bs, seq_len) - n_old
+        sink_k[n_old:n_old + n_new], sink_v[n_old:n_old + n_new] = nk[:n_new], nv[:n_new]
+
+        q = torch.zeros(H, G, nb * bs, D, dtype=f32, device=dev)
+        q[:, :, before:before + Lq] = qr[0].float()
+        q = q.view(H, G, nb, bs, D)
+        s_sink = torch.einsum("hgnqd,khd->hgnqk", q, sink_k)
+        s_own = torch.einsum("hgnqd,nkhd->hgnqk", q, own_k.view(nb, bs, H, D))
+        blk = b0 + torch.arange(nb, device=dev)
+        causal = torch.ones(bs, bs, dtype=torch.bool, device=dev).tril()
+        s_sink = s_sink.masked_fill((blk == 0)[:, None, None], float("-inf"))
+        s_own = s_own.masked_fill(~causal, float("-inf"))
+        s = torch.cat([s_sink, s_own], -1)
+        lse = torch.logsumexp(s, -1)
+        p = torch.exp(s - lse.unsqueeze(-1))
+        o = torch.einsum("hgnqk,khd->hgnqd", p[..., :bs], sink_v) + \
+            torch.einsum("hgnqk,nkhd->hgnqd", p[..., bs:], own_v.view(nb, bs, H, D))
+        o = o.reshape(H, G, nb * bs, D)[:, :, before:before + Lq]
+        lse = lse.reshape(H, G, nb * bs)[:, :, before:before + Lq]
+        return o[None].to(qr.dtype), lse[None]

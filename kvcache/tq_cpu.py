@@ -78,10 +78,10 @@ def _lib() -> ctypes.CDLL:
         os.replace(tmp, so)
     lib = ctypes.CDLL(str(so))
     lib.tq_cpu_attend.restype = ctypes.c_int
-    lib.tq_cpu_attend.argtypes = ([ctypes.POINTER(_Comp)] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 6
-                                  + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
-                                     ctypes.c_int])
+    lib.tq_cpu_attend.argtypes = ([ctypes.POINTER(_Comp)] * 2 + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 6
+                                  + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                     ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+                                  + [ctypes.c_int] * 4)
     return lib
 
 
@@ -110,21 +110,28 @@ def _comp(codec, store) -> _Comp:
     return c
 
 
-def attend(cache, qr, cols, block_tables, qpos, seq_lens) -> torch.Tensor:
+def attend(cache, qr, cols, block_tables, qpos, seq_lens, part=0, v_tables=None):
     """Same contract as TQLayerCache._attend_torch: qr [B, H, G, Lq, D] rotated,
-    scaled queries -> rotated output [B, H, G, Lq, D] (in qr's dtype)."""
+    scaled queries -> (rotated output [B, H, G, Lq, D] in qr's dtype, log-sum-exp
+    [B, H, G, Lq] float32), over the keys `part` selects, from the stores
+    cache.part_stores(part); values through v_tables (None: block_tables)."""
     B, H, G, Lq, D = qr.shape
     q = qr.to(torch.float32).contiguous()
     out = torch.empty_like(q)
+    lse = torch.empty(B, H, G, Lq, dtype=torch.float32)
     bt = block_tables.to(torch.int64).contiguous()
+    vt = bt if v_tables is None else v_tables.to(torch.int64).contiguous()
+    if vt.shape != bt.shape:
+        raise ValueError(f"v_tables {tuple(vt.shape)} must match block_tables {tuple(bt.shape)}")
     cols = cols.to(torch.int64).contiguous()
     qpos = qpos.to(torch.int64).expand(B, Lq).contiguous()
     seq_lens = seq_lens.to(torch.int64).contiguous()
-    k, v = _comp(cache.kc, cache.k), _comp(cache.vc, cache.v)
-    rc = _lib().tq_cpu_attend(ctypes.byref(k), ctypes.byref(v), q.data_ptr(), out.data_ptr(), B, H, G, Lq, D,
-                              cache.block_size, bt.data_ptr(), bt.shape[1], cols.data_ptr(), cols.shape[1],
-                              qpos.data_ptr(), seq_lens.data_ptr(), cache.sliding_window or 0,
-                              torch.get_num_threads(), ROW_TILE)
+    kc, ks, vc, vs = cache.part_stores(part)
+    k, v = _comp(kc, ks), _comp(vc, vs)
+    rc = _lib().tq_cpu_attend(ctypes.byref(k), ctypes.byref(v), q.data_ptr(), out.data_ptr(), lse.data_ptr(),
+                              B, H, G, Lq, D, cache.block_size, bt.data_ptr(), vt.data_ptr(), bt.shape[1],
+                              cols.data_ptr(), cols.shape[1], qpos.data_ptr(), seq_lens.data_ptr(),
+                              cache.sliding_window or 0, int(part), cache.sink, torch.get_num_threads(), ROW_TILE)
     if rc != 0:
-        raise ValueError(f"TurboQuant CPU kernel: unsupported head_dim {D}")
-    return out.to(qr.dtype)
+        raise ValueError(f"TurboQuant CPU kernel: unsupported head_dim {D}, part {part} or sink {cache.sink}")
+    return out.to(qr.dtype), lse

@@ -13,6 +13,12 @@ materialised uncompressed in memory. Decode can split the key range of a
 sequence over several programs (flash-decoding); the partial results are
 merged by their log-sum-exp in torch.
 
+Every call returns the output and its log-sum-exp, so that passes over
+disjoint key sets merge (tq_cache.merge): with hot tokens, a CODED pass over
+the compressed keys and a HOT pass over the int8 copies of the sink block and
+the query's own block, through the hot group's block table (valid only at
+those blocks: a program only visits the key tiles its part can see).
+
 The caller rotates and scales the queries (TQLayerCache._rotate_q) and
 de-rotates the output (TQLayerCache._finish): the kernels work entirely in
 the rotated domain. triton is imported lazily so that importing kvcache
@@ -51,40 +57,50 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def _launch(cache, q, q_t, out, o_t, block_tables, q_start, q_len, seq_len,
-            n_row_tiles, rows, block_n, splits, num_warps=8):
-    """q / out: tensors with the head dims at (h, g) and tokens at stride q_t / o_t."""
+def _launch(cache, q, q_t, out, o_t, lse, l_t, block_tables, v_tables, q_start, q_len, seq_len,
+            n_row_tiles, rows, block_n, splits, part, num_warps=8):
+    """q / out: tensors with the head dims at (h, g) and tokens at stride q_t /
+    o_t; lse: out without D, tokens at stride l_t. With splits > 1 the
+    kernel writes partial results and this returns them merged: (output
+    [T, H, G, D] float32, lse [T, H, G]) for the caller to copy."""
     kernel = _kernel()
     H, D = cache.num_kv_heads, cache.head_dim
     G = q.shape[2]
     dev = q.device
-    kd, ks, kcb, kst, kce = _component(cache.kc, cache.k, dev)
-    vd, vs, vcb, vst, vce = _component(cache.vc, cache.v, dev)
+    kc, k, vc, v = cache.part_stores(part)
+    kd, ks, kcb, kst, kce = _component(kc, k, dev)
+    vd, vs, vcb, vst, vce = _component(vc, v, dev)
     sq_h, sq_g = q.stride(1), q.stride(2)
     win = cache.sliding_window
     if splits == 1:
-        o, o_strides, lse, l_strides = out, (0, o_t, out.stride(1), out.stride(2)), out, (0, 0, 0, 0)
+        o, o_strides = out, (0, o_t, out.stride(1), out.stride(2))
+        part_lse, l_strides = lse, (0, l_t, lse.stride(1), lse.stride(2))
     else:
         # Partial outputs [S, T, H, G, D] float32 and their log-sum-exp [S, T, H, G].
         T = out.numel() // (H * G * D)
         o = torch.empty(splits, T, H, G, D, dtype=torch.float32, device=dev)
-        lse = torch.empty(splits, T, H, G, dtype=torch.float32, device=dev)
+        part_lse = torch.empty(splits, T, H, G, dtype=torch.float32, device=dev)
         o_strides = (o.stride(0), o.stride(1), o.stride(2), o.stride(3))
-        l_strides = (lse.stride(0), lse.stride(1), lse.stride(2), lse.stride(3))
+        l_strides = (part_lse.stride(0), part_lse.stride(1), part_lse.stride(2), part_lse.stride(3))
     grid = (n_row_tiles, block_tables.shape[0], H * splits)
-    kernel[grid](q, o, lse, block_tables, q_start, q_len, seq_len,
+    kernel[grid](q, o, part_lse, block_tables, v_tables, q_start, q_len, seq_len,
                  kd, ks, kcb, vd, vs, vcb,
-                 q_t, sq_h, sq_g, *o_strides, *l_strides, block_tables.stride(0),
-                 *kst, *vst, win or 0, G=G, BLOCK_SIZE=cache.block_size,
+                 q_t, sq_h, sq_g, *o_strides, *l_strides, block_tables.stride(0), v_tables.stride(0),
+                 *kst, *vst, win or 0, cache.sink, G=G, BLOCK_SIZE=cache.block_size,
                  D=D, ROWS=rows, BLOCK_N=block_n, SPLITS=splits,
                  K_KIND=kce[0], K_BITS=kce[1], K_GROUP=kce[2],
                  V_KIND=vce[0], V_BITS=vce[1], V_GROUP=vce[2],
-                 HAS_WINDOW=win is not None, F32=q.dtype == torch.float32, num_warps=num_warps)
+                 HAS_WINDOW=win is not None, F32=q.dtype == torch.float32, PART=part, num_warps=num_warps)
     if splits == 1:
         return None
-    # Merge the splits: weights exp(lse_s - max lse); an empty split has lse = -1e30.
-    w = torch.exp(lse - lse.amax(0, keepdim=True))
-    return (o * w.unsqueeze(-1)).sum(0) / w.sum(0).unsqueeze(-1)          # [T, H, G, D]
+    # Merge the splits by log-sum-exp. An empty split (or row) has lse -inf:
+    # weight 0; the clamp keeps a row no split saw at max -1e30 (not -inf - -inf).
+    mx = part_lse.amax(0).clamp_min(-1e30)
+    w = torch.exp(part_lse - mx)
+    ws = w.sum(0)
+    # ws >= 1 (the max split weighs 1) unless no split saw a key: then 0 / 1 = 0.
+    merged = (o * w.unsqueeze(-1)).sum(0) / ws.clamp_min(1.0).unsqueeze(-1)          # [T, H, G, D]
+    return merged, mx + torch.log(ws)                     # lse -inf where ws == 0
 
 
 _ROWS: dict = {}
@@ -109,36 +125,47 @@ def _auto_splits(batch: int, heads: int, max_len: int, block_n: int, device) -> 
 
 
 def tq_paged_decode(cache, qr: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                    num_splits: int | None = None, block_n: int = 32) -> torch.Tensor:
+                    num_splits: int | None = None, block_n: int = 32, part: int = 0,
+                    v_tables: torch.Tensor | None = None):
     """One query token per sequence over its compressed blocks.
 
     cache: a TQLayerCache; qr: [B, H, G, 1, D] rotated, scaled queries (as
-    TQLayerCache._rotate_q(q.unsqueeze(1), scale)); block_tables: [B, W] long;
-    seq_lens: [B] (context incl. the token being decoded). Returns the
-    rotated-domain output [B, H, G, 1, D] in qr's dtype, like _attend.
+    TQLayerCache._rotate_q(q.unsqueeze(1), scale)); block_tables: [B, W] long,
+    the keys' (and values') tables; seq_lens: [B] (context incl. the token
+    being decoded); part: tq_cache ALL / CODED / HOT, which keys and stores
+    (TQLayerCache.part_stores); v_tables: the values' tables when they
+    differ. Returns (rotated-domain output [B, H, G, 1, D] in qr's dtype,
+    log-sum-exp [B, H, G, 1] float32), like _attend: a row that sees no key
+    has output 0 and lse -inf.
     """
     B, H, G, Lq, D = qr.shape
     assert Lq == 1 and H == cache.num_kv_heads and D == cache.head_dim
     dev = qr.device
     seq_lens = torch.as_tensor(seq_lens, device=dev).to(torch.int32)
     block_tables = block_tables.to(dev)
+    v_tables = block_tables if v_tables is None else v_tables.to(dev)
     rows = max(16, _next_pow2(G))
     # Upper bound on the keys read, without a host sync on seq_lens.
     span = block_tables.shape[1] * cache.block_size
     if cache.sliding_window is not None:
         span = min(span, cache.sliding_window)
+    if part == 2:                              # HOT: the sink block and the query's own
+        span = min(span, cache.sink + cache.block_size)
     splits = num_splits or _auto_splits(B, H, span, block_n, dev)
     out = torch.empty_like(qr)
+    lse = torch.empty(B, H, G, 1, dtype=torch.float32, device=dev)
     q_start, q_len = _decode_rows(B, dev)
-    merged = _launch(cache, qr, qr.stride(0), out, out.stride(0), block_tables,
-                     q_start, q_len, seq_lens, 1, rows, block_n, splits)
+    merged = _launch(cache, qr, qr.stride(0), out, out.stride(0), lse, lse.stride(0), block_tables,
+                     v_tables, q_start, q_len, seq_lens, 1, rows, block_n, splits, part)
     if merged is not None:
-        out.copy_(merged.unsqueeze(3))
-    return out
+        out.copy_(merged[0].unsqueeze(3))
+        lse.copy_(merged[1].unsqueeze(3))
+    return out, lse
 
 
 def tq_prefill(cache, qr: torch.Tensor, block_tables: torch.Tensor, seq_lens,
-               query_start_loc=None, rows: int | None = None, block_n: int | None = None) -> torch.Tensor:
+               query_start_loc=None, rows: int | None = None, block_n: int | None = None,
+               part: int = 0, v_tables: torch.Tensor | None = None):
     """Causal (and windowed) attention of new tokens over the compressed prefix.
 
     The new tokens must already be written to the cache. qr: [1, H, G, T, D]
@@ -146,25 +173,30 @@ def tq_prefill(cache, qr: torch.Tensor, block_tables: torch.Tensor, seq_lens,
     the tokens of one or more sequences back to back. One sequence:
     block_tables [W] and seq_lens an int (its last T tokens are the queries).
     Several: block_tables [B, W], seq_lens [B] and query_start_loc [B + 1].
-    Returns the rotated-domain output [1, H, G, T, D] in qr's dtype.
+    part / v_tables (shaped like block_tables): as in tq_paged_decode.
+    Returns (rotated-domain output [1, H, G, T, D] in qr's dtype, log-sum-exp
+    [1, H, G, T] float32; -inf with output 0 for a row that sees no key).
     """
     one, H, G, T, D = qr.shape
     assert one == 1 and H == cache.num_kv_heads and D == cache.head_dim
     dev = qr.device
+    v_tables = block_tables if v_tables is None else v_tables
     if block_tables.dim() == 1:
-        block_tables, seq_lens, query_start_loc = block_tables[None], [int(seq_lens)], [0, T]
+        block_tables, v_tables = block_tables[None], v_tables[None]
+        seq_lens, query_start_loc = [int(seq_lens)], [0, T]
     qsl = [int(x) for x in query_start_loc]
     lens = [qsl[i + 1] - qsl[i] for i in range(len(qsl) - 1)]
     out = torch.empty_like(qr)
+    lse = torch.empty(1, H, G, T, dtype=torch.float32, device=dev)
     if T == 0:
-        return out
+        return out, lse
     # Tiles that compile without register spills on sm_90 (checked with
     # ptxas for tq3/tq4/int8): smaller ones for head_dim 256 and up.
     rows = rows or (64 if D <= 128 else 32)
     block_n = block_n or (32 if D <= 128 else 16)
     i32 = dict(dtype=torch.int32, device=dev)
     n_row_tiles = -(-max(lens) * G // rows)
-    _launch(cache, qr, qr.stride(3), out, out.stride(3), block_tables.to(dev),
-            torch.tensor(qsl[:-1], **i32), torch.tensor(lens, **i32),
-            torch.as_tensor(seq_lens).to(**i32), n_row_tiles, rows, block_n, 1)
-    return out
+    _launch(cache, qr, qr.stride(3), out, out.stride(3), lse, lse.stride(3), block_tables.to(dev),
+            v_tables.to(dev), torch.tensor(qsl[:-1], **i32), torch.tensor(lens, **i32),
+            torch.as_tensor(seq_lens).to(**i32), n_row_tiles, rows, block_n, 1, part)
+    return out, lse

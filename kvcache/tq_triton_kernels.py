@@ -47,15 +47,19 @@ def _load_tile(data, scale, cb, slots, h, d, mask,
 
 
 @triton.jit
-def tq_attn_kernel(q_ptr, o_ptr, lse_ptr, bt_ptr, q_start_ptr, q_len_ptr, seq_len_ptr,
+def tq_attn_kernel(q_ptr, o_ptr, lse_ptr, bt_ptr, vbt_ptr, q_start_ptr, q_len_ptr, seq_len_ptr,
                    k_data, k_scale, k_cb, v_data, v_scale, v_cb,
-                   sq_t, sq_h, sq_g, so_s, so_t, so_h, so_g, sl_s, sl_t, sl_h, sl_g, s_bt,
+                   sq_t, sq_h, sq_g, so_s, so_t, so_h, so_g, sl_s, sl_t, sl_h, sl_g, s_bt, s_vbt,
                    ks_slot, ks_h, ksc_slot, ksc_h, vs_slot, vs_h, vsc_slot, vsc_h,
-                   window, G: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   window, sink, G: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    D: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
                    K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr,
                    V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr,
-                   HAS_WINDOW: tl.constexpr, F32: tl.constexpr):
+                   HAS_WINDOW: tl.constexpr, F32: tl.constexpr, PART: tl.constexpr):
+    """PART (tq_cache ALL / CODED / HOT) picks the keys a query at position p
+    sees besides the causal and window masks: ALL every one; CODED those in
+    [sink, own(p)); HOT those below sink or in [own(p), p], where own(p) is
+    the start of p's block. K is read through bt_ptr, V through vbt_ptr."""
     tile = tl.program_id(0)
     b = tl.program_id(1)
     h = tl.program_id(2) // SPLITS
@@ -71,34 +75,56 @@ def tq_attn_kernel(q_ptr, o_ptr, lse_ptr, bt_ptr, q_start_ptr, q_len_ptr, seq_le
     g = r % G
     row_ok = t < q_len
     qpos = ctx + t
+    own = qpos // BLOCK_SIZE * BLOCK_SIZE       # each row's block start
     d = tl.arange(0, D)
     q = tl.load(q_ptr + (q_start + t)[:, None] * sq_t + h * sq_h + g[:, None] * sq_g + d[None, :],
                 mask=row_ok[:, None], other=0.0)
 
-    # Key range this tile can see, then this split's share of it.
+    # Key range this tile can see: [lo, hi), and for HOT also the sink
+    # range [a_lo, a_hi) before it. A HOT pass must never touch other keys:
+    # its block table is valid only at block 0 and the queries' own blocks.
     p_min = ctx + (tile * ROWS) // G
     p_max = tl.minimum(ctx + (tile * ROWS + ROWS - 1) // G, seq_len - 1)
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(p_min - window + 1, 0)
     hi = tl.where(p_min <= p_max, p_max + 1, lo)       # empty for a tile past the queries
-    n_tiles = tl.cdiv(hi - lo, BLOCK_N)
+    a_lo = lo
+    n_a = 0                                             # tiles in the sink range
+    if PART == 1:                                       # CODED: [sink, last row's own block)
+        lo = tl.maximum(lo, sink)
+        hi = tl.minimum(hi, p_max // BLOCK_SIZE * BLOCK_SIZE)
+    if PART == 2:                                       # HOT: [0, sink) and [first row's own block, hi)
+        a_hi = tl.minimum(hi, sink)
+        n_a = tl.cdiv(tl.maximum(a_hi - a_lo, 0), BLOCK_N)
+        lo = tl.maximum(tl.maximum(lo, sink), p_min // BLOCK_SIZE * BLOCK_SIZE)
+    # Both ranges' tiles in one index space, split evenly over SPLITS.
+    n_tiles = n_a + tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)
     per_split = tl.cdiv(n_tiles, SPLITS)
-    first = lo + split * per_split * BLOCK_N
-    last = tl.minimum(first + per_split * BLOCK_N, hi)
+    i_first = split * per_split
+    i_last = tl.minimum(i_first + per_split, n_tiles)
 
     # -1e30: a finite "minus infinity", as in tq_cache (no inf - inf NaNs).
     m = tl.full([ROWS], -1e30, tl.float32)
     l = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, D], tl.float32)
-    for start in range(first, last, BLOCK_N):
+    for i in range(i_first, i_last):
+        if PART == 2:
+            in_a = i < n_a
+            start = tl.where(in_a, a_lo + i * BLOCK_N, lo + (i - n_a) * BLOCK_N)
+            end = tl.where(in_a, a_hi, hi)
+        else:
+            start = lo + i * BLOCK_N
+            end = hi
         kpos = start + tl.arange(0, BLOCK_N)
-        kmask = kpos < last
+        kmask = kpos < end
         blk = tl.load(bt_ptr + b * s_bt + kpos // BLOCK_SIZE, mask=kmask, other=0)
         slots = blk.to(tl.int64) * BLOCK_SIZE + kpos % BLOCK_SIZE
+        vblk = tl.load(vbt_ptr + b * s_vbt + kpos // BLOCK_SIZE, mask=kmask, other=0)
+        vslots = vblk.to(tl.int64) * BLOCK_SIZE + kpos % BLOCK_SIZE
         k = _load_tile(k_data, k_scale, k_cb, slots, h, d, kmask, ks_slot, ks_h, ksc_slot, ksc_h,
                        K_KIND, K_BITS, K_GROUP, BLOCK_N, D)
-        v = _load_tile(v_data, v_scale, v_cb, slots, h, d, kmask, vs_slot, vs_h, vsc_slot, vsc_h,
+        v = _load_tile(v_data, v_scale, v_cb, vslots, h, d, kmask, vs_slot, vs_h, vsc_slot, vsc_h,
                        V_KIND, V_BITS, V_GROUP, BLOCK_N, D)
         # Dot in the query dtype, as the torch path does; fp32 stays exact
         # fp32 (no tf32) so the kernel matches the reference.
@@ -109,6 +135,11 @@ def tq_attn_kernel(q_ptr, o_ptr, lse_ptr, bt_ptr, q_start_ptr, q_len_ptr, seq_le
         valid = (kpos[None, :] <= qpos[:, None]) & kmask[None, :]
         if HAS_WINDOW:
             valid = valid & (kpos[None, :] > qpos[:, None] - window)
+        # Rows of one tile sit in different blocks: the part rule per row.
+        if PART == 1:
+            valid = valid & (kpos[None, :] >= sink) & (kpos[None, :] < own[:, None])
+        if PART == 2:
+            valid = valid & ((kpos[None, :] < sink) | (kpos[None, :] >= own[:, None]))
         s = tl.where(valid, s, -1e30)
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp(m - m_new)
@@ -122,11 +153,11 @@ def tq_attn_kernel(q_ptr, o_ptr, lse_ptr, bt_ptr, q_start_ptr, q_len_ptr, seq_le
         acc = acc * alpha[:, None] + pv
         m = m_new
 
+    # A row (or split) that saw no key: output 0, log-sum-exp -inf (weight 0
+    # in any merge by log-sum-exp).
     has = l > 0
     out = acc / tl.where(has, l, 1.0)[:, None]
     o_row = o_ptr + split * so_s + (q_start + t) * so_t + h * so_h + g * so_g
     tl.store(o_row[:, None] + d[None, :], out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
-    if SPLITS > 1:
-        lse = tl.where(has, m + tl.log(tl.where(has, l, 1.0)), -1e30)
-        tl.store(lse_ptr + split * sl_s + (q_start + t) * sl_t + h * sl_h + g * sl_g, lse,
-                 mask=row_ok)
+    lse = tl.where(has, m + tl.log(tl.where(has, l, 1.0)), -float("inf"))
+    tl.store(lse_ptr + split * sl_s + (q_start + t) * sl_t + h * sl_h + g * sl_g, lse, mask=row_ok)

@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kv-cache-dtype-v", default=None, help="V format override: f16 | q8 | tq5 | tq4 | tq3 | tq2")
     s.add_argument("--kv-protect-layers", type=int, default=0,
                    help="keep the first and last N layers' KV in f16")
+    s.add_argument("--kv-hot", default="k", choices=["off", "k", "kv"],
+                   help="TurboQuant layers: also hold each sequence's first block and newest block "
+                        "int8 (keys, or keys and values) and read those from there")
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="weights and activations (bfloat16: ~2.5-4x faster on CPUs with AVX512-BF16/AMX)")
     s.add_argument("--quantization", default=None, choices=["int4"],
@@ -151,6 +154,7 @@ async def _serve(args, model: str, keys: list[str], sock: socket.socket, url: st
             block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
             kv_cache_dtype=args.kv_cache_dtype, kv_cache_dtype_k=args.kv_cache_dtype_k,
             kv_cache_dtype_v=args.kv_cache_dtype_v, kv_protect_layers=args.kv_protect_layers,
+            kv_hot=args.kv_hot,
             seed=args.seed, num_threads=args.num_threads,
             dtype=args.dtype, quantization=args.quantization)
         llm = AsyncLLM(engine_args)

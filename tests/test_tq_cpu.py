@@ -1,13 +1,17 @@
 """The compiled CPU attention kernel (kvcache.tq_cpu) against the torch
-reference (TQLayerCache._attend_torch): every component format, mixed K/V
-formats, head_dim 64/128/256, GQA 1 and 3, lengths on and across block
-boundaries, batched decodes of different lengths, sliding windows, prefill
-chunks starting mid-sequence and spanning several row tiles, bf16 queries;
-and a build failure is an error that says what to do."""
+reference (TQLayerCache._attend_torch), output and log-sum-exp: every
+component format, mixed K/V formats, head_dim 64/128/256, GQA 1 and 3,
+lengths on and across block boundaries, batched decodes of different lengths,
+sliding windows, prefill chunks starting mid-sequence and spanning several row
+tiles, bf16 queries; the hot-token passes (CODED / HOT keys, values through
+their own block table, rows that see no key) and the _decode / _prefill entry
+points with hot tokens; and a build failure is an error that says what to do."""
 import pytest
 import torch
 
 from kvcache import tq_cpu
+from kvcache.metadata import AttentionMetadata, GroupMetadata
+from kvcache.tq_cache import CODED, HOT
 from kvcache.turboquant import F16, INT8, tq
 from tq_paged import BS, assert_close, paged_cache
 
@@ -19,8 +23,22 @@ except ValueError:
     pass
 
 
-def _close(out, ref, rel=2e-5):
-    assert_close(out, ref, rel)
+def _close(res, ref, rel=2e-5):
+    """(out, lse) pairs: outputs within rel; lse -inf on the same rows (no
+    visible key, output 0 there) and within rel of the largest elsewhere."""
+    (out, lse), (ref_out, ref_lse) = res, ref
+    assert_close(out, ref_out, rel)
+    assert lse.dtype == ref_lse.dtype == torch.float32 and lse.shape == ref_lse.shape
+    empty = torch.isneginf(ref_lse)
+    assert torch.equal(torch.isneginf(lse), empty)
+    assert not out[empty].any()
+    if not empty.all():
+        _close_tensor(lse[~empty], ref_lse[~empty], rel)
+
+
+def _close_tensor(x, ref, rel):
+    err = float((x - ref).abs().max())
+    assert err <= rel * max(1.0, float(ref.abs().max())), err
 
 
 def _check_decode(kf, vf, H, G, D, lens, window=None, dtype=torch.float32, rel=2e-5):
@@ -117,4 +135,96 @@ def test_decode_entry_point_equals_torch_path(kf, vf, monkeypatch):
     q = torch.randn(3, 9, 64, generator=torch.Generator().manual_seed(2))
     out = c._decode(q, bt, torch.tensor(lens), 0.125)
     monkeypatch.setenv("TQSERVE_TQ_CPU", "torch")
-    _close(out, c._decode(q, bt, torch.tensor(lens), 0.125))
+    assert_close(out, c._decode(q, bt, torch.tensor(lens), 0.125), 2e-5)
+
+
+# -- hot tokens: the CODED and HOT passes ------------------------------------
+
+PAIRS = [("tq3", "tq3"), ("tq4", "tq4"), ("int8", "int8"), ("tq4", "tq3")]
+
+
+def _tables(part, hot, bt, ht):
+    """(key tables, value tables) a pass reads: hot keys (and with "kv" hot
+    values) through the hot group's table, everything else the main one's."""
+    if part == HOT:
+        return ht, ht if hot == "kv" else bt
+    return bt, bt
+
+
+def _check_parts(c, bt, ht, qr, cols, qpos, seq, hot):
+    for part in (CODED, HOT):
+        kt, vt = _tables(part, hot, bt, ht)
+        _close(tq_cpu.attend(c, qr, cols, kt, qpos, seq, part, vt),
+               c._attend_torch(qr, cols, kt, qpos, seq, part, vt))
+
+
+@pytest.mark.parametrize("G,D", [(1, 64), (3, 128)])
+@pytest.mark.parametrize("hot", ["k", "kv"])
+@pytest.mark.parametrize("kf,vf", PAIRS)
+def test_decode_parts(kf, vf, hot, G, D):
+    # one token; own block == block 0 (no coded key); block boundaries; several blocks
+    lens = [1, 15, 16, 17, 33, 80]
+    c, bt, ht = paged_cache(FORMATS[kf], FORMATS[vf], 2, D, lens, hot=hot)
+    q = torch.randn(len(lens), 2 * G, D, generator=torch.Generator().manual_seed(7))
+    seq = torch.tensor(lens)
+    qr = c._rotate_q(q.unsqueeze(1), D ** -0.5)
+    qpos = (seq - 1)[:, None]
+    _check_parts(c, bt, ht, qr, c.decode_columns(bt, seq), qpos, seq, hot)
+    # the columns _decode reads: block 0 and the own block (a masked block 1 when they coincide)
+    own = (seq - 1) // BS
+    _check_parts(c, bt, ht, qr, torch.stack([torch.zeros_like(own), own.clamp(min=1)], 1), qpos, seq, hot)
+
+
+@pytest.mark.parametrize("G,D", [(1, 128), (3, 64)])
+@pytest.mark.parametrize("hot", ["k", "kv"])
+@pytest.mark.parametrize("kf,vf", PAIRS)
+def test_prefill_parts(kf, vf, hot, G, D):
+    # whole prompt (queries in blocks 0/1: rows with no coded key), chunks
+    # starting mid-block and on a boundary, one spanning several row tiles
+    for seq_len, q_len in ((37, 37), (50, 29), (70, 38), (3 * tq_cpu.ROW_TILE + 70, 3 * tq_cpu.ROW_TILE + 5)):
+        c, bt, ht = paged_cache(FORMATS[kf], FORMATS[vf], 2, D, [seq_len], hot=hot)
+        q = torch.randn(q_len, 2 * G, D, generator=torch.Generator().manual_seed(5))
+        qr = c._rotate_q(q.unsqueeze(0), D ** -0.5)
+        cols = torch.arange(-(-seq_len // BS))[None]
+        _check_parts(c, bt, ht, qr, cols, torch.arange(seq_len - q_len, seq_len)[None],
+                     torch.tensor([seq_len]), hot)
+
+
+def test_parts_rows_without_keys():
+    # CODED for queries in blocks 0 and 1 sees nothing: output 0, lse -inf
+    c, bt, ht = paged_cache(tq(4), tq(3), 2, 64, [32], hot="k")
+    qr = c._rotate_q(torch.randn(1, 32, 6, 64), 0.125)
+    out, lse = tq_cpu.attend(c, qr, torch.arange(2)[None], bt, torch.arange(32)[None], torch.tensor([32]), CODED)
+    assert torch.isneginf(lse).all() and not out.any()
+
+
+def _hot_prefill(c, bt, ht, seq_len, q, seed):
+    """_prefill of the last q.shape[0] positions, after store() wrote them:
+    its hot pass takes the chunk's own rows from there."""
+    n, H, D = q.shape[0], c.num_kv_heads, c.head_dim
+    g = torch.Generator().manual_seed(seed)
+    k, v = torch.randn(n, H, D, generator=g) * 2 + 0.5, torch.randn(n, H, D, generator=g)
+    pos = torch.arange(seq_len - n, seq_len)
+    groups = [GroupMetadata(t[pos // BS] * BS + pos % BS, t[None]) for t in (bt, ht)]
+    c.store(AttentionMetadata([0, n], [seq_len], 0, groups, [c]), k, v)
+    return c._prefill(q, bt, seq_len, 0.125, ht)
+
+
+@pytest.mark.parametrize("hot", ["k", "kv"])
+def test_hot_entry_points_equal_torch_path(hot, monkeypatch):
+    """_decode / _prefill with hot tokens (two passes merged): kernel vs torch path."""
+    lens = [1, 16, 17, 40, 80]
+    c, bt, ht = paged_cache(tq(4), tq(3), 3, 64, lens, hot=hot)
+    q = torch.randn(len(lens), 9, 64, generator=torch.Generator().manual_seed(2))
+    seq = torch.tensor(lens)
+    out = c._decode(q, bt, seq, 0.125, ht)
+    monkeypatch.setenv("TQSERVE_TQ_CPU", "torch")
+    assert_close(out, c._decode(q, bt, seq, 0.125, ht), 2e-5)
+    # whole prompt, chunks starting mid-block and on a boundary, one token
+    for L, n in ((80, 80), (80, 23), (80, 48), (40, 9), (17, 1)):
+        i = lens.index(L)
+        x = torch.randn(n, 9, 64, generator=torch.Generator().manual_seed(n))
+        monkeypatch.setenv("TQSERVE_TQ_CPU", "kernel")
+        out = _hot_prefill(c, bt[i], ht[i], L, x, n)
+        monkeypatch.setenv("TQSERVE_TQ_CPU", "torch")
+        assert_close(out, _hot_prefill(c, bt[i], ht[i], L, x, n), 2e-5)

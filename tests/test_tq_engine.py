@@ -68,9 +68,12 @@ def test_preset_engine_invariants(tiny_dir, preset):
     ps = prompts(5, 30, 50, seed=13)
     ref = toks(LLM(tiny_dir, block_size=4, kv_cache_memory=MEM,
                    kv_cache_dtype=preset).generate(ps, greedy(25)))
-    bpt = llm.core.plan.bytes_per_token
-    small = LLM(tiny_dir, block_size=4, kv_cache_memory=100 * bpt, max_model_len=80,
-                kv_cache_dtype=preset)
+    plan = llm.core.plan
+    # hot tokens (tq presets): 2 blocks per sequence + 1 per sequence a step starts, beside the 100 tokens
+    hot = sum(b * (5 * 2 + 5) for g, b in zip(plan.groups, plan.block_bytes) if g.hot)
+    small = LLM(tiny_dir, block_size=4, kv_cache_memory=100 * plan.bytes_per_token + hot, max_model_len=80,
+                max_num_seqs=5, max_num_batched_tokens=64, kv_cache_dtype=preset)
+    assert small.core.plan.capacity_tokens == 100
     assert toks(small.generate(ps, greedy(25))) == ref
     assert small.core.get_stats().num_preemptions_total > 0
     assert small.core.kv.num_used_blocks == 0

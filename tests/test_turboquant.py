@@ -10,7 +10,7 @@ import torch
 from kvcache.dense_cache import DenseLayerCache
 from kvcache.kv_formats import PRESETS, KVPolicy, component, parse_preset
 from kvcache.metadata import AttentionMetadata, GroupMetadata
-from kvcache.pool_plan import kv_dtype, make_layer_cache, plan_kv_pool
+from kvcache.pool_plan import allocate_kv_caches, kv_dtype, make_layer_cache, plan_kv_pool
 from kvcache.spec import LayerSpec
 from kvcache.tq_cache import TQLayerCache
 from kvcache.turboquant import (INT8, LLOYD_MAX_MSE, Codec, codebook_mse, fwht, lloyd_max, pack_bits, rotate,
@@ -253,18 +253,31 @@ def test_layer_policy_protects_first_last_and_sliding():
 @pytest.mark.parametrize("head_dim,kv_heads", [(64, 3), (128, 8)])
 def test_capacity_at_fixed_budget(head_dim, kv_heads):
     """Sequences of 2,048 tokens that fit in a fixed budget, from the pool's own
-    plan, whose block bytes equal the real tensors' sizes."""
+    plan, whose block bytes equal the real tensors' sizes. The plan is made
+    for as many running sequences as fit, so the hot tokens' blocks (2 int8
+    key blocks per sequence + 8) come out of the same budget."""
     specs = [LayerSpec(i, kv_heads, head_dim) for i in range(4)]
     bs, ctx = 16, 2048
     budget = 10 * ctx * len(specs) * kv_heads * head_dim * 2 * 2     # f16 holds exactly 10
     fits = {}
     for name in ("f16", "tq4", "tq3", "k8v4", "k4v3"):
         dt = kv_dtype(name, torch.float32)
-        plan = plan_kv_pool(specs, budget, bs, dt, max_num_seqs=1, max_num_batched_tokens=64)
+
+        def plan_for(n):
+            return plan_kv_pool(specs, budget, bs, dt, max_num_seqs=n, max_num_batched_tokens=2048)
+        n = max(n for n in range(1, 80) if plan_for(n).num_blocks[0] * bs // ctx >= n)
+        plan = plan_for(n)
         real = sum(make_layer_cache(s, 3, bs, dt, 0, len(specs)).nbytes for s in specs)
         assert 3 * plan.block_bytes[0] == real
+        hot = [gi for gi, g in enumerate(plan.groups) if g.hot]
+        if name in ("tq4", "tq3", "k4v3"):          # TurboQuant K: hot keys, int8, 2 blocks a sequence
+            c = allocate_kv_caches(specs, plan, dt)[0]
+            assert plan.block_bytes[hot[0]] == len(specs) * c.hk["q"][:bs].nbytes * (head_dim + 2) // head_dim
+            assert plan.num_blocks[hot[0]] == 2 * n + 8 and plan.hot_bytes_per_seq > 0
+        else:
+            assert not hot
         assert plan.total_bytes <= budget
-        fits[name] = plan.num_blocks[0] * bs // ctx
+        fits[name] = n
     assert fits["f16"] == 10
     assert fits["tq4"] >= 3.7 * fits["f16"], fits
     assert fits["tq3"] >= 4.8 * fits["f16"], fits

@@ -5,9 +5,10 @@
 // sequence's blocks through the block table, decodes each block of keys and
 // values once into a small float buffer shared by all rows of the tile (a
 // byte -> centroids lookup for 2/4-bit codes, a 24-bit word for 3-bit), and
-// keeps an online softmax per row. Nothing larger than one block is ever
-// decoded. Plain C ABI (called through ctypes): no torch headers, so it
-// builds in about a second.
+// keeps an online softmax per row, returning each row's output and
+// log-sum-exp (so a hot-token cache's CODED and HOT passes can be merged).
+// Nothing larger than one block is ever decoded. Plain C ABI (called through
+// ctypes): no torch headers, so it builds in about a second.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -128,11 +129,18 @@ struct Decoder {
     }
 };
 
+// Which keys a pass reads (TQLayerCache's ALL / CODED / HOT), for a query at
+// position p with own-block start o = p / bs * bs: ALL every key, CODED keys in
+// [sink, o), HOT the rest (keys < sink or >= o): CODED narrows a row's key
+// range, HOT punches the hole [sink, o) into it. sink is a block start too,
+// so a hole is whole blocks: a row skips a block, never tests single keys.
+enum { PART_ALL = 0, PART_CODED = 1, PART_HOT = 2 };
+
 template <int DD>
-void attend_impl(const Decoder& kd, const Decoder& vd, const float* q, float* out, int B, int H, int G,
-                 int Lq, int bs, const int64_t* block_tables, int64_t width, const int64_t* cols,
-                 int64_t ncols, const int64_t* qpos, const int64_t* seq_lens, int64_t window, int nthreads,
-                 int row_tile) {
+void attend_impl(const Decoder& kd, const Decoder& vd, const float* q, float* out, float* lse, int B, int H,
+                 int G, int Lq, int bs, const int64_t* k_tables, const int64_t* v_tables, int64_t width,
+                 const int64_t* cols, int64_t ncols, const int64_t* qpos, const int64_t* seq_lens, int64_t window,
+                 int part, int64_t sink, int nthreads, int row_tile) {
     // An item takes a tile of query tokens with all G query heads of one KV
     // head, so each decoded block serves G * tile rows.
     const int R = G * Lq;
@@ -144,7 +152,8 @@ void attend_impl(const Decoder& kd, const Decoder& vd, const float* q, float* ou
         const int maxr = G * row_tile;
         std::vector<float> m(maxr), l(maxr), acc((size_t)maxr * DD);
         std::vector<const float*> qrow(maxr);
-        std::vector<int64_t> rpos(maxr);
+        // Per query token of the tile: visible keys [lo, hi) minus the blocks in [hlo, hhi).
+        std::vector<int64_t> lo(row_tile), hi(row_tile), hlo(row_tile), hhi(row_tile);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
             const int t = it % tiles;
@@ -154,14 +163,34 @@ void attend_impl(const Decoder& kd, const Decoder& vd, const float* q, float* ou
             const int64_t* qp = qpos + (int64_t)b * Lq + l0;
             const int64_t slen = seq_lens[b];
             int64_t qmax = qp[0], qmin = qp[0];
-            for (int r = 1; r < nt; r++) { qmax = std::max(qmax, qp[r]); qmin = std::min(qmin, qp[r]); }
-            const int64_t kend = std::min(slen, qmax + 1);            // keys [kbeg, kend) may be seen
-            const int64_t kbeg = window > 0 ? std::max<int64_t>(0, qmin - window + 1) : 0;
+            for (int i = 0; i < nt; i++) {
+                const int64_t p = qp[i], own = p / bs * bs;
+                qmax = std::max(qmax, p);
+                qmin = std::min(qmin, p);
+                lo[i] = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
+                hi[i] = std::min(slen, p + 1);
+                hlo[i] = hhi[i] = 0;
+                if (part == PART_CODED) {
+                    lo[i] = std::max(lo[i], sink);
+                    hi[i] = std::min(hi[i], own);
+                } else if (part == PART_HOT) {
+                    hlo[i] = sink;
+                    hhi[i] = std::max(own, sink);
+                }
+            }
+            // Keys [kbeg, kend) may be seen by some row; blocks inside
+            // [sink, hole_end) are in every row's HOT hole.
+            int64_t kend = std::min(slen, qmax + 1);
+            int64_t kbeg = window > 0 ? std::max<int64_t>(0, qmin - window + 1) : 0;
+            if (part == PART_CODED) {
+                kbeg = std::max(kbeg, sink);
+                kend = std::min(kend, qmax / bs * bs);
+            }
+            const int64_t hole_end = part == PART_HOT ? qmin / bs * bs : 0;
             const int64_t base = ((int64_t)b * H + h) * R;
             for (int r = 0; r < nr; r++) {
                 const int g = r / nt, lq = l0 + r % nt;
                 qrow[r] = q + (base + (int64_t)g * Lq + lq) * DD;
-                rpos[r] = qp[r % nt];
             }
             std::fill(m.begin(), m.begin() + nr, -INFINITY);
             std::fill(l.begin(), l.begin() + nr, 0.f);
@@ -169,20 +198,25 @@ void attend_impl(const Decoder& kd, const Decoder& vd, const float* q, float* ou
             for (int64_t ci = 0; ci < ncols; ci++) {
                 const int64_t col = cols[(int64_t)b * ncols + ci];
                 const int64_t p0 = col * bs;
-                if (p0 >= kend || p0 + bs <= kbeg) continue;
-                const int64_t blk = block_tables[(int64_t)b * width + std::min(col, width - 1)];
-                const int n = (int)std::min<int64_t>(bs, kend - p0);   // positions past kend are never valid
-                for (int j = 0; j < n; j++) {
-                    kd.template decode<DD>(blk * bs + j, h, kb.data() + (size_t)j * DD);
-                    vd.template decode<DD>(blk * bs + j, h, vb.data() + (size_t)j * DD);
+                if (p0 >= kend || p0 + bs <= kbeg || (p0 >= sink && p0 + bs <= hole_end)) continue;
+                const int64_t tcol = (int64_t)b * width + std::min(col, width - 1);
+                const int64_t kblk = k_tables[tcol] * bs, vblk = v_tables[tcol] * bs;
+                // Only keys [j0, n) of this block can be visible to a row of the tile.
+                const int j0 = (int)std::max<int64_t>(0, kbeg - p0);
+                const int n = (int)std::min<int64_t>(bs, kend - p0);
+                for (int j = j0; j < n; j++) {
+                    kd.template decode<DD>(kblk + j, h, kb.data() + (size_t)j * DD);
+                    vd.template decode<DD>(vblk + j, h, vb.data() + (size_t)j * DD);
                 }
                 for (int r = 0; r < nr; r++) {
+                    const int i = r % nt;
+                    const int jlo = (int)std::max<int64_t>(j0, lo[i] - p0);
+                    const int jhi = (int)std::min<int64_t>(n, hi[i] - p0);
+                    // p0 in [hlo, hhi) as one unsigned compare (never true for an empty hole)
+                    if (jlo >= jhi || (uint64_t)(p0 - hlo[i]) < (uint64_t)(hhi[i] - hlo[i])) continue;
                     const float* qr = qrow[r];
-                    const int64_t pos = rpos[r];
                     float mx = -INFINITY;
-                    for (int j = 0; j < n; j++) {
-                        const int64_t kp = p0 + j;
-                        if (kp > pos || (window > 0 && kp <= pos - window)) { s[j] = -INFINITY; continue; }
+                    for (int j = jlo; j < jhi; j++) {
                         const float* kr = kb.data() + (size_t)j * DD;
                         float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
@@ -190,7 +224,6 @@ void attend_impl(const Decoder& kd, const Decoder& vd, const float* q, float* ou
                         s[j] = dot;
                         mx = std::max(mx, dot);
                     }
-                    if (mx == -INFINITY) continue;     // no visible key in this block for this row
                     float* a = acc.data() + (size_t)r * DD;
                     if (mx > m[r]) {
                         const float alpha = std::exp(m[r] - mx);   // exp(-inf) = 0 on the first block
@@ -200,8 +233,7 @@ void attend_impl(const Decoder& kd, const Decoder& vd, const float* q, float* ou
                         m[r] = mx;
                     }
                     float sum = 0.f;
-                    for (int j = 0; j < n; j++) {
-                        if (s[j] == -INFINITY) continue;
+                    for (int j = jlo; j < jhi; j++) {
                         const float p = std::exp(s[j] - m[r]);
                         sum += p;
                         const float* vr = vb.data() + (size_t)j * DD;
@@ -211,10 +243,13 @@ void attend_impl(const Decoder& kd, const Decoder& vd, const float* q, float* ou
                     l[r] += sum;
                 }
             }
-            for (int r = 0; r < nr; r++) {
-                const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-                float* o = out + (qrow[r] - q);
+            for (int r = 0; r < nr; r++) {   // a row that saw no key: output 0, lse -inf
+                const bool seen = l[r] > 0.f;
+                const float inv = seen ? 1.f / l[r] : 0.f;
+                const int64_t row = (qrow[r] - q) / DD;
+                float* o = out + row * DD;
                 for (int d = 0; d < DD; d++) o[d] = acc[(size_t)r * DD + d] * inv;
+                lse[row] = seen ? m[r] + std::log(l[r]) : -INFINITY;
             }
         }
     }
@@ -225,16 +260,23 @@ void attend_impl(const Decoder& kd, const Decoder& vd, const float* q, float* ou
 extern "C" {
 
 // q, out: [B, H, G, Lq, D] float32 contiguous (rotated, scaled queries / rotated
-// output). cols: [B, ncols] block-table columns to read; qpos: [B, Lq];
-// window 0 = none. Returns 0, or -1 for an unsupported head_dim.
-int tq_cpu_attend(const TQComp* k, const TQComp* v, const float* q, float* out, int B, int H, int G, int Lq,
-                  int D, int bs, const int64_t* block_tables, int64_t width, const int64_t* cols, int64_t ncols,
-                  const int64_t* qpos, const int64_t* seq_lens, int64_t window, int nthreads, int row_tile) {
+// output); lse: [B, H, G, Lq] float32, the log-sum-exp of each row's scores
+// (-inf, with output 0, for a row that sees no key). k_tables / v_tables:
+// [B, width] block tables the keys / values are read through (the same
+// pointer unless hot keys sit beside coded values); cols: [B, ncols] columns
+// to read; qpos: [B, Lq]; window 0 = none; part: 0 all keys, 1 coded, 2 hot
+// (see PART_*); sink: tokens of the hot first block (0 or bs).
+// Returns 0, or -1 for an unsupported head_dim, part or sink.
+int tq_cpu_attend(const TQComp* k, const TQComp* v, const float* q, float* out, float* lse, int B, int H, int G,
+                  int Lq, int D, int bs, const int64_t* k_tables, const int64_t* v_tables, int64_t width,
+                  const int64_t* cols, int64_t ncols, const int64_t* qpos, const int64_t* seq_lens, int64_t window,
+                  int part, int sink, int nthreads, int row_tile) {
+    if (part < PART_ALL || part > PART_HOT || sink % bs) return -1;
     Decoder kd(*k, D), vd(*v, D);
-#define TQ_CASE(DD)                                                                                         \
-    case DD:                                                                                                \
-        attend_impl<DD>(kd, vd, q, out, B, H, G, Lq, bs, block_tables, width, cols, ncols, qpos, seq_lens, \
-                        window, nthreads, row_tile);                                                        \
+#define TQ_CASE(DD)                                                                                        \
+    case DD:                                                                                               \
+        attend_impl<DD>(kd, vd, q, out, lse, B, H, G, Lq, bs, k_tables, v_tables, width, cols, ncols, qpos, \
+                        seq_lens, window, part, sink, nthreads, row_tile);                                 \
         return 0;
     switch (D) {
         TQ_CASE(8)

@@ -5,7 +5,10 @@ tinyshakespeare, and passkey retrieval (a 5-digit key hidden at 10 depths in
 for f16 and each preset, with the measured bits per value.
 
     .venv/bin/python tests/bench/kv_fidelity.py [--models smollm2-135m,gemma3-270m] \
-        [--presets f16,tq4,...] [--num-seqs 8] [--seq-len 1024]
+        [--presets f16,tq4,tq4:off,tq4:kv,...] [--num-seqs 8] [--seq-len 1024]
+
+A preset may name its hot tokens after a colon (kv_hot: off | k | kv; the
+engine's default, k, otherwise).
 
 Writes tests/bench/results/kv_fidelity.{json,md}.
 """
@@ -66,6 +69,8 @@ def bits_per_value(llm) -> dict:
     specs = {s.layer_idx: s for s in llm.core.model.kv_cache_spec()}
     out = {}
     for g in plan.groups:
+        if g.hot:       # per sequence, reported apart (hot KB/seq)
+            continue
         kind = "full" if g.sliding_window is None else f"sliding_{g.sliding_window}"
         values = sum(2 * specs[i].num_kv_heads * specs[i].head_dim for i in g.layer_ids)
         out[kind] = sum(plan.layer_bytes_per_token[i] for i in g.layer_ids) * 8 / values
@@ -77,8 +82,9 @@ def run(model, presets, num_seqs, seq_len, protect, mem):
     rows, seqs = [], None
     for p in presets:
         t0 = time.time()
-        llm = LLM(model, kv_cache_dtype=p, kv_cache_memory=mem, max_model_len=max(seq_len, 2048) + 16,
-                  kv_protect_layers=protect, enable_prefix_caching=False)
+        name, _, hot = p.partition(":")
+        llm = LLM(model, kv_cache_dtype=name, kv_cache_memory=mem, max_model_len=max(seq_len, 2048) + 16,
+                  kv_protect_layers=protect, enable_prefix_caching=False, kv_hot=hot or "k")
         if seqs is None:
             seqs = windows(llm, num_seqs, seq_len)
         outs = llm.generate(seqs, SamplingParams(max_tokens=0, prompt_logprobs=0))
@@ -90,7 +96,8 @@ def run(model, presets, num_seqs, seq_len, protect, mem):
         pk = passkey(llm, passkey_prompts(llm))
         row = {"preset": p, "ppl": math.exp(nll / n), "tokens": n, "passkey": pk,
                "bits_per_value": bits_per_value(llm),
-               "bytes_per_token": llm.core.plan.bytes_per_token, "seconds": round(time.time() - t0, 1)}
+               "bytes_per_token": llm.core.plan.bytes_per_token, "hot_bytes_per_seq": llm.core.plan.hot_bytes_per_seq,
+               "seconds": round(time.time() - t0, 1)}
         log(f"{model} {p}: ppl {row['ppl']:.4f}, passkey {pk['short']}+{pk['long']}/{2 * pk['of']}, "
             f"bits/value {row['bits_per_value']}")
         rows.append(row)
@@ -122,13 +129,14 @@ def main():
     for model in a.models.split(","):
         rows = run(model, a.presets.split(","), a.num_seqs, a.seq_len, a.protect_layers, a.kv_cache_memory)
         res["models"][model] = rows
-        lines += [f"## {model}", "", "| preset | bits/value | bytes/token (full layers) | PPL | delta vs f16 | passkey ~600 | passkey ~1500 |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += [f"## {model}", "", "| preset | bits/value | bytes/token (full layers) | hot KB/seq | PPL "
+                  "| delta vs f16 | passkey ~600 | passkey ~1500 |", "|---|---|---|---|---|---|---|---|"]
         for r in rows:
             d = "" if r["delta_vs_f16_pct"] is None else f"{r['delta_vs_f16_pct']:+.2f}%"
             bpv = ", ".join(f"{k} {v:.3f}" for k, v in r["bits_per_value"].items())
             pk = r["passkey"]
-            lines.append(f"| {r['preset']} | {bpv} | {r['bytes_per_token']} | {r['ppl']:.4f} | {d} "
+            lines.append(f"| {r['preset']} | {bpv} | {r['bytes_per_token']} | {r['hot_bytes_per_seq'] / 1024:.0f} "
+                         f"| {r['ppl']:.4f} | {d} "
                          f"| {pk['short']}/{pk['of']} | {pk['long']}/{pk['of']} |")
         lines.append("")
     out = Path(a.out)

@@ -16,7 +16,12 @@ Config: k{K}v{V}[g32|g64] with K, V in 16 | 8 (int8) | 2-5 (TurboQuant), plus
   +gauss   the Gaussian Lloyd-Max codebook instead of the unit-sphere one
   +qjl     K = (K-1)-bit codes + a 1-bit QJL sign sketch of the residual
            (TurboQuant-prod: unbiased inner products, more variance)
-  +sink16  the first 16 tokens of every sequence kept exact
+  +sinkN   the first N tokens of every sequence kept exact (+sinkNq8: int8;
+           a trailing k, e.g. +sink16q8k: keys only, values stay coded)
+  +recentN  each query reads its own 16-token block and the blocks before it
+           up to N tokens exact (a cache that keeps the blocks being filled
+           in 16-bit and compresses a block once it is full and N tokens old);
+           +recentNq8: those read int8 instead of exact (+recentNq8k: keys only)
   +selfmean  keys minus the mean of the sequence's own keys (an oracle: it
            needs the whole sequence first; measures what a better key offset
            than the calibration text's could gain)
@@ -37,6 +42,7 @@ from bench_paths import DATA, OUT, log  # puts the repo on sys.path
 from engine.kv_calibration import calibration_ids, key_means  # noqa: E402
 from kvcache import turboquant as TQ  # noqa: E402
 from kvcache.attention import Attention  # noqa: E402
+from kvcache.dense_cache import expand_kv  # noqa: E402
 from kvcache.kv_formats import component, layer_seed  # noqa: E402
 from model_zoo.models import build_model  # noqa: E402
 from model_zoo.resolve import open_model  # noqa: E402
@@ -44,13 +50,19 @@ from model_zoo.resolve import open_model  # noqa: E402
 
 
 def parse(cfg: str) -> dict:
-    m = re.fullmatch(r"k(16|8|[2345])v(16|8|[234])(g32|g64)?((?:\+(?:center|gauss|qjl|sink16|selfmean))*)", cfg)
+    m = re.fullmatch(r"k(16|8|[2345])v(16|8|[234])(g32|g64)?((?:\+(?:center|gauss|qjl|selfmean|(?:sink|recent)\d+(?:q8)?k?))*)", cfg)
     if not m:
         raise SystemExit(f"bad config {cfg!r} (see the module docstring)")
     g = m.group(3) or ""
     flags = set(filter(None, m.group(4).split("+")))
-    return {"k": int(m.group(1)), "v": int(m.group(2)), "group": g, **{f: f in flags for f in
-                                                                       ("center", "gauss", "qjl", "sink16", "selfmean")}}
+    window = {}   # sink / recent: (tokens, int8 instead of exact, keys only)
+    for f in flags:
+        w = re.fullmatch(r"(sink|recent)(\d+)(q8)?(k)?", f)
+        if w:
+            window[w.group(1)] = (int(w.group(2)), bool(w.group(3)), bool(w.group(4)))
+    return {"k": int(m.group(1)), "v": int(m.group(2)), "group": g,
+            "sink": window.get("sink", (0, False, False)), "recent": window.get("recent", (0, False, False)),
+            **{f: f in flags for f in ("center", "gauss", "qjl", "selfmean")}}
 
 
 def gaussian_codebook(bits: int, group: int) -> torch.Tensor:
@@ -72,6 +84,21 @@ def round_trip(x, bits, group, seed, mean, qjl, layer):
         r = xc - rec
         rec = rec + math.sqrt(math.pi / 2) / D * r.norm(dim=-1, keepdim=True) * (torch.sign(r @ S.T) @ S)
     return rec + mean
+
+
+def recent_exact(attn, q, exact, coded, recent, bs=16):
+    """Causal attention where key j is read exact for query p when j's block
+    is among the recent // bs blocks ending at p's own, coded otherwise."""
+    T, Hq, _ = q.shape
+    blk = torch.arange(T) // bs
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    near = blk[None, :] > blk[:, None] - recent // bs
+    (k, v), (kq, vq) = [[expand_kv(x, Hq).float().transpose(0, 1) for x in kv] for kv in (exact, coded)]
+    qt = q.float().transpose(0, 1) * attn.scale
+    s = torch.where(near, qt @ k.transpose(1, 2), qt @ kq.transpose(1, 2)).masked_fill(~causal, float("-inf"))
+    p = torch.softmax(s, -1)
+    o = (p * near) @ v + (p * ~near) @ vq
+    return o.transpose(0, 1).to(q.dtype)
 
 
 def main():
@@ -104,8 +131,16 @@ def main():
                 mu = k.float().mean(0)
             kq = round_trip(k, c["k"], c["group"], layer_seed(0, i), mu, c["qjl"], i)
             vq = round_trip(v, c["v"], c["group"], layer_seed(0, i), torch.zeros_like(mu), False, i)
-            if c["sink16"]:
-                kq, vq = torch.cat([k[:16], kq[16:]]), torch.cat([v[:16], vq[16:]])
+            k8, v8 = round_trip(k, 8, "", 0, mu, False, i), round_trip(v, 8, "", 0, 0, False, i)
+            n, q8, k_only = c["sink"]
+            if n:
+                ks, vs = (k8, v8) if q8 else (k, v)
+                kq = torch.cat([ks[:n], kq[n:]])
+                vq = vq if k_only else torch.cat([vs[:n], vq[n:]])
+            n, q8, k_only = c["recent"]
+            if n:
+                ke, ve = (k8, v8) if q8 else (k, v)
+                return recent_exact(self, q, (ke, vq if k_only else ve), (kq, vq), n)
             k, v = kq, vq
         return plain(self, q, k, v)
 

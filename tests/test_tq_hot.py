@@ -1,0 +1,98 @@
+"""Hot tokens (kvcache/tq_cache.py): with the manager's hot group, a query
+reads block 0 and its own block from int8 copies and every other key from
+its codes, whatever the chunking; the hot group holds only block 0 and the
+newest block; the plan accounts for it."""
+import pytest
+import torch
+
+from kvcache.kv_manager import NULL_BLOCK, KVCacheManager, KVGroup
+from kvcache.metadata import AttentionMetadata, GroupMetadata
+from kvcache.tq_cache import TQLayerCache
+from kvcache.turboquant import INT8, tq
+
+BS, H, G, D = 16, 2, 3, 64
+
+
+def _run(hot, kf, vf, chunks, seed=0):
+    """One sequence through store() + attention() in the given chunks, with
+    block tables from a real KVCacheManager. Returns (outputs, reference)."""
+    g = torch.Generator().manual_seed(seed)
+    total = sum(chunks)
+    k = torch.randn(total, H, D, generator=g) * 2 + 0.5
+    v = torch.randn(total, H, D, generator=g)
+    q = torch.randn(total, H * G, D, generator=g)
+    mgr = KVCacheManager([KVGroup(None, [0]), KVGroup(None, [0], hot=True)], [40, 6], BS, enable_caching=False)
+    c = TQLayerCache(40, BS, H, D, kf, vf, 0, seed=3, hot=hot, hot_blocks=6, hot_group_id=1)
+    c.set_key_mean(torch.full((H, D), 0.5))
+    hk8, v_hot, yk_all, yv_all = [], [], [], []
+    outs, done = [], 0
+    for n in chunks:
+        assert mgr.allocate("r", list(range(total)), done, n)
+        tables = [mgr.block_table("r", gi) for gi in (0, 1)]
+        # the hot group holds block 0, the chunk's first and last blocks only
+        held = {j for j, b in enumerate(tables[1]) if b != NULL_BLOCK}
+        assert held == {0, done // BS, (done + n - 1) // BS}
+        slots = [torch.tensor([t[p // BS] * BS + p % BS for p in range(done, done + n)]) for t in tables]
+        bts = [torch.tensor(t).clamp(min=0)[None] for t in tables]
+        meta = AttentionMetadata([0, n], [done + n], int(n == 1), [GroupMetadata(s, b) for s, b in zip(slots, bts)],
+                                 [c])
+        c.store(meta, k[done:done + n], v[done:done + n])
+        outs.append(c.attention(q[done:done + n], meta, D ** -0.5))
+        # the reference's view of these tokens, rotated exactly as store() did
+        rot = c.kc.rot_t("cpu")
+        yk, yv = (k[done:done + n] - c.k_mean) @ rot, v[done:done + n] @ rot
+        yk_all.append(yk)
+        yv_all.append(yv)
+        done += n
+    yk, yv = torch.cat(yk_all), torch.cat(yv_all)
+    # reference: hot positions read int8 (K; and V with "kv"), the rest coded
+    rt = lambda codec, y: codec.decode(codec.quantize_rotated(y))       # noqa: E731
+    kcod, vcod = rt(c.kc, yk), rt(c.vc, yv)
+    i8 = c.hkc
+    khot, vhot = rt(i8, yk), (rt(i8, yv) if hot == "kv" else vcod)
+    ref = []
+    qr = c._rotate_q(q.unsqueeze(0), D ** -0.5)[0]                   # [H, G, T, D]
+    for p in range(total):
+        pos = torch.arange(p + 1)
+        use = ((pos < BS) | (pos // BS == p // BS))[:, None, None]
+        kk, vv = torch.where(use, khot[:p + 1], kcod[:p + 1]), torch.where(use, vhot[:p + 1], vcod[:p + 1])
+        s = torch.einsum("hgd,thd->hgt", qr[:, :, p], kk)
+        ref.append(torch.einsum("hgt,thd->hgd", s.softmax(-1), vv))
+    ref = c._finish(torch.stack(ref, 2)[None], torch.float32)[0]
+    return torch.cat(outs), ref
+
+
+CHUNKS = [5, 20, 1, 1, 30, 1, 16, 1, 1, 40]     # in block 0, mid-block starts, boundaries, decodes
+
+
+@pytest.mark.parametrize("hot", ["k", "kv"])
+@pytest.mark.parametrize("kf,vf", [(tq(4), tq(4)), (tq(3), tq(3)), (tq(4), tq(2))])
+@pytest.mark.parametrize("backend", ["torch", "kernel"])
+def test_hot_reads_int8_for_sink_and_own_block(monkeypatch, hot, kf, vf, backend):
+    monkeypatch.setenv("TQSERVE_TQ_CPU", backend)
+    out, ref = _run(hot, kf, vf, CHUNKS)
+    err = float((out - ref).abs().max())
+    assert err <= 2e-5 * float(ref.abs().max()), err
+
+
+def test_hot_is_closer_than_codes_alone():
+    """The int8 copies make attention nearer to exact K/V than codes alone."""
+    torch.manual_seed(0)
+    hot_out, _ = _run("kv", tq(3), tq(3), [60, 1, 1, 1])
+    cold_out, _ = _run("kv", INT8, INT8, [60, 1, 1, 1])   # int8 everywhere: the hot ideal
+    plain = _run_plain(tq(3), tq(3), 63)
+    assert (hot_out - cold_out).norm() < (plain - cold_out).norm()
+
+
+def _run_plain(kf, vf, total, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(total, H, D, generator=g) * 2 + 0.5
+    v = torch.randn(total, H, D, generator=g)
+    q = torch.randn(total, H * G, D, generator=g)
+    c = TQLayerCache(8, BS, H, D, kf, vf, 0, seed=3)
+    c.set_key_mean(torch.full((H, D), 0.5))
+    slots = torch.arange(total)
+    c.write(slots, k, v)
+    bt = torch.arange(8)
+    return torch.cat([c._prefill(q[:60], bt, 60, D ** -0.5)] +
+                     [c._decode(q[p:p + 1], bt[None], torch.tensor([p + 1]), D ** -0.5) for p in (60, 61, 62)])
