@@ -173,7 +173,10 @@ def tq_prefill(cache, qr: torch.Tensor, block_tables: torch.Tensor, seq_lens,
     the tokens of one or more sequences back to back. One sequence:
     block_tables [W] and seq_lens an int (its last T tokens are the queries).
     Several: block_tables [B, W], seq_lens [B] and query_start_loc [B + 1].
-    part / v_tables (shaped like block_tables): as in tq_paged_decode.
+    part / v_tables (shaped like block_tables): as in tq_paged_decode. A HOT
+    prefill needs hot blocks at every column its queries sit in; the engine's
+    hot group skips a chunk's middle blocks, so TQLayerCache runs a prefill's
+    HOT pass in torch (_hot_prefill) and only the CODED pass here.
     Returns (rotated-domain output [1, H, G, T, D] in qr's dtype, log-sum-exp
     [1, H, G, T] float32; -inf with output 0 for a row that sees no key).
     """

@@ -14,7 +14,8 @@ from kvcache.tq_cache import TQLayerCache
 from kvcache.turboquant import codebook_mse, rotate, rotation_signs, unit_mse
 from tiny_models import save_tiny_llama, token_prompts
 
-PRESETS = ["f16", "tq4", "tq3", "tq2", "k8v4", "k4v3", "k4v2", "k3v3", "k3v3g32"]
+# preset[:kv_hot] (hot tokens default to "k")
+PRESETS = ["f16", "tq4", "tq3", "tq2", "k8v4", "k4v3", "k4v2", "k3v3", "k3v3g32", "tq4:off", "tq3:kv"]
 MEM = 1 << 20   # small pools: allocation dominates a tiny model
 
 
@@ -36,13 +37,19 @@ def toks(outs):
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("preset", PRESETS)
-def test_preset_engine_invariants(tiny_dir, preset):
+@pytest.mark.parametrize("spec", PRESETS)
+def test_preset_engine_invariants(tiny_dir, spec):
     """Compact versions of test_engine_tiny's batch-invariance, chunked-prefill,
     prefix-cache and preemption checks, with this KV format."""
-    llm = LLM(tiny_dir, block_size=4, kv_cache_memory=MEM, kv_cache_dtype=preset)
+    preset, _, hot = spec.partition(":")
+    kw = {"kv_hot": hot} if hot else {}
+    llm = LLM(tiny_dir, block_size=4, kv_cache_memory=MEM, kv_cache_dtype=preset, **kw)
     caches = llm.core.runner.kv_caches
     assert all(isinstance(c, TQLayerCache) for c in caches) == (preset != "f16")
+    # hot tokens wherever K (or V with "kv") is TurboQuant, unless off
+    want = "" if hot == "off" or preset in ("f16", "k8v4") else hot or "k"
+    assert {getattr(c, "hot", "") for c in caches} == {want}
+    assert any(g.hot for g in llm.core.plan.groups) == bool(want)
     # compressed layers store keys centred on the calibration forward's mean key
     assert all(c.k_mean is not None and c.k_mean.abs().sum() > 0
                for c in caches if isinstance(c, TQLayerCache))
@@ -59,20 +66,20 @@ def test_preset_engine_invariants(tiny_dir, preset):
     # chunked prefill (8 tokens a step) equals whole-prompt prefill
     ps = prompts(3, 30, 70, seed=12)
     whole = toks(LLM(tiny_dir, block_size=4, enable_prefix_caching=False, kv_cache_memory=MEM,
-                     kv_cache_dtype=preset).generate(ps, greedy()))
+                     kv_cache_dtype=preset, **kw).generate(ps, greedy()))
     chunked = LLM(tiny_dir, block_size=4, enable_prefix_caching=False, max_num_batched_tokens=8,
-                  kv_cache_memory=MEM, kv_cache_dtype=preset)
+                  kv_cache_memory=MEM, kv_cache_dtype=preset, **kw)
     assert toks(chunked.generate(ps, greedy())) == whole
     assert chunked.core.stats.steps_total > sum(map(len, ps)) // 8
     # preemption: room for ~100 tokens, 5 sequences of up to ~75
     ps = prompts(5, 30, 50, seed=13)
     ref = toks(LLM(tiny_dir, block_size=4, kv_cache_memory=MEM,
-                   kv_cache_dtype=preset).generate(ps, greedy(25)))
+                   kv_cache_dtype=preset, **kw).generate(ps, greedy(25)))
     plan = llm.core.plan
-    # hot tokens (tq presets): 2 blocks per sequence + 1 per sequence a step starts, beside the 100 tokens
+    # hot tokens (tq presets): 2 blocks per sequence + min(sequences, 8), beside the 100 tokens
     hot = sum(b * (5 * 2 + 5) for g, b in zip(plan.groups, plan.block_bytes) if g.hot)
     small = LLM(tiny_dir, block_size=4, kv_cache_memory=100 * plan.bytes_per_token + hot, max_model_len=80,
-                max_num_seqs=5, max_num_batched_tokens=64, kv_cache_dtype=preset)
+                max_num_seqs=5, max_num_batched_tokens=64, kv_cache_dtype=preset, **kw)
     assert small.core.plan.capacity_tokens == 100
     assert toks(small.generate(ps, greedy(25))) == ref
     assert small.core.get_stats().num_preemptions_total > 0

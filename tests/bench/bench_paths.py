@@ -13,3 +13,10 @@ OUT = ROOT / "tests" / "bench" / "results"
 
 def log(msg):
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def kv_args(preset: str) -> dict:
+    """Engine arguments for 'tq4' or 'tq4:off' / 'tq4:kv': a KV preset and,
+    after a colon, its hot tokens (kv_hot; the engine's default otherwise)."""
+    name, _, hot = preset.partition(":")
+    return {"kv_cache_dtype": name, **({"kv_hot": hot} if hot else {})}

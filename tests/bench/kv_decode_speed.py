@@ -7,7 +7,7 @@ ones. Reports the median ms/step and its ratio to the f16 step of the same
 (context, batch) in the same run.
 
     OMP_NUM_THREADS=1 .venv/bin/python tests/bench/kv_decode_speed.py \
-        [--presets f16,tq4,tq3,k4v3,k8v4] [--contexts 1024,4096,8000] [--batches 1,16] \
+        [--presets f16,tq4,tq3,k4v3,k8v4,tq4:off] [--contexts 1024,4096,8000] [--batches 1,16] \
         [--steps 8] [--dtype float32] [--distinct]
 
 By default the batch's sequences share one prompt, so prefix caching prefills
@@ -24,7 +24,7 @@ import statistics
 import time
 from pathlib import Path
 
-from bench_paths import OUT, log  # puts the repo on sys.path
+from bench_paths import OUT, kv_args, log  # puts the repo on sys.path
 
 # SmolLM2-135M: 30 layers x 3 KV heads x 64 dims x (K, V) x 2 bytes (f16).
 F16_BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * 2
@@ -38,7 +38,7 @@ def run_case(preset, ctx, batch, steps, warmup, dtype, distinct, threads):
     n_prompts = batch if distinct else 1
     kv_bytes = int(n_prompts * (ctx + steps + warmup + 64) * F16_BYTES_PER_TOKEN * 1.2) \
         + batch * 4 * 16 * F16_BYTES_PER_TOKEN + (64 << 20)
-    llm = LLM("smollm2-135m", kv_cache_dtype=preset, dtype=dtype, max_model_len=ctx + steps + warmup + 8,
+    llm = LLM("smollm2-135m", **kv_args(preset), dtype=dtype, max_model_len=ctx + steps + warmup + 8,
               kv_cache_memory=kv_bytes, max_num_seqs=batch, max_num_batched_tokens=max(2048, ctx),
               enable_prefix_caching=not distinct)
     vocab = llm.core.info.vocab_size

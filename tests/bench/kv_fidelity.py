@@ -18,7 +18,7 @@ import math
 import time
 from pathlib import Path
 
-from bench_paths import DATA, OUT, log  # puts the repo on sys.path
+from bench_paths import DATA, OUT, kv_args, log  # puts the repo on sys.path
 
 PRESETS = ["f16", "k8v4", "tq4", "k4v3", "k3v3", "k3v3g32", "k4v2", "tq3", "tq2"]
 
@@ -82,9 +82,8 @@ def run(model, presets, num_seqs, seq_len, protect, mem):
     rows, seqs = [], None
     for p in presets:
         t0 = time.time()
-        name, _, hot = p.partition(":")
-        llm = LLM(model, kv_cache_dtype=name, kv_cache_memory=mem, max_model_len=max(seq_len, 2048) + 16,
-                  kv_protect_layers=protect, enable_prefix_caching=False, kv_hot=hot or "k")
+        llm = LLM(model, **kv_args(p), kv_cache_memory=mem, max_model_len=max(seq_len, 2048) + 16,
+                  kv_protect_layers=protect, enable_prefix_caching=False)
         if seqs is None:
             seqs = windows(llm, num_seqs, seq_len)
         outs = llm.generate(seqs, SamplingParams(max_tokens=0, prompt_logprobs=0))
