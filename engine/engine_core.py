@@ -62,6 +62,7 @@ class ModelInfo:
     num_blocks: list[int]
     kv_total_bytes: int
     vocab_size: int
+    hot_bytes_per_seq: int = 0        # TurboQuant hot tokens a running sequence holds
 
 
 def check_request(prompt_token_ids: list[int], params, max_model_len: int, vocab_size: int) -> None:
@@ -160,7 +161,8 @@ class EngineCore:
             capacity_tokens=self.plan.capacity_tokens, bytes_per_token=self.plan.bytes_per_token,
             bytes_per_token_by_kind=self.plan.bytes_per_token_by_kind(), block_size=args.block_size,
             num_blocks=list(self.plan.num_blocks), kv_total_bytes=self.plan.total_bytes,
-            vocab_size=int(self.source.config.get("vocab_size", 0)))
+            vocab_size=int(self.source.config.get("vocab_size", 0)),
+            hot_bytes_per_seq=self.plan.hot_bytes_per_seq)
         per_seq = (f" + {self.plan.state_bytes_per_seq} B/sequence of window/carry state"
                    if hasattr(self.plan, "state_bytes_per_seq") else
                    f" + {self.plan.hot_bytes_per_seq} B/sequence of hot tokens" if self.plan.hot_bytes_per_seq else "")

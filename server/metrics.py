@@ -147,6 +147,10 @@ class _EngineCollector:
             for kind, b in (info.get("bytes_per_token_by_kind") or {}).items():
                 g.add_metric([name, str(kind)], float(b))
             yield g
+            if info.get("hot_bytes_per_seq"):
+                yield gauge("kv_cache_hot_bytes_per_sequence",
+                            "Bytes of TurboQuant hot tokens (int8 first and newest block) per running sequence.",
+                            info["hot_bytes_per_seq"])
             if info.get("compression_ratio") is not None:
                 yield gauge("kv_cache_compression_ratio",
                             "Uncompressed (16-bit) KV bytes per token over stored bytes per token.",
