@@ -1,8 +1,10 @@
-"""Block pool and KV manager: refcounts, prefix hashes, LRU, sliding windows."""
+"""Block pool and KV manager: refcounts, prefix hashes, LRU, sliding windows,
+TurboQuant's hot group."""
+import pytest
 import torch
 
 from kvcache.block_pool import BlockPool
-from kvcache.kv_manager import NULL_BLOCK, KVCacheManager, group_layers
+from kvcache.kv_manager import NULL_BLOCK, KVCacheManager, KVGroup, group_layers
 from kvcache.pool_plan import allocate_kv_caches, plan_kv_pool
 from kvcache.spec import LayerSpec
 
@@ -74,3 +76,36 @@ def test_plan_bytes_from_real_tensors():
     # Sliding layers get only what their windows need; the rest grows context.
     assert plan.num_blocks[1] == 8 * (-(-511 // 16) + 2) + 256 // 16
     assert plan.capacity_tokens == ((64 << 20) - 288 * 24576) // 24576 * 16
+
+
+def test_hot_group_holds_first_and_newest_block_and_shares_block_0():
+    """TurboQuant's hot group: block 0 and the newest block only (a chunk's
+    middle blocks stay NULL, older ones are freed); a prefix hit adopts the
+    cached block 0; truncating into a block it no longer holds is refused."""
+    kv = KVCacheManager([KVGroup(None, [0]), KVGroup(None, [0], hot=True)], [16, 6], 4, True)
+    toks = list(range(100, 130))
+    assert kv.allocate("a", toks, 0, 14)                    # blocks 0..3
+    hot = kv.block_table("a", 1)
+    assert [b != NULL_BLOCK for b in hot] == [True, False, False, True]
+    kv.cache_full_blocks("a", toks, 14)
+    assert kv.allocate("a", toks, 14, 1) and kv.block_table("a", 1)[3] == hot[3]   # same block
+    kv.cache_full_blocks("a", toks, 15)
+    assert kv.allocate("a", toks, 15, 3)                    # 15..17: crosses into block 4
+    assert [b != NULL_BLOCK for b in kv.block_table("a", 1)] == [True, False, False, True, True]
+    kv.cache_full_blocks("a", toks, 18)
+    assert kv.allocate("a", toks, 18, 1)                    # block 3 is behind the newest: freed
+    assert [b != NULL_BLOCK for b in kv.block_table("a", 1)] == [True, False, False, False, True]
+    assert kv.pools[1].num_free == 6 - 2
+    hit = kv.find_prefix_hit("b", toks[:13] + [7, 7, 7])
+    assert hit == 12
+    assert kv.allocate("b", toks[:13] + [7, 7, 7], hit, 4, num_prefix_hit=hit)
+    tb = kv.block_table("b", 1)
+    assert tb[0] == kv.block_table("a", 1)[0] and tb[1:3] == [NULL_BLOCK, NULL_BLOCK] and tb[3] != NULL_BLOCK
+    kv.free("a")
+    kv.free("b")
+    assert kv.pools[1].num_free == 6
+    nc = KVCacheManager([KVGroup(None, [0]), KVGroup(None, [0], hot=True)], [16, 6], 4, False)
+    assert nc.allocate("c", toks, 0, 10)
+    nc.truncate("c", 9)                                     # within the newest block
+    with pytest.raises(ValueError, match="already freed"):
+        nc.truncate("c", 5)                                 # block 1 has no hot copy
