@@ -255,19 +255,20 @@ class TQLayerCache(LayerCache):
             acc, _ = self._attend(qr, cols, block_tables, qpos, seq_lens)
             return self._finish(acc, q.dtype)[:, 0]
         # Hot pass: block 0 and the query's own block (a masked block 1 when
-        # they are the same); coded pass: the blocks between.
+        # they are the same); coded pass: the blocks between. The compiled
+        # kernel runs both in one call (one online softmax).
         own = (seq_lens - 1) // self.block_size
         hot_cols = torch.stack([torch.zeros_like(own), own.clamp(min=1)], 1)
         v_hot = hot_tables if self.hot == "kv" else block_tables
-        acc = self._merge_coded(qr, cols[:, 1:], block_tables, qpos, seq_lens,
-                                self._attend(qr, hot_cols, hot_tables, qpos, seq_lens, HOT, v_hot))
+        passes = [(HOT, hot_cols, hot_tables, v_hot)]
+        if cols.shape[1] > 1:
+            passes.append((CODED, cols[:, 1:], block_tables, None))
+        if tq_cpu.enabled(self.head_dim):
+            acc, _ = tq_cpu.attend_passes(self, qr, passes, qpos, seq_lens)
+        else:
+            outs = [self._attend_torch(qr, c, t, qpos, seq_lens, part, v) for part, c, t, v in passes]
+            acc = outs[0][0] if len(outs) == 1 else merge(*outs[0], *outs[1])
         return self._finish(acc, q.dtype)[:, 0]
-
-    def _merge_coded(self, qr, cols, block_tables, qpos, seq_lens, hot):
-        """The hot pass's result merged with a coded pass over cols (if any)."""
-        if cols.shape[1] == 0:
-            return hot[0]
-        return merge(*self._attend(qr, cols, block_tables, qpos, seq_lens, CODED), *hot)
 
     def _prefill(self, q, block_table, seq_len, scale, hot_table=None):
         qr = self._rotate_q(q.unsqueeze(0), scale)

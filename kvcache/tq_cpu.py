@@ -37,6 +37,12 @@ class _Comp(ctypes.Structure):
                 ("s_head", ctypes.c_int64), ("codebook", ctypes.c_void_p)]
 
 
+class _Pass(ctypes.Structure):
+    _fields_ = [("k", ctypes.POINTER(_Comp)), ("v", ctypes.POINTER(_Comp)), ("k_tables", ctypes.c_void_p),
+                ("v_tables", ctypes.c_void_p), ("width", ctypes.c_int64), ("cols", ctypes.c_void_p),
+                ("ncols", ctypes.c_int64), ("part", ctypes.c_int32), ("pad", ctypes.c_int32)]
+
+
 HEAD_DIMS = (8, 16, 32, 64, 128, 256, 512)   # the kernel's compiled specialisations
 
 
@@ -78,10 +84,9 @@ def _lib() -> ctypes.CDLL:
         os.replace(tmp, so)
     lib = ctypes.CDLL(str(so))
     lib.tq_cpu_attend.restype = ctypes.c_int
-    lib.tq_cpu_attend.argtypes = ([ctypes.POINTER(_Comp)] * 2 + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 6
-                                  + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                                     ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
-                                  + [ctypes.c_int] * 4)
+    lib.tq_cpu_attend.argtypes = ([ctypes.POINTER(_Pass), ctypes.c_int] + [ctypes.c_void_p] * 3
+                                  + [ctypes.c_int] * 6 + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+                                  + [ctypes.c_int] * 3)
     return lib
 
 
@@ -115,23 +120,36 @@ def attend(cache, qr, cols, block_tables, qpos, seq_lens, part=0, v_tables=None)
     scaled queries -> (rotated output [B, H, G, Lq, D] in qr's dtype, log-sum-exp
     [B, H, G, Lq] float32), over the keys `part` selects, from the stores
     cache.part_stores(part); values through v_tables (None: block_tables)."""
+    return attend_passes(cache, qr, [(part, cols, block_tables, v_tables)], qpos, seq_lens)
+
+
+def attend_passes(cache, qr, passes, qpos, seq_lens):
+    """Attention over the union of disjoint passes' keys in one kernel call
+    (one online softmax): passes = [(part, cols, block_tables, v_tables)],
+    each as in attend. A hot-token decode's CODED and HOT passes run as one
+    call, with no merge in torch."""
     B, H, G, Lq, D = qr.shape
     q = qr.to(torch.float32).contiguous()
     out = torch.empty_like(q)
     lse = torch.empty(B, H, G, Lq, dtype=torch.float32)
-    bt = block_tables.to(torch.int64).contiguous()
-    vt = bt if v_tables is None else v_tables.to(torch.int64).contiguous()
-    if vt.shape != bt.shape:
-        raise ValueError(f"v_tables {tuple(vt.shape)} must match block_tables {tuple(bt.shape)}")
-    cols = cols.to(torch.int64).contiguous()
+    keep, arr = [], (_Pass * len(passes))()       # keep: tensors and structs the call points into
+    for i, (part, cols, block_tables, v_tables) in enumerate(passes):
+        bt = block_tables.to(torch.int64).contiguous()
+        vt = bt if v_tables is None else v_tables.to(torch.int64).contiguous()
+        if vt.shape != bt.shape:
+            raise ValueError(f"v_tables {tuple(vt.shape)} must match block_tables {tuple(bt.shape)}")
+        cols = cols.to(torch.int64).contiguous()
+        kc, ks, vc, vs = cache.part_stores(part)
+        k, v = _comp(kc, ks), _comp(vc, vs)
+        keep += [bt, vt, cols, k, v]
+        arr[i] = _Pass(ctypes.pointer(k), ctypes.pointer(v), bt.data_ptr(), vt.data_ptr(), bt.shape[1],
+                       cols.data_ptr(), cols.shape[1], int(part), 0)
     qpos = qpos.to(torch.int64).expand(B, Lq).contiguous()
     seq_lens = seq_lens.to(torch.int64).contiguous()
-    kc, ks, vc, vs = cache.part_stores(part)
-    k, v = _comp(kc, ks), _comp(vc, vs)
-    rc = _lib().tq_cpu_attend(ctypes.byref(k), ctypes.byref(v), q.data_ptr(), out.data_ptr(), lse.data_ptr(),
-                              B, H, G, Lq, D, cache.block_size, bt.data_ptr(), vt.data_ptr(), bt.shape[1],
-                              cols.data_ptr(), cols.shape[1], qpos.data_ptr(), seq_lens.data_ptr(),
-                              cache.sliding_window or 0, int(part), cache.sink, torch.get_num_threads(), ROW_TILE)
+    rc = _lib().tq_cpu_attend(arr, len(passes), q.data_ptr(), out.data_ptr(), lse.data_ptr(), B, H, G, Lq, D,
+                              cache.block_size, qpos.data_ptr(), seq_lens.data_ptr(), cache.sliding_window or 0,
+                              cache.sink, torch.get_num_threads(), ROW_TILE)
     if rc != 0:
-        raise ValueError(f"TurboQuant CPU kernel: unsupported head_dim {D}, part {part} or sink {cache.sink}")
+        raise ValueError(f"TurboQuant CPU kernel: unsupported head_dim {D}, parts "
+                         f"{[p[0] for p in passes]} or sink {cache.sink}")
     return out.to(qr.dtype), lse

@@ -11,7 +11,7 @@ import torch
 
 from kvcache import tq_cpu
 from kvcache.metadata import AttentionMetadata, GroupMetadata
-from kvcache.tq_cache import CODED, HOT
+from kvcache.tq_cache import CODED, HOT, merge
 from kvcache.turboquant import F16, INT8, tq
 from tq_paged import BS, assert_close, paged_cache
 
@@ -152,10 +152,15 @@ def _tables(part, hot, bt, ht):
 
 
 def _check_parts(c, bt, ht, qr, cols, qpos, seq, hot):
+    refs = []
     for part in (CODED, HOT):
         kt, vt = _tables(part, hot, bt, ht)
-        _close(tq_cpu.attend(c, qr, cols, kt, qpos, seq, part, vt),
-               c._attend_torch(qr, cols, kt, qpos, seq, part, vt))
+        refs.append(c._attend_torch(qr, cols, kt, qpos, seq, part, vt))
+        _close(tq_cpu.attend(c, qr, cols, kt, qpos, seq, part, vt), refs[-1])
+    # both passes in one call (one online softmax) == the two merged
+    passes = [(part, cols, *_tables(part, hot, bt, ht)) for part in (HOT, CODED)]
+    _close(tq_cpu.attend_passes(c, qr, passes, qpos, seq),
+           (merge(*refs[0], *refs[1]), torch.logaddexp(refs[0][1], refs[1][1])))
 
 
 @pytest.mark.parametrize("G,D", [(1, 64), (3, 128)])

@@ -32,6 +32,22 @@ struct TQComp {
     const float* codebook;     // [2**bits] (tq)
 };
 
+// One pass over a set of keys: which keys (part), from which stores, through
+// which block tables and columns. A call runs one or more passes over
+// disjoint key sets into the same online softmax (a hot-token cache's CODED
+// and HOT passes in one call).
+struct TQPass {
+    const TQComp* k;
+    const TQComp* v;
+    const int64_t* k_tables;   // [B, width]
+    const int64_t* v_tables;   // [B, width] (the same pointer unless hot keys sit beside coded values)
+    int64_t width;
+    const int64_t* cols;       // [B, ncols] block-table columns to read
+    int64_t ncols;
+    int32_t part;              // PART_*
+    int32_t pad;
+};
+
 }  // extern "C"
 
 namespace {
@@ -136,11 +152,16 @@ struct Decoder {
 // so a hole is whole blocks: a row skips a block, never tests single keys.
 enum { PART_ALL = 0, PART_CODED = 1, PART_HOT = 2 };
 
+struct PassDec {     // a TQPass with its decoders built
+    TQPass p;
+    Decoder kd, vd;
+    PassDec(const TQPass& pass, int D) : p(pass), kd(*pass.k, D), vd(*pass.v, D) {}
+};
+
 template <int DD>
-void attend_impl(const Decoder& kd, const Decoder& vd, const float* q, float* out, float* lse, int B, int H,
-                 int G, int Lq, int bs, const int64_t* k_tables, const int64_t* v_tables, int64_t width,
-                 const int64_t* cols, int64_t ncols, const int64_t* qpos, const int64_t* seq_lens, int64_t window,
-                 int part, int64_t sink, int nthreads, int row_tile) {
+void attend_impl(const std::vector<PassDec>& passes, const float* q, float* out, float* lse, int B, int H,
+                 int G, int Lq, int bs, const int64_t* qpos, const int64_t* seq_lens, int64_t window,
+                 int64_t sink, int nthreads, int row_tile) {
     // An item takes a tile of query tokens with all G query heads of one KV
     // head, so each decoded block serves G * tile rows.
     const int R = G * Lq;
@@ -163,30 +184,7 @@ void attend_impl(const Decoder& kd, const Decoder& vd, const float* q, float* ou
             const int64_t* qp = qpos + (int64_t)b * Lq + l0;
             const int64_t slen = seq_lens[b];
             int64_t qmax = qp[0], qmin = qp[0];
-            for (int i = 0; i < nt; i++) {
-                const int64_t p = qp[i], own = p / bs * bs;
-                qmax = std::max(qmax, p);
-                qmin = std::min(qmin, p);
-                lo[i] = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
-                hi[i] = std::min(slen, p + 1);
-                hlo[i] = hhi[i] = 0;
-                if (part == PART_CODED) {
-                    lo[i] = std::max(lo[i], sink);
-                    hi[i] = std::min(hi[i], own);
-                } else if (part == PART_HOT) {
-                    hlo[i] = sink;
-                    hhi[i] = std::max(own, sink);
-                }
-            }
-            // Keys [kbeg, kend) may be seen by some row; blocks inside
-            // [sink, hole_end) are in every row's HOT hole.
-            int64_t kend = std::min(slen, qmax + 1);
-            int64_t kbeg = window > 0 ? std::max<int64_t>(0, qmin - window + 1) : 0;
-            if (part == PART_CODED) {
-                kbeg = std::max(kbeg, sink);
-                kend = std::min(kend, qmax / bs * bs);
-            }
-            const int64_t hole_end = part == PART_HOT ? qmin / bs * bs : 0;
+            for (int i = 1; i < nt; i++) { qmax = std::max(qmax, qp[i]); qmin = std::min(qmin, qp[i]); }
             const int64_t base = ((int64_t)b * H + h) * R;
             for (int r = 0; r < nr; r++) {
                 const int g = r / nt, lq = l0 + r % nt;
@@ -195,52 +193,78 @@ void attend_impl(const Decoder& kd, const Decoder& vd, const float* q, float* ou
             std::fill(m.begin(), m.begin() + nr, -INFINITY);
             std::fill(l.begin(), l.begin() + nr, 0.f);
             std::fill(acc.begin(), acc.begin() + (size_t)nr * DD, 0.f);
-            for (int64_t ci = 0; ci < ncols; ci++) {
-                const int64_t col = cols[(int64_t)b * ncols + ci];
-                const int64_t p0 = col * bs;
-                if (p0 >= kend || p0 + bs <= kbeg || (p0 >= sink && p0 + bs <= hole_end)) continue;
-                const int64_t tcol = (int64_t)b * width + std::min(col, width - 1);
-                const int64_t kblk = k_tables[tcol] * bs, vblk = v_tables[tcol] * bs;
-                // Only keys [j0, n) of this block can be visible to a row of the tile.
-                const int j0 = (int)std::max<int64_t>(0, kbeg - p0);
-                const int n = (int)std::min<int64_t>(bs, kend - p0);
-                for (int j = j0; j < n; j++) {
-                    kd.template decode<DD>(kblk + j, h, kb.data() + (size_t)j * DD);
-                    vd.template decode<DD>(vblk + j, h, vb.data() + (size_t)j * DD);
+            for (const PassDec& pd : passes) {
+                const TQPass& ps = pd.p;
+                const int part = ps.part;
+                for (int i = 0; i < nt; i++) {
+                    const int64_t p = qp[i], own = p / bs * bs;
+                    lo[i] = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
+                    hi[i] = std::min(slen, p + 1);
+                    hlo[i] = hhi[i] = 0;
+                    if (part == PART_CODED) {
+                        lo[i] = std::max(lo[i], sink);
+                        hi[i] = std::min(hi[i], own);
+                    } else if (part == PART_HOT) {
+                        hlo[i] = sink;
+                        hhi[i] = std::max(own, sink);
+                    }
                 }
-                for (int r = 0; r < nr; r++) {
-                    const int i = r % nt;
-                    const int jlo = (int)std::max<int64_t>(j0, lo[i] - p0);
-                    const int jhi = (int)std::min<int64_t>(n, hi[i] - p0);
-                    // p0 in [hlo, hhi) as one unsigned compare (never true for an empty hole)
-                    if (jlo >= jhi || (uint64_t)(p0 - hlo[i]) < (uint64_t)(hhi[i] - hlo[i])) continue;
-                    const float* qr = qrow[r];
-                    float mx = -INFINITY;
-                    for (int j = jlo; j < jhi; j++) {
-                        const float* kr = kb.data() + (size_t)j * DD;
-                        float dot = 0.f;
+                // Keys [kbeg, kend) may be seen by some row; blocks inside
+                // [sink, hole_end) are in every row's HOT hole.
+                int64_t kend = std::min(slen, qmax + 1);
+                int64_t kbeg = window > 0 ? std::max<int64_t>(0, qmin - window + 1) : 0;
+                if (part == PART_CODED) {
+                    kbeg = std::max(kbeg, sink);
+                    kend = std::min(kend, qmax / bs * bs);
+                }
+                const int64_t hole_end = part == PART_HOT ? qmin / bs * bs : 0;
+                for (int64_t ci = 0; ci < ps.ncols; ci++) {
+                    const int64_t col = ps.cols[(int64_t)b * ps.ncols + ci];
+                    const int64_t p0 = col * bs;
+                    if (p0 >= kend || p0 + bs <= kbeg || (p0 >= sink && p0 + bs <= hole_end)) continue;
+                    const int64_t tcol = (int64_t)b * ps.width + std::min(col, ps.width - 1);
+                    const int64_t kblk = ps.k_tables[tcol] * bs, vblk = ps.v_tables[tcol] * bs;
+                    // Only keys [j0, n) of this block can be visible to a row of the tile.
+                    const int j0 = (int)std::max<int64_t>(0, kbeg - p0);
+                    const int n = (int)std::min<int64_t>(bs, kend - p0);
+                    for (int j = j0; j < n; j++) {
+                        pd.kd.template decode<DD>(kblk + j, h, kb.data() + (size_t)j * DD);
+                        pd.vd.template decode<DD>(vblk + j, h, vb.data() + (size_t)j * DD);
+                    }
+                    for (int r = 0; r < nr; r++) {
+                        const int i = r % nt;
+                        const int jlo = (int)std::max<int64_t>(j0, lo[i] - p0);
+                        const int jhi = (int)std::min<int64_t>(n, hi[i] - p0);
+                        // p0 in [hlo, hhi) as one unsigned compare (never true for an empty hole)
+                        if (jlo >= jhi || (uint64_t)(p0 - hlo[i]) < (uint64_t)(hhi[i] - hlo[i])) continue;
+                        const float* qr = qrow[r];
+                        float mx = -INFINITY;
+                        for (int j = jlo; j < jhi; j++) {
+                            const float* kr = kb.data() + (size_t)j * DD;
+                            float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-                        for (int d = 0; d < DD; d++) dot += qr[d] * kr[d];
-                        s[j] = dot;
-                        mx = std::max(mx, dot);
-                    }
-                    float* a = acc.data() + (size_t)r * DD;
-                    if (mx > m[r]) {
-                        const float alpha = std::exp(m[r] - mx);   // exp(-inf) = 0 on the first block
-                        l[r] *= alpha;
+                            for (int d = 0; d < DD; d++) dot += qr[d] * kr[d];
+                            s[j] = dot;
+                            mx = std::max(mx, dot);
+                        }
+                        float* a = acc.data() + (size_t)r * DD;
+                        if (mx > m[r]) {
+                            const float alpha = std::exp(m[r] - mx);   // exp(-inf) = 0 on the first block
+                            l[r] *= alpha;
 #pragma omp simd
-                        for (int d = 0; d < DD; d++) a[d] *= alpha;
-                        m[r] = mx;
-                    }
-                    float sum = 0.f;
-                    for (int j = jlo; j < jhi; j++) {
-                        const float p = std::exp(s[j] - m[r]);
-                        sum += p;
-                        const float* vr = vb.data() + (size_t)j * DD;
+                            for (int d = 0; d < DD; d++) a[d] *= alpha;
+                            m[r] = mx;
+                        }
+                        float sum = 0.f;
+                        for (int j = jlo; j < jhi; j++) {
+                            const float p = std::exp(s[j] - m[r]);
+                            sum += p;
+                            const float* vr = vb.data() + (size_t)j * DD;
 #pragma omp simd
-                        for (int d = 0; d < DD; d++) a[d] += p * vr[d];
+                            for (int d = 0; d < DD; d++) a[d] += p * vr[d];
+                        }
+                        l[r] += sum;
                     }
-                    l[r] += sum;
                 }
             }
             for (int r = 0; r < nr; r++) {   // a row that saw no key: output 0, lse -inf
@@ -261,22 +285,22 @@ extern "C" {
 
 // q, out: [B, H, G, Lq, D] float32 contiguous (rotated, scaled queries / rotated
 // output); lse: [B, H, G, Lq] float32, the log-sum-exp of each row's scores
-// (-inf, with output 0, for a row that sees no key). k_tables / v_tables:
-// [B, width] block tables the keys / values are read through (the same
-// pointer unless hot keys sit beside coded values); cols: [B, ncols] columns
-// to read; qpos: [B, Lq]; window 0 = none; part: 0 all keys, 1 coded, 2 hot
-// (see PART_*); sink: tokens of the hot first block (0 or bs).
-// Returns 0, or -1 for an unsupported head_dim, part or sink.
-int tq_cpu_attend(const TQComp* k, const TQComp* v, const float* q, float* out, float* lse, int B, int H, int G,
-                  int Lq, int D, int bs, const int64_t* k_tables, const int64_t* v_tables, int64_t width,
-                  const int64_t* cols, int64_t ncols, const int64_t* qpos, const int64_t* seq_lens, int64_t window,
-                  int part, int sink, int nthreads, int row_tile) {
-    if (part < PART_ALL || part > PART_HOT || sink % bs) return -1;
-    Decoder kd(*k, D), vd(*v, D);
+// (-inf, with output 0, for a row that sees no key), over the union of the
+// npasses passes' keys (see TQPass; part: 0 all keys, 1 coded, 2 hot, see
+// PART_*); qpos: [B, Lq]; window 0 = none; sink: tokens of the hot first
+// block (0 or bs). Returns 0, or -1 for an unsupported head_dim, part or sink.
+int tq_cpu_attend(const TQPass* passes, int npasses, const float* q, float* out, float* lse, int B, int H,
+                  int G, int Lq, int D, int bs, const int64_t* qpos, const int64_t* seq_lens, int64_t window,
+                  int sink, int nthreads, int row_tile) {
+    if (sink % bs) return -1;
+    std::vector<PassDec> pd;
+    for (int i = 0; i < npasses; i++) {
+        if (passes[i].part < PART_ALL || passes[i].part > PART_HOT) return -1;
+        pd.emplace_back(passes[i], D);
+    }
 #define TQ_CASE(DD)                                                                                        \
     case DD:                                                                                               \
-        attend_impl<DD>(kd, vd, q, out, lse, B, H, G, Lq, bs, k_tables, v_tables, width, cols, ncols, qpos, \
-                        seq_lens, window, part, sink, nthreads, row_tile);                                 \
+        attend_impl<DD>(pd, q, out, lse, B, H, G, Lq, bs, qpos, seq_lens, window, sink, nthreads, row_tile); \
         return 0;
     switch (D) {
         TQ_CASE(8)
