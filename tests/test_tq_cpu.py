@@ -127,6 +127,15 @@ def test_build_failure_is_a_clear_error(monkeypatch, tmp_path):
     assert not list(tmp_path.iterdir())     # no partial library left behind
 
 
+def test_scalar_decoders_without_avx2(monkeypatch, tmp_path):
+    """The portable (no AVX2) 3- and 4-bit decoders equal the torch reference too."""
+    monkeypatch.setenv("TQSERVE_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(tq_cpu, "FLAGS", tq_cpu.FLAGS + ["-mno-avx2"])
+    monkeypatch.setattr(tq_cpu, "_lib", tq_cpu._lib.__wrapped__)    # build this variant, uncached
+    for kf, vf in (("tq4", "tq3"), ("tq3", "tq4")):
+        _check_decode(FORMATS[kf], FORMATS[vf], 2, 3, 64, [5, 40, 33])
+
+
 @pytest.mark.parametrize("kf,vf", [("tq4", "tq3"), ("int8", "tq4")])
 def test_decode_entry_point_equals_torch_path(kf, vf, monkeypatch):
     """_decode's kernel path (rotation by a [D, D] matmul) vs the torch path."""

@@ -14,7 +14,7 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
-#ifdef __F16C__
+#if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -84,7 +84,12 @@ struct Decoder {
     std::vector<float> lut;   // 2/4-bit: [256][8 / bits] centroids of one byte's codes
 
     Decoder(const TQComp& comp, int head_dim) : c(comp), D(head_dim) {
-        if (c.kind == 2 && (c.bits == 2 || c.bits == 4)) {
+#ifdef __AVX2__
+        const bool byte_lut = c.kind == 2 && c.bits == 2;   // 3 / 4 bits decode in registers
+#else
+        const bool byte_lut = c.kind == 2 && (c.bits == 2 || c.bits == 4);
+#endif
+        if (byte_lut) {
             int per = 8 / c.bits, mask = (1 << c.bits) - 1;
             lut.resize(256 * per);
             for (int b = 0; b < 256; b++)
@@ -109,12 +114,27 @@ struct Decoder {
         }
         const uint8_t* p = (const uint8_t*)c.data + slot * c.d_slot + h * c.d_head;
         if (c.bits == 4) {
+#ifdef __AVX2__
+            // 16 centroids in two registers: 8 codes (one 32-bit word) per
+            // shift, two permutes and a blend on the code's bit 3.
+            const __m256 lo = _mm256_loadu_ps(c.codebook), hi = _mm256_loadu_ps(c.codebook + 8);
+            const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+            for (int j = 0; j < DD / 8; j++) {
+                uint32_t w;
+                std::memcpy(&w, p + 4 * j, 4);
+                const __m256i idx = _mm256_srlv_epi32(_mm256_set1_epi32((int)w), shifts);
+                const __m256 sel = _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28));   // bit 3 -> sign
+                _mm256_storeu_ps(out + 8 * j, _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, idx),
+                                                               _mm256_permutevar8x32_ps(hi, idx), sel));
+            }
+#else
             const float* t = lut.data();
             for (int j = 0; j < DD / 2; j++) {
                 const float* e = t + 2 * p[j];
                 out[2 * j] = e[0];
                 out[2 * j + 1] = e[1];
             }
+#endif
         } else if (c.bits == 2) {
             const float* t = lut.data();
             for (int j = 0; j < DD / 4; j++) {
@@ -123,10 +143,21 @@ struct Decoder {
             }
         } else if (c.bits == 3) {   // 8 codes in each little-endian 24-bit word
             const float* cb = c.codebook;
+#ifdef __AVX2__
+            // The 8 centroids fit one register: one shift, mask and permute per word.
+            const __m256 cbv = _mm256_loadu_ps(cb);
+            const __m256i shifts = _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21), m7 = _mm256_set1_epi32(7);
+            for (int j = 0; j < DD / 8; j++) {
+                uint32_t w = p[3 * j] | (uint32_t)p[3 * j + 1] << 8 | (uint32_t)p[3 * j + 2] << 16;
+                const __m256i idx = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w), shifts), m7);
+                _mm256_storeu_ps(out + 8 * j, _mm256_permutevar8x32_ps(cbv, idx));
+            }
+#else
             for (int j = 0; j < DD / 8; j++) {
                 uint32_t w = p[3 * j] | (uint32_t)p[3 * j + 1] << 8 | (uint32_t)p[3 * j + 2] << 16;
                 for (int i = 0; i < 8; i++) out[8 * j + i] = cb[(w >> (3 * i)) & 7];
             }
+#endif
         } else {   // any other width <= 8: 8 codes in each `bits`-byte word
             const float* cb = c.codebook;
             const int nb = c.bits;
