@@ -103,6 +103,11 @@ class TQLayerCache(LayerCache):
             return self.hkc, self.hk, self.hvc, self.hv
         return self.hkc, self.hk, self.vc, self.v
 
+    def hot_v_tables(self, hot_tables, block_tables):
+        """The tables a HOT pass reads values through: hot ones with "kv",
+        else the coded values' own."""
+        return hot_tables if self.hot == "kv" else block_tables
+
     def set_key_mean(self, mean: torch.Tensor) -> None:
         """mean: [num_kv_heads, head_dim], subtracted from every key written after this."""
         self.k_mean = mean.to(device=self.signs.device, dtype=torch.float32).view(self.num_kv_heads,
@@ -140,8 +145,7 @@ class TQLayerCache(LayerCache):
 
     def store(self, meta, k: torch.Tensor, v: torch.Tensor) -> None:
         if not self.hot:
-            self.write(meta.groups[self.group_id].slot_mapping, k, v)
-            return
+            return super().store(meta, k, v)
         hk, hv = self.write(meta.groups[self.group_id].slot_mapping, k, v,
                             meta.groups[self.extra_groups[0]].slot_mapping)
         # Each prefill's new rows, in batch order: _prefill reads its chunk's
@@ -245,7 +249,7 @@ class TQLayerCache(LayerCache):
             if not self.hot:
                 acc, _ = tq_paged_decode(self, qr, block_tables, seq_lens)
             else:
-                v_hot = hot_tables if self.hot == "kv" else block_tables
+                v_hot = self.hot_v_tables(hot_tables, block_tables)
                 acc = merge(*tq_paged_decode(self, qr, block_tables, seq_lens, part=CODED),
                             *tq_paged_decode(self, qr, hot_tables, seq_lens, part=HOT, v_tables=v_hot))
             return self._finish(acc, q.dtype)[:, 0]
@@ -259,8 +263,7 @@ class TQLayerCache(LayerCache):
         # kernel runs both in one call (one online softmax).
         own = (seq_lens - 1) // self.block_size
         hot_cols = torch.stack([torch.zeros_like(own), own.clamp(min=1)], 1)
-        v_hot = hot_tables if self.hot == "kv" else block_tables
-        passes = [(HOT, hot_cols, hot_tables, v_hot)]
+        passes = [(HOT, hot_cols, hot_tables, self.hot_v_tables(hot_tables, block_tables))]
         if cols.shape[1] > 1:
             passes.append((CODED, cols[:, 1:], block_tables, None))
         if tq_cpu.enabled(self.head_dim):
@@ -310,13 +313,13 @@ class TQLayerCache(LayerCache):
         b0 = start // bs
         nb = -(-seq_len // bs) - b0
         before = start - b0 * bs                      # own-block rows written by earlier steps
-        kc, _, vc, _ = self.part_stores(HOT)
-        v_store, v_table = (self.hv, hot_table) if self.hot == "kv" else (self.v, block_table)
+        kc, k_store, vc, v_store = self.part_stores(HOT)
+        v_table = self.hot_v_tables(hot_table, block_table)
 
         def rows(pos):   # [n, H, D] K and V at positions < start, from the pools
             ks = hot_table[pos // bs] * bs + pos % bs
             vs = v_table[pos // bs] * bs + pos % bs
-            return kc.decode(self._rows(self.hk, ks), f32), vc.decode(self._rows(v_store, vs), f32)
+            return kc.decode(self._rows(k_store, ks), f32), vc.decode(self._rows(v_store, vs), f32)
 
         nk, nv = kc.decode(new_k, f32), vc.decode(new_v, f32)
         own_k = torch.zeros(nb * bs, H, D, dtype=f32, device=dev)
