@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat requirements.txt pyproject.toml | md5sum | cut -c1-12)
 
-.PHONY: setup serve test bench
+.PHONY: setup serve test
 
 setup: $(STAMP)
 

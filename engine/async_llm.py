@@ -84,7 +84,8 @@ class AsyncLLM:
         i = self.info
         return {"capacity_tokens": i.capacity_tokens, "bytes_per_token": i.bytes_per_token,
                 "block_size": i.block_size, "bytes_per_token_by_kind": dict(i.bytes_per_token_by_kind),
-                "total_bytes": i.kv_total_bytes, "hot_bytes_per_seq": i.hot_bytes_per_seq}
+                "total_bytes": i.kv_total_bytes, "hot_bytes_per_seq": i.hot_bytes_per_seq,
+                "compression_ratio": i.compression_ratio}
 
     def stats(self) -> dict:
         return dict(self._stats.__dict__)

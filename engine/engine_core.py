@@ -63,6 +63,7 @@ class ModelInfo:
     kv_total_bytes: int
     vocab_size: int
     hot_bytes_per_seq: int = 0        # TurboQuant hot tokens a running sequence holds
+    compression_ratio: float = 1.0    # 16-bit KV bytes per token / stored bytes per token
 
 
 def check_request(prompt_token_ids: list[int], params, max_model_len: int, vocab_size: int) -> None:
@@ -162,7 +163,7 @@ class EngineCore:
             bytes_per_token_by_kind=self.plan.bytes_per_token_by_kind(), block_size=args.block_size,
             num_blocks=list(self.plan.num_blocks), kv_total_bytes=self.plan.total_bytes,
             vocab_size=int(self.source.config.get("vocab_size", 0)),
-            hot_bytes_per_seq=self.plan.hot_bytes_per_seq)
+            hot_bytes_per_seq=self.plan.hot_bytes_per_seq, compression_ratio=self.plan.compression_ratio)
         per_seq = (f" + {self.plan.state_bytes_per_seq} B/sequence of window/carry state"
                    if hasattr(self.plan, "state_bytes_per_seq") else
                    f" + {self.plan.hot_bytes_per_seq} B/sequence of hot tokens" if self.plan.hot_bytes_per_seq else "")

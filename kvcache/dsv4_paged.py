@@ -252,6 +252,9 @@ def plan_dsv4_pool(specs: list[DSV4LayerSpec], budget_bytes: int, block_size: in
     groups = dsv4_groups(specs)
     probe = [DSV4LayerStorage(s, 1, 1, block_size, max_rollback, dtype, None, len(specs)) for s in specs]
     layer_block = {s.layer_idx: p.entry_block_nbytes(block_size) for s, p in zip(specs, probe)}
+    f16_probe = [DSV4LayerStorage(s, 1, 1, block_size, 0, torch.bfloat16, None, len(specs)) for s in specs]
+    f16_per_token = sum(p.entry_block_nbytes(block_size) / (block_size * s.ratio)
+                        for s, p in zip(specs, f16_probe) if s.ratio)
     state_by_part: dict[str, dict[str, int]] = {}
     for s, p in zip(specs, probe):
         kind = state_by_part.setdefault(s.layer_type, {})
@@ -281,4 +284,5 @@ def plan_dsv4_pool(specs: list[DSV4LayerSpec], budget_bytes: int, block_size: in
                     {s.layer_idx: _per_token(layer_block[s.layer_idx], block_size * s.ratio) if s.ratio else 0
                      for s in specs},
                     capacity=capacity, state_bytes_per_seq=state_bytes, kind_bytes_per_token=kinds,
-                    state_bytes_by_part=state_by_part, max_rollback=max_rollback)
+                    state_bytes_by_part=state_by_part, max_rollback=max_rollback,
+                    f16_bytes_per_token=f16_per_token)

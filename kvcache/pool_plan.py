@@ -46,6 +46,7 @@ class KVPlan:
     layer_bytes_per_token: dict[int, int]   # per layer
     prefix_caching: bool = True       # whether the pool's contents are block-addressable
     max_rollback: int | None = None   # tokens a sequence can be truncated by (None: any)
+    f16_bytes_per_token: float = 0    # what bytes_per_token would be in 16-bit storage (measured)
 
     @property
     def capacity_tokens(self) -> int:
@@ -57,6 +58,12 @@ class KVPlan:
         """KV bytes one more token of context costs in layers whose cache grows with context."""
         g = self.groups[0]
         return sum(self.layer_bytes_per_token[i] for i in g.layer_ids)
+
+    @property
+    def compression_ratio(self) -> float:
+        """16-bit KV bytes per token over stored bytes per token (hot tokens,
+        a per-sequence cost, are not in either)."""
+        return self.f16_bytes_per_token / self.bytes_per_token if self.bytes_per_token else 1.0
 
     @property
     def hot_bytes_per_seq(self) -> int:
@@ -88,6 +95,7 @@ def plan_kv_pool(specs: list[LayerSpec], budget_bytes: int, block_size: int, dty
     # Measure one block of each layer's real storage.
     nl = max(by_idx) + 1
     layer_block = {i: make_layer_cache(s, 1, block_size, dtype, 0, nl).nbytes for i, s in by_idx.items()}
+    f16_block = {i: make_layer_cache(s, 1, block_size, torch.float16, 0, nl).nbytes for i, s in by_idx.items()}
     block_bytes = [sum(layer_block[i] for i in g.layer_ids) for g in groups]
     hot = {i: dtype.hot_block_bytes(s, block_size, nl) for i, s in by_idx.items()} \
         if isinstance(dtype, KVPolicy) else {}
@@ -120,7 +128,8 @@ def plan_kv_pool(specs: list[LayerSpec], budget_bytes: int, block_size: int, dty
         raise ValueError(f"KV cache budget {budget_bytes} bytes is too small for one block "
                          f"({block_bytes[0]} bytes)")
     return KVPlan(groups, num_blocks, block_bytes, block_size,
-                  {i: layer_block[i] // block_size for i in by_idx})
+                  {i: layer_block[i] // block_size for i in by_idx},
+                  f16_bytes_per_token=sum(f16_block[i] for i in groups[0].layer_ids) / block_size)
 
 
 def allocate_kv_caches(specs: list[LayerSpec], plan: KVPlan, dtype: torch.dtype):

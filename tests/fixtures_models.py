@@ -20,11 +20,11 @@ REAL_MODELS = ["smollm2-135m", "gemma3-270m"]
 REPO = Path(__file__).resolve().parents[1]
 
 
+SHAKESPEARE = REPO / "tests" / "data" / "tinyshakespeare.txt"
+
+
 def shakespeare_text() -> str:
-    for candidate in (REPO / "shared/data/tinyshakespeare.txt", REPO.parent / "shared/data/tinyshakespeare.txt"):
-        if candidate.exists():
-            return candidate.read_text(encoding="utf-8")
-    raise FileNotFoundError("tinyshakespeare.txt not found under shared/data next to or inside the repo")
+    return SHAKESPEARE.read_text(encoding="utf-8")
 
 
 VARIED_TEXTS = [

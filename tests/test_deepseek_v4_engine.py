@@ -229,6 +229,7 @@ def test_bytes_per_token_by_layer_kind(tiny_v4):
                            ("tq4", 2 * (D // 2 + 2 + Di * 2) / 4, (D // 2 + 2) / 16)]:
         llm = LLM(path, block_size=4, kv_cache_dtype=name, max_num_batched_tokens=16)
         assert llm.core.plan.bytes_per_token_by_kind() == {CSA: csa, HCA: hca}
+        assert llm.core.plan.compression_ratio == pytest.approx((2 * (D + Di) * 2 / 4 + D * 2 / 16) / (csa + hca))
         assert llm.core.plan.state_bytes_per_seq == state(0, 2)
         out = llm.generate(ps, greedy(8))
         assert all(len(o.outputs[0].token_ids) == 8 for o in out) and llm.core.kv.num_used_blocks == 0

@@ -72,6 +72,9 @@ def test_plan_bytes_from_real_tensors():
     plan = plan_kv_pool(specs, 64 << 20, 16, torch.float16, max_num_seqs=8, max_num_batched_tokens=256)
     caches = allocate_kv_caches(specs, plan, torch.float16)
     assert plan.bytes_per_token == 2 * (2 * 3 * 64 * 2)          # two full layers, K and V, f16
+    assert plan.compression_ratio == 1.0
+    f32 = plan_kv_pool(specs, 64 << 20, 16, torch.float32, max_num_seqs=8, max_num_batched_tokens=256)
+    assert f32.f16_bytes_per_token == plan.bytes_per_token and f32.compression_ratio == 0.5
     assert sum(c.nbytes for c in caches) == plan.total_bytes <= 64 << 20
     # Sliding layers get only what their windows need; the rest grows context.
     assert plan.num_blocks[1] == 8 * (-(-511 // 16) + 2) + 256 // 16

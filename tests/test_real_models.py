@@ -4,15 +4,14 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from fixtures_models import shakespeare_text
 from model_zoo.resolve import resolve_path
 
-DATA = "../shared/data/tinyshakespeare.txt"
 MODELS = ["smollm2-135m", "gemma3-270m"]
 
 
 def shakespeare_ids(tok, n, offset=0):
-    from pathlib import Path
-    text = (Path(__file__).resolve().parents[1].parent / "shared/data/tinyshakespeare.txt").read_text()
+    text = shakespeare_text()
     return tok.encode(text[offset:offset + 20 * n], add_special_tokens=False)[:n]
 
 

@@ -68,7 +68,8 @@ class FakeAsyncLLM:
         self.tokenizer = FakeTokenizer()
         self.chat_template = CHAT_TEMPLATE
         self.kv_info = {"capacity_tokens": capacity_tokens, "bytes_per_token": 46080, "block_size": 16,
-                        "bytes_per_token_by_kind": {"full": 46080}, "hot_bytes_per_seq": 190080}
+                        "bytes_per_token_by_kind": {"full": 46080}, "hot_bytes_per_seq": 190080,
+                        "compression_ratio": 3.76}
         self.processor = OutputProcessor(self.tokenizer)
         self.streams: dict[str, asyncio.Queue] = {}
         self.waiting: list = []
@@ -406,9 +407,10 @@ def test_metrics_parse(live):
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens",
                  "generation_tokens", "request_success", "time_to_first_token_seconds",
                  "e2e_request_latency_seconds", "kv_cache_capacity_tokens", "kv_cache_bytes_per_token",
-                 "kv_cache_hot_bytes_per_sequence"):
+                 "kv_cache_hot_bytes_per_sequence", "kv_cache_compression_ratio"):
         assert "tqserve:" + name in fams, name
     assert fams["tqserve:kv_cache_hot_bytes_per_sequence"].samples[0].value == 190080
+    assert fams["tqserve:kv_cache_compression_ratio"].samples[0].value == 3.76
 
 
 def test_auth():

@@ -9,10 +9,10 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from fixtures_models import SHAKESPEARE
 from test_server_process import SMALL, ServerProcess, metric
 
 MODEL = "smollm2-135m"
-SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
@@ -325,6 +325,7 @@ def test_concurrent_streams_disconnects_and_metrics(server):
     assert delta("tqserve:request_generation_tokens_sum") == gen
     assert metric(after, "tqserve:kv_cache_capacity_tokens") > 0
     assert metric(after, "tqserve:kv_cache_bytes_per_token", kind="all") > 0
+    assert metric(after, "tqserve:kv_cache_compression_ratio") == 0.5      # fp32 KV against 16-bit
 
 
 def test_nonstreaming_disconnect_aborts(server):

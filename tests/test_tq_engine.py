@@ -100,9 +100,8 @@ def test_protected_layers_and_overrides_in_engine(tiny_dir):
 
 # -- SmolLM2 ------------------------------------------------------------------
 def shakespeare(n_chars, offset=0):
-    from pathlib import Path
-    text = (Path(__file__).resolve().parents[1].parent / "shared/data/tinyshakespeare.txt").read_text()
-    return text[offset:offset + n_chars]
+    from fixtures_models import shakespeare_text
+    return shakespeare_text()[offset:offset + n_chars]
 
 
 @pytest.fixture(scope="module")
@@ -227,6 +226,7 @@ def test_smollm2_k8v4_greedy_equals_f16_and_ppl(smol_f16):
         assert all(lp[t] - max(v for u, v in lp.items() if u != t) >= 1.0 for t, lp in zip(c.token_ids, c.logprobs))
     k8v4 = LLM("smollm2-135m", kv_cache_memory=64 << 20, max_model_len=1024, kv_cache_dtype="k8v4")
     assert k8v4.core.plan.bytes_per_token * 16 / 6.25 == smol_f16.core.plan.bytes_per_token
+    assert k8v4.core.info.compression_ratio == 16 / 6.25 and smol_f16.core.info.compression_ratio == 1.0
     assert toks(k8v4.generate(ps, sp)) == toks(ref)
     seqs = [tok.encode(text[o:o + 2000])[:256] for o in (0, 10000)]
 

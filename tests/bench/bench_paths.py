@@ -7,7 +7,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-DATA = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+DATA = ROOT / "tests" / "data" / "tinyshakespeare.txt"
 OUT = ROOT / "tests" / "bench" / "results"
 
 
