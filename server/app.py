@@ -80,10 +80,17 @@ async def parse_body(request: Request, state: ServerState, model: type[BaseModel
     """Read the body (bounded, also without Content-Length) and validate it."""
     limit = state.config.max_body_bytes
     chunks, size = [], 0
-    async for chunk in request.stream():
+    stream = request.stream()
+    async for chunk in stream:
         size += len(chunk)
         if size > limit:
-            await discard_body(request.receive, 8 * limit)
+            # Read the rest (bounded) before answering, as discard_body does, but through
+            # the same stream: it knows when the body has ended (receive() would then wait
+            # for the client to disconnect, and the 413 would never be sent).
+            async for rest in stream:
+                size += len(rest)
+                if size > 9 * limit:
+                    break
             raise APIError(413, f"Request body too large: the limit is {limit} bytes.",
                            headers={"Connection": "close"})
         chunks.append(chunk)
@@ -92,8 +99,14 @@ async def parse_body(request: Request, state: ServerState, model: type[BaseModel
         obj = json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"Malformed JSON in the request body: {e}") from None
+    except RecursionError:      # e.g. 100,000 nested "[": json.loads recurses per level
+        raise APIError(400, "Malformed JSON in the request body: nested too deeply.") from None
     if not isinstance(obj, dict):
         raise APIError(400, "The request body must be a JSON object.")
+    from server.protocol import has_lone_surrogate
+    if has_lone_surrogate(body, obj):
+        raise APIError(400, "Malformed JSON in the request body: a string holds an unpaired UTF-16 "
+                            "surrogate escape (e.g. \\ud800), which is not valid Unicode.")
     try:
         return model.model_validate(obj)
     except ValidationError as e:
@@ -169,7 +182,9 @@ def create_app(state: ServerState) -> FastAPI:
         if state.load_error:
             return error_response(503, f"The model failed to load: {state.load_error}")
         if state.draining:
-            return error_response(503, "The server is shutting down.")
+            # The listener stays up while draining, so that a load balancer sees
+            # "draining" (503) rather than "dead" (connection refused).
+            return error_response(503, state.draining_message(), headers={"Connection": "close"})
         if not state.ready:
             return error_response(503, "The model is still loading.", headers={"Retry-After": "5"})
         if not state.engine_alive():

@@ -1,9 +1,11 @@
 """`tqserve` command line: `tqserve serve --model NAME_OR_PATH ...`.
 
 The HTTP socket is bound first (so /health answers 503 while the model loads
-and a bad port fails before any loading), then the engine starts; SIGTERM or
-Ctrl-C drains: new requests get 503, in-flight ones finish within
---drain-timeout seconds or are aborted, and the process exits 0.
+and a bad port fails before any loading), then the engine starts. SIGTERM or
+Ctrl-C drains: the socket stays open, /health and new generation requests get
+503, in-flight ones finish within --drain-timeout seconds or are aborted
+(finish_reason "abort"); then the socket closes and the process exits 0. A
+second SIGTERM or Ctrl-C during the drain aborts what runs and exits at once.
 """
 import argparse
 import asyncio
@@ -83,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     from server import plan
     plan.add_parser(sub)
-    # Room for `tqserve bench` (see tests/bench/serving_bench.py meanwhile).
+    from server import bench
+    bench.add_parser(sub)
     return p
 
 
@@ -94,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "plan":
         from server import plan
         return plan.run(args)
+    if args.command == "bench":
+        from server import bench
+        return bench.run(args)
     return 2
 
 
@@ -166,10 +172,11 @@ async def _serve(args, model: str, keys: list[str], sock: socket.socket, url: st
                                           max_queue=args.max_queue or None,
                                           max_body_bytes=int(args.max_request_bytes),
                                           max_num_seqs=args.max_num_seqs))
-    # uvicorn's own grace period is a backstop: state.drain aborts what still runs at
-    # --drain-timeout, so that responses end properly (finish_reason "abort", [DONE]).
+    # uvicorn's shutdown starts once state.drain is done (see _server_class), so its
+    # grace period is only a backstop for the last chunks of responses that just
+    # ended (finish_reason "abort" and [DONE] after --drain-timeout).
     config = uvicorn.Config(create_app(state), lifespan="off", access_log=False, log_config=None,
-                            log_level=args.log_level, timeout_graceful_shutdown=args.drain_timeout + 5,
+                            log_level=args.log_level, timeout_graceful_shutdown=5,
                             timeout_keep_alive=5)
     server = _Server(config, state, args.drain_timeout)
     serve_task = asyncio.create_task(server.serve(sockets=[sock]))
@@ -190,7 +197,7 @@ async def _serve(args, model: str, keys: list[str], sock: socket.socket, url: st
                      " | %s", model, ", ".join(names), llm.max_model_len, kv.get("capacity_tokens", 0),
                      _fmt(kv.get("bytes_per_token", 0)), url)
         await serve_task
-        for t in server._tasks:
+        for t in list(server._tasks):
             t.cancel()
     else:
         log.info("stopped while loading")
@@ -212,11 +219,16 @@ def _server_class():
     import uvicorn
 
     class Server(uvicorn.Server):
-        """uvicorn, with draining: a signal marks the app as draining (503 for new
-        requests) and starts ServerState.drain, which aborts what still runs after
-        the drain timeout; uvicorn stops accepting and waits for the in-flight
-        responses to end. A drained exit is a clean exit (uvicorn would re-raise
-        the signal and die by it)."""
+        """uvicorn, with draining. The first SIGTERM/SIGINT does not stop uvicorn:
+        the listener stays up, the app is marked draining (/health and new
+        generation requests answer 503 in OpenAI's shape) and ServerState.drain
+        waits for the in-flight requests, aborting what still runs after the drain
+        timeout (those responses end with finish_reason "abort" and [DONE]). Only
+        then is uvicorn told to exit (should_exit): it stops accepting, closes idle
+        keep-alive connections and lets the last responses finish. A second
+        SIGTERM/SIGINT during the drain stops at once: what runs is aborted and
+        uvicorn exits without waiting for connections (force_exit). Either way the
+        exit is a clean one, code 0 (uvicorn would re-raise the signal and die by it)."""
 
         def __init__(self, config, state, drain_timeout):
             super().__init__(config)
@@ -224,24 +236,55 @@ def _server_class():
             self.drain_timeout = drain_timeout
             self.loop = None
             self._tasks = set()
+            self._signalled = False
 
         async def serve(self, sockets=None):
             self.loop = asyncio.get_running_loop()
             await super().serve(sockets=sockets)
 
         def handle_exit(self, sig, frame):
-            state = self.tq_state
-            if not state.draining:
-                log.info("signal %s: draining (in-flight requests get %.0fs)", sig, self.drain_timeout)
-                state.draining = True
-                loop = self.loop
-                if loop is not None:
-                    loop.call_soon_threadsafe(lambda: self._tasks.add(loop.create_task(
-                        state.drain(self.drain_timeout))))
-            super().handle_exit(sig, frame)
-            captured = getattr(self, "_captured_signals", None)
-            if isinstance(captured, list):
-                captured.clear()
+            # Runs in the main thread (uvicorn installs it with signal.signal), between
+            # two bytecodes of whatever runs there: only flag and schedule here.
+            # super().handle_exit is not called: it would stop the listener at once.
+            state, loop = self.tq_state, self.loop
+            state.draining = True
+            if loop is None or loop.is_closed():
+                self.should_exit = True
+                return
+            if not self._signalled:
+                self._signalled = True
+                log.info("signal %s: draining (in-flight requests get %gs; /health answers 503)",
+                         sig, self.drain_timeout)
+                loop.call_soon_threadsafe(self._spawn, self._drain_then_exit())
+            else:
+                log.info("signal %s again: stopping now, aborting %d request(s)", sig, len(state.running_ids))
+                loop.call_soon_threadsafe(self._spawn, self._stop_now())
+
+        def _spawn(self, coro):
+            task = asyncio.get_running_loop().create_task(coro)
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+        async def _drain_then_exit(self):
+            try:
+                await self.tq_state.drain(self.drain_timeout)
+                log.info("drained; closing the listener")
+            except Exception:
+                log.exception("drain failed")
+            finally:
+                self.should_exit = True
+
+        async def _stop_now(self):
+            for t in list(self._tasks):
+                if t is not asyncio.current_task():
+                    t.cancel()
+            try:
+                await asyncio.wait_for(self.tq_state.drain(0), timeout=5)
+            except Exception:
+                log.exception("abort on a second signal failed")
+            finally:
+                self.force_exit = True
+                self.should_exit = True
 
     return Server
 

@@ -6,7 +6,7 @@ from pydantic import ValidationError
 _KINDS = {
     400: ("invalid_request_error", None),
     401: ("invalid_request_error", "invalid_api_key"),
-    404: ("invalid_request_error", "model_not_found"),
+    404: ("invalid_request_error", None),        # "model_not_found" when param is "model" (below)
     405: ("invalid_request_error", "method_not_allowed"),
     413: ("invalid_request_error", "request_too_large"),
     429: ("rate_limit_error", "rate_limit_exceeded"),
@@ -30,6 +30,8 @@ class APIError(Exception):
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     etype, default_code = _KINDS.get(status, ("invalid_request_error" if status < 500 else "server_error", None))
+    if status == 404 and param == "model":
+        default_code = "model_not_found"         # not for an unknown route: OpenAI's code is null there
     return {"error": {"message": message, "type": etype, "param": param, "code": code or default_code}}
 
 
@@ -47,23 +49,35 @@ def from_validation_error(e: ValidationError) -> APIError:
     errs = e.errors(include_url=False)
     if not errs:
         return APIError(400, str(e))
+
     def loc(err):
         return ".".join(str(x) for x in err.get("loc", ()) if not _is_union_tag(x)) or None
+
+    def union_at(err):
+        # The location up to the first union member tag, or None when not in a union.
+        where = err.get("loc", ())
+        for i, x in enumerate(where):
+            if _is_union_tag(x):
+                return tuple(where[:i])
+        return None
 
     def msg(err):
         m = err.get("msg", "invalid value")
         return m[len("Value error, "):] if m.startswith("Value error, ") else m
 
-    param = loc(errs[0])
-    same = [e for e in errs if (loc(e) or "").split(".")[0] == (param or "").split(".")[0]]
-    if len(same) > 1 and any(_is_union_tag(x) for x in errs[0].get("loc", ())):
-        # A union (e.g. prompt: str | list[str] | list[int] | list[list[int]]) that no form matched.
-        param = (param or "").split(".")[0] or None
-        msgs = list(dict.fromkeys(msg(e) for e in same))
-        message = f"{param}: no accepted form matches ({'; '.join(msgs[:4])})"
+    union = union_at(errs[0])
+    same = [x for x in errs if union is not None and union_at(x) == union]
+    if len(same) > 1:
+        # A union (e.g. prompt: str | list[str] | list[int] | list[list[int]]) that no form matched:
+        # name the field that holds it (messages.0.content, not just messages).
+        param = ".".join(str(x) for x in union) or None
+        msgs = list(dict.fromkeys(msg(x) for x in same))
+        message = f"{param + ': ' if param else ''}no accepted form matches ({'; '.join(msgs[:4])})"
+        rest = len(errs) - len(same)
     else:
+        param = loc(errs[0])
         message = f"{param}: {msg(errs[0])}" if param else msg(errs[0])
-    rest = len(errs) - (len(same) if message.startswith(f"{param}: no accepted") else 1)
+        rest = len(errs) - 1
     if rest > 0:
         message += f" (and {rest} more error{'s' if rest > 1 else ''})"
     return APIError(400, message, param=param)

@@ -2,16 +2,65 @@
 
 Unknown fields are accepted and ignored (as vLLM does); wrong types or values
 fail validation and become a 400 in OpenAI's error shape (see server.errors).
+
+Types are strict, as OpenAI's API is: a boolean field takes a JSON boolean only
+("yes", "true", 1 are errors), an integer field a JSON integer only ("2", 2.0,
+1.5 and true are errors: bool is an int in Python, so lax pydantic would take
+it), a number field a JSON number (integers too: `temperature: 1`; not "0.5",
+not true, not NaN/Infinity, which Python's json module reads), a string field a
+JSON string (no 5 -> "5"). Sizes that each decode step pays for are bounded:
+see the MAX_* limits below (also in the README's Serving section).
+
 Responses are built as plain dicts in server.serving: their shape is fixed by
 the OpenAI API and dicts keep the hot streaming path cheap.
 """
+import json
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
+# Request limits. OpenAI allows 4 stop strings and 300 logit_bias entries;
+# vLLM bounds neither. Every decode step of every sequence scans all stop
+# strings (and holds back up to the longest one's length), so 16 of at most
+# 1,024 characters each: 4x OpenAI's count, and a measured worst case of ~2 ms
+# per step per sequence. stop_token_ids are a set lookup per step, so a generous
+# 256 (all of a model's special tokens). Token ids are bounded to int32 (the
+# vocabulary check in server.serving then names the real limit), seeds to int64
+# (what torch.Generator takes; the n samples use seed, seed+1, ...), top_k to
+# int32 (a larger k than the vocabulary means "all tokens" anyway).
+MAX_STOP = 16
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 300
+MAX_TOKEN_ID = 2**31 - 1
+MIN_SEED, MAX_SEED = -2**63, 2**63 - 1
+# Each prompt of a completions batch (times n) is its own engine request and
+# the queue limit (--max-queue) is checked per HTTP request: bound the fan-out.
+MAX_PROMPTS_X_N = 256
+_TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")      # a logit_bias key: a token id in ASCII digits
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def has_lone_surrogate(body: bytes, obj: Any) -> bool:
+    """Whether the parsed JSON holds a string with an unpaired UTF-16 surrogate
+    ("\\ud800"): json.loads takes it, but it is not text, and tokenizers fail on it.
+    Cheap unless the body has a surrogate escape at all (a valid pair, e.g. an
+    escaped emoji, becomes one code point and passes)."""
+    if not _SURROGATE_ESCAPE.search(body):
+        return False
+    try:
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: no coercion between JSON types (see the module docstring); JSON
+    # integers are still numbers. allow_inf_nan=False: NaN/Infinity are not JSON.
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Body):
@@ -39,8 +88,19 @@ class ChatMessage(_Body):
     def _check(self):
         if isinstance(self.content, list):
             for part in self.content:
+                if not isinstance(part, TextPart) and part.type == "text":
+                    raise ValueError("a text content part needs a string `text`")
                 if not isinstance(part, TextPart):
                     raise ValueError(f"content part type {part.type!r} is not supported (text only)")
+        # Extra fields go to the chat template as they are: those templates read get their
+        # JSON types checked (tool_calls: 5 would otherwise fail in the server, a 500).
+        extra = self.model_extra or {}
+        for key, kind, what in (("name", str, "a string"), ("tool_call_id", str, "a string"),
+                                ("tool_calls", list, "a list of objects")):
+            v = extra.get(key)
+            if v is not None and (not isinstance(v, kind) or
+                                  kind is list and not all(isinstance(c, dict) for c in v)):
+                raise ValueError(f"`{key}` must be {what}")
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs content")
         return self
@@ -58,8 +118,8 @@ class ChatMessage(_Body):
         return d
 
 
-NonNegInt = Annotated[int, Field(ge=0)]
-TokenIds = list[NonNegInt]
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+TokenIds = list[TokenId]
 
 
 class _SamplingFields(_Body):
@@ -68,12 +128,12 @@ class _SamplingFields(_Body):
     n: int = Field(1, ge=1, le=128)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=2**31 - 1)
     min_p: float | None = Field(None, ge=0, le=1)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
     stop: str | list[str] | None = None
     stop_token_ids: TokenIds | None = None
     include_stop_str_in_output: bool = False
@@ -88,12 +148,12 @@ class _SamplingFields(_Body):
     @field_validator("logit_bias")
     @classmethod
     def _check_bias(cls, v):
+        if v is not None and len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries are allowed, got {len(v)}")
         for k, b in (v or {}).items():
-            try:
-                if int(k) < 0:
-                    raise ValueError
-            except ValueError:
-                raise ValueError(f"logit_bias keys must be token ids, got {k!r}") from None
+            # Not int(k): that takes " 5", "+5", "5_0" and non-ASCII digits.
+            if not _TOKEN_ID_KEY.fullmatch(k):
+                raise ValueError(f"logit_bias keys must be token ids, got {k!r}")
             if not -100 <= b <= 100:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {b}")
         return v
@@ -101,8 +161,21 @@ class _SamplingFields(_Body):
     @field_validator("stop")
     @classmethod
     def _check_stop(cls, v):
-        if isinstance(v, list) and any(s == "" for s in v) or v == "":
-            raise ValueError("stop strings must not be empty")
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings are allowed, got {len(stops)}")
+        for s in stops:
+            if s == "":
+                raise ValueError("stop strings must not be empty")
+            if len(s) > MAX_STOP_CHARS:
+                raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters, got {len(s)}")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _check_stop_ids(cls, v):
+        if v is not None and len(v) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got {len(v)}")
         return v
 
     @model_validator(mode="after")
@@ -161,6 +234,8 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("token-id prompts must not be empty")
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens 0 is only allowed with echo")
+        if len(self.prompts()) * self.n > MAX_PROMPTS_X_N:
+            raise ValueError(f"prompts x n may be at most {MAX_PROMPTS_X_N}, got {len(self.prompts())} x {self.n}")
         return self
 
     def prompts(self) -> list[str | list[int]]:

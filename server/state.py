@@ -70,10 +70,13 @@ class ServerState:
         slots = self.config.max_num_seqs
         if s.get("num_waiting", 0) > 0 and s.get("kv_cache_usage", 0.0) >= 0.9:
             slots = min(slots, int(s.get("num_running", slots)))
+        self._prune_pending()
+        return self.inflight + len(self._pending) - slots
+
+    def _prune_pending(self) -> None:
         now = time.monotonic()
         for rid in [r for r, t in self._pending.items() if now - t > 2.0]:
             del self._pending[rid]          # admitted but never submitted (client left early)
-        return self.inflight + len(self._pending) - slots
 
     def reserve(self, request_ids: list[str]) -> None:
         now = time.monotonic()
@@ -91,12 +94,22 @@ class ServerState:
         self.inflight -= 1
 
     # --- draining ----------------------------------------------------------
+    def draining_message(self) -> str:
+        """What /health says while draining."""
+        n = len(self.running_ids)
+        return f"The server is draining: {n} request(s) in flight; no new requests are accepted."
+
     async def drain(self, timeout: float) -> None:
-        """After `timeout` seconds, abort what is still running: its responses end
-        with finish_reason "abort" (streams get their final chunk and [DONE])."""
+        """Stop admitting (`draining`), wait until what runs has finished, and after
+        `timeout` seconds abort what is still running: its responses end with
+        finish_reason "abort" (streams get their final chunk and [DONE]). Requests
+        admitted just before (not yet submitted to the engine) are waited for too."""
         self.draining = True
         deadline = time.monotonic() + timeout
-        while self.running_ids and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            self._prune_pending()
+            if not self.running_ids and not self._pending:
+                break
             await asyncio.sleep(0.05)
         if self.running_ids:
             log.info("drain: aborting %d request(s) still running after %.0fs", len(self.running_ids), timeout)

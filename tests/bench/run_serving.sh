@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One run of the serving benchmark: tqserve (fp32, bf16, bf16 + int4) and llama.cpp's
 # llama-server (same GGUF, -np 16), one after another on this machine.
-#   LLAMA_SERVER=/path/to/llama-server tests/bench/run_serving.sh [extra serving_bench args]
+#   LLAMA_SERVER=/path/to/llama-server tests/bench/run_serving.sh [extra `tqserve bench serve` args]
 # Results: tests/bench/results/serving.{json,md}
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -33,4 +33,5 @@ for _ in $(seq 120); do
   [ $ok = 1 ] && break
   sleep 1
 done
-$PY tests/bench/serving_bench.py --launch-tqserve "${targets[@]}" --out tests/bench/results/serving "$@"
+.venv/bin/tqserve bench serve --launch-tqserve "${targets[@]}" --dataset-path tests/data/tinyshakespeare.txt \
+    --tokenizer smollm2-135m --ignore-eos --out tests/bench/results/serving "$@"
