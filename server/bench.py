@@ -591,10 +591,6 @@ def run_serve(args) -> int:
 
 def _run_serve(args) -> int:
     dataset, lo, hi, text = _check(args)
-    try:
-        import httpx  # noqa: F401
-    except ImportError:
-        raise BenchError("tqserve bench needs httpx (pip install httpx)")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     targets = []
     for t in args.target:
