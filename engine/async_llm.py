@@ -44,7 +44,7 @@ class AsyncLLM:
                                  name="tqserve-engine-core", daemon=True)
         self._proc.start()
         # The tokenizer and template load here while the core loads weights.
-        source = await loop.run_in_executor(None, open_model, self.args.model)
+        source = await loop.run_in_executor(None, open_model, self.args.model, self.args.load_format != "dummy")
         self.tokenizer, self.chat_template = source.tokenizer, source.chat_template
         self.processor = OutputProcessor(self.tokenizer)
         msg = await loop.run_in_executor(None, self._wait_ready)

@@ -16,13 +16,11 @@ from engine.request import EngineRequest, Request
 from engine.scheduler import Scheduler
 from kvcache.kv_formats import KVPolicy
 from kvcache.kv_manager import KVCacheManager
-from kvcache.pool_plan import allocate_kv_caches, kv_dtype, plan_kv_pool
-from model_zoo.models import build_model
+from kvcache.pool_plan import allocate_kv_caches, device_kv_budget, kv_budget, kv_dtype, plan_kv_pool
+from model_zoo.models import create_model
 from model_zoo.resolve import open_model
 
 log = logging.getLogger("tqserve.engine")
-
-DEFAULT_KV_BYTES = 2 << 30
 
 
 @dataclass
@@ -83,60 +81,66 @@ def check_request(prompt_token_ids: list[int], params, max_model_len: int, vocab
         raise InvalidRequest(f"prompt token ids must be in [0, {vocab_size})")
 
 
-def available_memory() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 8 << 30
-
-
-def kv_budget(setting) -> int:
-    if setting is None:
-        return min(DEFAULT_KV_BYTES, available_memory() // 4)
-    if isinstance(setting, float) and setting < 1:
-        return int(available_memory() * setting)
-    return int(setting)
-
-
 class EngineCore:
+    """Startup in phases (vLLM's EngineCore shape): load the model onto the
+    device, set up the KV caches (calibrate, measure the budget, plan,
+    allocate), then build the KV manager, scheduler and runner."""
+
     def __init__(self, args: EngineArgs, source=None):
-        args.validate()
-        self.args = args
+        self.args = args = args.resolved()
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
         torch.manual_seed(args.seed)
         t0 = time.monotonic()
-        self.source = source or open_model(args.model)
+        self.device = torch.device(args.device)
+        self.model = self._load_model(source)
+        caches = self._init_kv_caches()
+        self._init_scheduler(caches)
+        per_seq = (f" + {self.plan.state_bytes_per_seq} B/sequence of window/carry state"
+                   if hasattr(self.plan, "state_bytes_per_seq") else
+                   f" + {self.plan.hot_bytes_per_seq} B/sequence of hot tokens" if self.plan.hot_bytes_per_seq else "")
+        log.info("engine ready in %.1fs: %s on %s, max_model_len %d, KV %d tokens x %s B/token (%s)%s, %.1f MiB",
+                 time.monotonic() - t0, args.model, self.device, self.max_model_len, self.plan.capacity_tokens,
+                 f"{self.plan.bytes_per_token:g}", self.plan.bytes_per_token_by_kind(), per_seq,
+                 self.plan.total_bytes / 2**20)
+
+    # -- startup phases ---------------------------------------------------------
+    def _load_model(self, source) -> torch.nn.Module:
+        args = self.args
+        dummy = args.load_format == "dummy"
+        self.source = source or open_model(args.model, weights=not dummy)
+        if self.device.type == "cuda":
+            # What this process has yet to allocate: the baseline of the KV budget.
+            torch.cuda.empty_cache()
+            self._cuda_free_at_start = torch.cuda.mem_get_info(self.device)[0]
         dtype = getattr(torch, args.dtype)
         # int4 packing must see the checkpoint's fp32 values: build in fp32,
         # pack, then cast what stays dense.
         build_dtype = torch.float32 if args.quantization == "int4" else dtype
-        prev = torch.get_default_dtype()
-        torch.set_default_dtype(build_dtype)
-        try:
-            self.model = build_model(self.source.config)
-        finally:
-            torch.set_default_dtype(prev)
-        self.model.load_weights(self.source.weights())
-        self.model.eval()
+        model = create_model(self.source.config, build_dtype, self.device,
+                             None if dummy else self.source.weights(), args.seed)
         if args.quantization == "int4":
-            linears = [m for m in self.model.modules() if hasattr(m, "pack_int4")]
+            linears = [m for m in model.modules() if hasattr(m, "pack_int4")]
             packed = sum(m.pack_int4(dtype) for m in linears)
-            self.model.to(dtype)
+            model.to(dtype)
             log.info("int4: %d of %d linear layers hold exact 4-bit groups and run packed", packed,
                      len(linears))
+        return model
+
+    def _init_kv_caches(self):
+        """Calibrate compressed formats, size the pool from the budget, allocate it on the device."""
+        args = self.args
         specs = self.model.kv_cache_spec()
-        cdtype = kv_dtype(args.kv_cache_dtype, dtype, args.kv_cache_dtype_k, args.kv_cache_dtype_v,
-                          args.kv_protect_layers, args.kv_hot)
+        cdtype = kv_dtype(args.kv_cache_dtype, getattr(torch, args.dtype), args.kv_cache_dtype_k,
+                          args.kv_cache_dtype_v, args.kv_protect_layers, args.kv_hot)
         cdtype, key_means = calibrate(self.model, self.source.tokenizer,
                                       int(self.source.config.get("vocab_size", 0)), specs, cdtype)
         model_len = int(self.source.config.get("max_position_embeddings") or 4096)
-        self.plan = plan_kv_pool(specs, kv_budget(args.kv_cache_memory), args.block_size, cdtype,
+        self.plan = plan_kv_pool(specs, self._kv_budget(), args.block_size, cdtype,
                                  args.max_num_seqs, args.max_num_batched_tokens,
                                  max_model_len=args.max_model_len or model_len,
                                  max_rollback=args.max_rollback_tokens)
-        caches = allocate_kv_caches(specs, self.plan, cdtype)
+        caches = allocate_kv_caches(specs, self.plan, cdtype, self.device)
         if isinstance(cdtype, KVPolicy) and isinstance(caches, list):
             log.info("KV formats by layer: %s", cdtype.describe(specs, self.plan.layer_bytes_per_token))
         set_key_means(caches, key_means)
@@ -147,6 +151,48 @@ class EngineCore:
             self.max_model_len = args.max_model_len
         else:
             self.max_model_len = min(model_len, self.plan.capacity_tokens)
+        return caches
+
+    def _kv_budget(self) -> int:
+        """Bytes for the KV pool: kv_cache_memory when given (a fraction: of the
+        memory free now), else on CPU today's share of MemAvailable, on CUDA
+        what gpu_memory_utilization leaves after weights and activations."""
+        setting = self.args.kv_cache_memory
+        if self.device.type != "cuda":
+            return kv_budget(setting)
+        if setting is not None:
+            return kv_budget(setting, torch.cuda.mem_get_info(self.device)[0])
+        peak = self._profile_activation_peak()
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        non_kv = self._cuda_free_at_start - free
+        util = self.args.gpu_memory_utilization
+        budget = device_kv_budget(total, util, self._cuda_free_at_start, non_kv, peak)
+        log.info("KV budget %.2f GiB = %g x %.2f GiB total - %.2f GiB weights and other allocations - "
+                 "%.2f GiB activation peak (%d tokens)", budget / 2**30, util, total / 2**30, non_kv / 2**30,
+                 peak / 2**30, self.args.max_num_batched_tokens)
+        return budget
+
+    @torch.inference_mode()
+    def _profile_activation_peak(self) -> int:
+        """Device bytes one step of max_num_batched_tokens tokens allocates on
+        top of the weights: one sequence that long without a cache (the largest
+        prefill chunk a step runs), logits for max_num_seqs rows and a sort of
+        their probabilities (top-p sampling's largest temporary)."""
+        n, dev = self.args.max_num_batched_tokens, self.device
+        vocab = int(self.source.config.get("vocab_size", 0)) or 1
+        ids = torch.arange(n, device=dev) % vocab
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        hidden = self.model(ids, torch.arange(n, device=dev), None)
+        logits = self.model.compute_logits(hidden[-min(n, self.args.max_num_seqs):])
+        torch.sort(torch.softmax(logits, dim=-1), dim=-1, descending=True)
+        torch.cuda.synchronize(dev)
+        return torch.cuda.max_memory_allocated(dev) - base
+
+    def _init_scheduler(self, caches) -> None:
+        args = self.args
         caching = args.enable_prefix_caching and self.plan.prefix_caching
         if args.enable_prefix_caching and not caching:
             log.info("prefix caching off: this model's cache holds per-sequence state (sliding-window ring, "
@@ -164,13 +210,6 @@ class EngineCore:
             num_blocks=list(self.plan.num_blocks), kv_total_bytes=self.plan.total_bytes,
             vocab_size=int(self.source.config.get("vocab_size", 0)),
             hot_bytes_per_seq=self.plan.hot_bytes_per_seq, compression_ratio=self.plan.compression_ratio)
-        per_seq = (f" + {self.plan.state_bytes_per_seq} B/sequence of window/carry state"
-                   if hasattr(self.plan, "state_bytes_per_seq") else
-                   f" + {self.plan.hot_bytes_per_seq} B/sequence of hot tokens" if self.plan.hot_bytes_per_seq else "")
-        log.info("engine ready in %.1fs: %s, max_model_len %d, KV %d tokens x %s B/token (%s)%s, %.1f MiB",
-                 time.monotonic() - t0, args.model, self.max_model_len, self.plan.capacity_tokens,
-                 f"{self.plan.bytes_per_token:g}", self.plan.bytes_per_token_by_kind(), per_seq,
-                 self.plan.total_bytes / 2**20)
 
     # -- requests -------------------------------------------------------------
     def add_request(self, er: EngineRequest) -> None:

@@ -98,10 +98,11 @@ def capture_qkv(model, token_ids: list[int], grads: bool = False) -> dict[int, t
     if grads:
         emb = next(m for m in model.modules() if "Embedding" in type(m).__name__)
         hooks.append(emb.register_forward_hook(leaf))
-    ids = torch.tensor(token_ids)
+    device = next(model.parameters()).device
+    ids = torch.tensor(token_ids, device=device)
     try:
         with torch.set_grad_enabled(grads):
-            hidden = model(ids, torch.arange(len(token_ids)), None)
+            hidden = model(ids, torch.arange(len(token_ids), device=device), None)
             if grads:
                 logits = model.compute_logits(hidden[:-1]).float()
                 F.cross_entropy(logits, ids[1:], reduction="sum").backward()
@@ -130,7 +131,7 @@ def _attention(mod: Attention, q, k, v) -> torch.Tensor:
     q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
     if mod.sliding_window is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=mod.scale).transpose(0, 1)
-    pos = torch.arange(q.shape[1])
+    pos = torch.arange(q.shape[1], device=q.device)
     mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - mod.sliding_window)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=mod.scale).transpose(0, 1)
 

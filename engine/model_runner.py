@@ -1,6 +1,14 @@
 """The one place that holds both the model and the scheduler's view: builds
 flat batch metadata for a scheduled step, runs one forward over the mixed
-prefill + decode batch, and samples."""
+prefill + decode batch, and samples.
+
+A step's inputs are assembled with numpy, per request at most (never per
+token in Python), into a reusable host buffer that goes to the model's
+device in one copy (pinned and non-blocking on CUDA): building a step reads
+nothing back from the device, so the step's one host sync is the sampler's."""
+from itertools import accumulate, chain
+
+import numpy as np
 import torch
 
 from engine.request import Request
@@ -11,55 +19,144 @@ from kvcache.kv_manager import KVCacheManager
 from kvcache.metadata import AttentionMetadata, GroupMetadata
 
 
+class _StepBuffer:
+    """Host memory for one step's integer inputs and their trip to the device.
+
+    A step packs all its int64 arrays into one buffer (pinned on CUDA) and
+    sends it in one non-blocking copy; on CPU the step's tensors are views of
+    the buffer itself. Two buffers alternate, so filling one never races a
+    copy still reading the other; on CUDA each copy records an event that
+    reusing its buffer (two steps later, with the sampler's sync in between)
+    waits on, which in practice never blocks."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.pin = device.type == "cuda"
+        self.bufs: list[torch.Tensor | None] = [None, None]
+        self.events: list = [None, None]
+        self.cur, self.n = 0, 0
+
+    def host(self, n: int) -> np.ndarray:
+        """The next buffer's first n int64 elements, to fill."""
+        self.cur ^= 1
+        i = self.cur
+        if self.events[i] is not None:
+            self.events[i].synchronize()
+            self.events[i] = None
+        buf = self.bufs[i]
+        if buf is None or buf.numel() < n:
+            size = max(n, 4096, 0 if buf is None else 2 * buf.numel())
+            buf = self.bufs[i] = torch.empty(size, dtype=torch.int64, pin_memory=self.pin)
+        self.n = n
+        return buf.numpy()[:n]
+
+    def send(self, offs: list[int]) -> list[torch.Tensor]:
+        """What host() handed out, on the device, cut at offs (parts
+        [offs[i], offs[i + 1]))."""
+        t = self.bufs[self.cur]
+        if self.device.type == "cpu":
+            a = t.numpy()
+            return [torch.from_numpy(a[x:y]) for x, y in zip(offs, offs[1:])]
+        d = t[:self.n].to(self.device, non_blocking=self.pin)
+        if self.pin:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.device))
+            self.events[self.cur] = ev
+        return [d[x:y] for x, y in zip(offs, offs[1:])]
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    p = next(iter(model.parameters()), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv: KVCacheManager, kv_caches: list):
         self.model = model
         self.kv = kv
         self.kv_caches = kv_caches     # indexed by layer, or one DSV4PagedCache
+        self.device = _model_device(model)
+        self.buf = _StepBuffer(self.device)
+
+    def _pack(self, sched: list[ScheduledRequest], tables: list[list[list[int]]]):
+        """The step's integer inputs on the device.
+
+        tables: per KV-cache group, each sequence's block table (lists from
+        the manager; NULL_BLOCK entries -1). Returns (input_ids [T],
+        positions [T], query_start_loc [B + 1], seq_lens [B], logits rows
+        [R], per group (slot_mapping [T], block_tables [B, W_g])) as device
+        tensors, and the host side: (qsl, seq_lens) numpy, the sampled
+        requests. Slots of tokens in a NULL block are negative (a hot group's
+        skipped blocks: not stored); block-table entries are clamped to 0."""
+        B = len(sched)
+        n = np.fromiter((s.num_new_tokens for s in sched), np.int64, B)
+        start = np.fromiter((s.start for s in sched), np.int64, B)
+        ends = start + n
+        # A request samples when this step reaches the end of its known tokens.
+        samples = ends == np.fromiter((s.req.num_tokens for s in sched), np.int64, B)
+        T, R = int(n.sum()), int(samples.sum())
+        lens = [np.fromiter(map(len, tg), np.int64, B) for tg in tables]
+        widths = [int(x.max()) if B else 0 for x in lens]
+        # Layout of the packed buffer.
+        sizes = [T, T, B + 1, B, R] + [m for w in widths for m in (T, B * w)]
+        offs = list(accumulate(sizes, initial=0))
+        host = self.buf.host(offs[-1])
+        part = [host[a:b] for a, b in zip(offs, offs[1:])]
+        ids, pos, qsl, seq_lens, rows = part[:5]
+
+        ids[:] = np.fromiter(chain.from_iterable(s.req.token_ids[s.start:s.start + s.num_new_tokens]
+                                                 for s in sched), np.int64, T)
+        qsl[0] = 0
+        np.cumsum(n, out=qsl[1:])
+        seq_lens[:] = ends
+        seq_of_tok = np.repeat(np.arange(B), n)
+        np.add(np.arange(T), (start - qsl[:-1])[seq_of_tok], out=pos)
+        rows[:] = qsl[1:][samples] - 1
+        bs = self.kv.block_size
+        blk, off = pos // bs, pos % bs
+        for g, (tg, ln, w) in enumerate(zip(tables, lens, widths)):
+            slots, bt = part[5 + 2 * g], part[6 + 2 * g].reshape(B, w)
+            if B == 1:
+                bt[0] = tg[0]
+            else:
+                bt.fill(0)
+                total = int(ln.sum())
+                flat = np.fromiter(chain.from_iterable(tg), np.int64, total)
+                first = np.cumsum(ln) - ln
+                bt[np.repeat(np.arange(B), ln), np.arange(total) - np.repeat(first, ln)] = flat
+            np.add(bt[seq_of_tok, blk] * bs, off, out=slots)
+            np.maximum(bt, 0, out=bt)             # NULL_BLOCK -> 0, masked by position
+
+        d = self.buf.send(offs)
+        groups = [(d[5 + 2 * g], d[6 + 2 * g].view(B, w)) for g, w in enumerate(widths)]
+        sampled = [sched[i].req for i in np.flatnonzero(samples)]
+        return d[:5], groups, (qsl, seq_lens, n), sampled
 
     def _build_dsv4(self, sched: list[ScheduledRequest]):
-        """Stateful (DeepSeek-V4) pool: the metadata is per-sequence views of it."""
-        input_ids, positions, qsl, seqs = [], [], [0], []
-        for s in sched:
-            req, start, n = s.req, s.req.num_computed_tokens, s.num_new_tokens
-            input_ids.extend(req.token_ids[start:start + n])
-            positions.extend(range(start, start + n))
-            qsl.append(qsl[-1] + n)
-            seqs.append((start, [self.kv.block_table(req.request_id, g) for g in range(len(self.kv.groups))]))
-        return (torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
-                self.kv_caches.batch(seqs, qsl), qsl)
+        """Stateful (DeepSeek-V4) pool: the metadata is per-sequence views of
+        it, built from the manager's Python lists (DSV4PagedCache.batch)."""
+        (ids, pos, _, _, rows), _, (qsl, _, _), sampled = self._pack(sched, [])
+        qsl = qsl.tolist()
+        seqs = [(s.start, [self.kv.block_table(s.req.request_id, g) for g in range(len(self.kv.groups))])
+                for s in sched]
+        return ids, pos, self.kv_caches.batch(seqs, qsl), qsl, rows, sampled
 
     def _build(self, sched: list[ScheduledRequest]):
+        """Returns (input_ids, positions, metadata, query_start_loc as a list,
+        logits rows [R] on the device, the R requests that sample)."""
         if isinstance(self.kv_caches, DSV4PagedCache):
             return self._build_dsv4(sched)
-        bs = self.kv.block_size
-        input_ids, positions, qsl, seq_lens = [], [], [0], []
-        slots = [[] for _ in self.kv.groups]
-        tables = [[] for _ in self.kv.groups]
-        for s in sched:
-            req, start, n = s.req, s.req.num_computed_tokens, s.num_new_tokens
-            input_ids.extend(req.token_ids[start:start + n])
-            positions.extend(range(start, start + n))
-            qsl.append(qsl[-1] + n)
-            seq_lens.append(start + n)
-            for g in range(len(self.kv.groups)):
-                table = self.kv.block_table(req.request_id, g)
-                slots[g].extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-                tables[g].append(table)
-        groups = []
-        for g in range(len(self.kv.groups)):
-            width = max(len(t) for t in tables[g])
-            bt = torch.zeros(len(sched), width, dtype=torch.long)
-            for i, t in enumerate(tables[g]):
-                row = torch.tensor(t, dtype=torch.long)
-                bt[i, :len(t)] = row.clamp(min=0)   # NULL_BLOCK -> 0, masked by position
-            groups.append(GroupMetadata(torch.tensor(slots[g], dtype=torch.long), bt))
-        num_decodes = 0
-        while num_decodes < len(sched) and sched[num_decodes].num_new_tokens == 1:
-            num_decodes += 1
-        meta = AttentionMetadata(qsl, seq_lens, num_decodes, groups, self.kv_caches)
-        return (torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
-                meta, qsl)
+        tables = [[self.kv.block_table(s.req.request_id, g) for s in sched] for g in range(len(self.kv.groups))]
+        (ids, pos, qsl_t, seq_lens_t, rows), groups, (qsl, seq_lens, n), sampled = self._pack(sched, tables)
+        B = len(sched)
+        num_decodes = int(np.count_nonzero(n == 1))      # they lead (execute sorts them first)
+        qsl_list = qsl.tolist()
+        meta = AttentionMetadata(qsl_list, seq_lens.tolist(), num_decodes,
+                                 [GroupMetadata(s, bt) for s, bt in groups], self.kv_caches,
+                                 seq_lens_t=seq_lens_t, query_start_loc_t=qsl_t,
+                                 max_seq_len=int(seq_lens.max()) if B else 0,
+                                 max_query_len=int(n.max()) if B else 0)
+        return ids, pos, meta, qsl_list, rows, sampled
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, tuple[int, dict | None]]:
@@ -68,16 +165,12 @@ class ModelRunner:
         logprobs on the request objects as a side effect."""
         # Decodes first, as the attention metadata expects.
         sched = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)
-        input_ids, positions, meta, qsl = self._build(sched)
+        input_ids, positions, meta, qsl, rows, sampled = self._build(sched)
         hidden = self.model(input_ids, positions, meta)
-        rows, sampled = [], []
         for i, s in enumerate(sched):
             req = s.req
             if req.prompt_logprobs is not None and s.start < req.num_prompt_tokens:
                 self._prompt_logprobs(req, s, hidden[qsl[i]:qsl[i + 1]])
-            if s.start + s.num_new_tokens == req.num_tokens:
-                rows.append(qsl[i + 1] - 1)
-                sampled.append(req)
         if not sampled:
             return {}
         logits = self.model.compute_logits(hidden[rows])

@@ -44,13 +44,25 @@ class Request:
         mt = er.params.max_tokens
         room = max_model_len - self.num_prompt_tokens
         self.max_tokens = room if mt is None else min(mt, room)
+        # A seeded request draws from its own generator, made on the logits'
+        # device at its first sample (generator_for).
+        self.seed: int | None = er.params.seed
         self.generator: torch.Generator | None = None
-        if er.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(er.params.seed)
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         # Prompt logprobs are computed chunk by chunk and sent once complete.
         self.prompt_logprobs: list | None = [None] if er.params.prompt_logprobs is not None else None
+
+    def generator_for(self, device: torch.device) -> torch.Generator | None:
+        """This request's generator on `device` (None when unseeded), seeded
+        from the request's seed when first asked for; on CPU its stream is
+        torch.Generator().manual_seed(seed)'s."""
+        if self.seed is None:
+            return None
+        g = self.generator
+        if g is None or g.device != device:
+            g = self.generator = torch.Generator(device=device).manual_seed(self.seed)
+        return g
 
     @property
     def num_tokens(self) -> int:

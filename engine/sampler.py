@@ -1,90 +1,298 @@
-"""Logits -> tokens for a batch of requests, each with its own parameters."""
+"""Logits -> tokens for a batch of requests, each with its own parameters.
+
+Everything runs on the logits' device, vectorised over the batch. The
+per-request parameters are gathered on the host into a few numpy arrays that
+go to the device in one copy (packed into one pinned buffer, non-blocking,
+on CUDA; zero-copy views on CPU). Penalties, logit bias and min_tokens bans
+are scatters at flat (row * V + token) positions; temperature, top-k, top-p
+and min-p are batched tensor ops. Work a batch does not ask for is skipped:
+a greedy batch without penalties or logprobs costs one argmax.
+
+The step's one host sync is the transfer of the sampled tokens; the
+logprobs, computed for all rows that want them in one batched op, travel in
+the same transfer.
+
+Seeded requests draw their exponentials from their own generator on the
+logits' device (Request.generator_for), one row each, so a seeded request
+gives the same tokens alone or in any batch; unseeded rows draw from the
+device's default generator, all in one call.
+"""
+import weakref
+
+import numpy as np
 import torch
 
 from engine.request import Request
 
 
-def _penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
-    """Repetition (HF style, over prompt + output), frequency and presence
-    (OpenAI style, over output) penalties and logit_bias, in place."""
+class _Upload:
+    """Host arrays (int64 or float32, 1-D) sent to the device in one copy."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.pack = device.type != "cpu"     # on CPU the arrays are used in place
+        self.parts: list[np.ndarray] = []
+
+    def add(self, a, dtype) -> int:
+        self.parts.append(np.ascontiguousarray(a, dtype=dtype).reshape(-1))
+        return len(self.parts) - 1
+
+    def send(self) -> list[torch.Tensor]:
+        if not self.parts:
+            return []
+        if not self.pack:
+            return [torch.from_numpy(a) for a in self.parts]
+        # One uint8 buffer: the int64 parts first (8-byte aligned), then float32.
+        order = sorted(range(len(self.parts)), key=lambda i: self.parts[i].dtype != np.int64)
+        offs, n = [0] * len(self.parts), 0
+        for i in order:
+            offs[i] = n
+            n += self.parts[i].nbytes
+        pin = self.device.type == "cuda"
+        host = torch.empty(max(n, 8), dtype=torch.uint8, pin_memory=pin)
+        hv = host.numpy()
+        for i, a in enumerate(self.parts):
+            hv[offs[i]:offs[i] + a.nbytes] = a.view(np.uint8)
+        dev = host.to(self.device, non_blocking=pin)
+        return [dev[o:o + a.nbytes].view(torch.int64 if a.dtype == np.int64 else torch.float32)
+                for o, a in zip(offs, self.parts)]
+
+
+# Prompt token ids as numpy arrays, built once per request (a prompt never
+# changes; outputs can be rolled back, so they are converted each step).
+_PROMPT_IDS: "weakref.WeakKeyDictionary[Request, np.ndarray]" = weakref.WeakKeyDictionary()
+
+
+def _prompt_ids(r: Request) -> np.ndarray:
+    a = _PROMPT_IDS.get(r)
+    if a is None:
+        a = _PROMPT_IDS[r] = np.asarray(r.prompt_token_ids, dtype=np.int64)
+    return a
+
+
+def _flat(rows: list[int], ids: list[np.ndarray], V: int) -> np.ndarray:
+    """row * V + id for each id of each row."""
+    if not ids:
+        return np.zeros(0, np.int64)
+    return np.concatenate(ids) + np.repeat(np.asarray(rows, np.int64) * V, [len(a) for a in ids])
+
+
+def _plan_penalties(reqs: list[Request], V: int, up: _Upload) -> dict | None:
+    """Host side of the penalties: what each request asks for, as arrays
+    added to `up`. None when no request asks for any."""
+    rep_rows, rep_ids, rep_vals, cnt_rows, cnt_ids, cnt_fp, cnt_pp = [], [], [], [], [], [], []
+    bias_rows, bias_ids, bias_vals, ban_rows, ban_ids = [], [], [], [], []
     for i, r in enumerate(reqs):
         p = r.params
         if p.repetition_penalty != 1.0:
-            ids = torch.tensor(sorted(set(r.token_ids)), dtype=torch.long)
-            sel = logits[i, ids]
-            logits[i, ids] = torch.where(sel > 0, sel / p.repetition_penalty, sel * p.repetition_penalty)
+            rep_rows.append(i)
+            rep_vals.append(p.repetition_penalty)
+            rep_ids.append(np.concatenate([_prompt_ids(r), np.asarray(r.output_token_ids, np.int64)])
+                           if r.num_output_tokens else _prompt_ids(r))
         if (p.frequency_penalty or p.presence_penalty) and r.num_output_tokens:
-            out = torch.tensor(r.output_token_ids, dtype=torch.long)
-            counts = torch.bincount(out, minlength=logits.shape[1]).to(logits.dtype)
-            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+            cnt_rows.append(i)
+            cnt_fp.append(p.frequency_penalty)
+            cnt_pp.append(p.presence_penalty)
+            cnt_ids.append(np.asarray(r.output_token_ids, np.int64))
         if p.logit_bias:
-            ids = torch.tensor(list(p.logit_bias.keys()), dtype=torch.long)
-            ids = ids.clamp(0, logits.shape[1] - 1)
-            logits[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
+            n = len(p.logit_bias)
+            bias_rows.append(i)
+            bias_ids.append(np.clip(np.fromiter(p.logit_bias.keys(), np.int64, n), 0, V - 1))
+            bias_vals.append(np.fromiter(p.logit_bias.values(), np.float32, n))
         if r.num_output_tokens < p.min_tokens:
-            banned = list((r.eos_token_ids | r.stop_token_ids) & set(range(logits.shape[1])))
+            banned = [t for t in (r.eos_token_ids | r.stop_token_ids) if 0 <= t < V]
             if banned:
-                logits[i, banned] = float("-inf")
+                ban_rows.append(i)
+                ban_ids.append(np.asarray(banned, np.int64))
+    plan = {}
+    if rep_rows:
+        lens = [len(a) for a in rep_ids]
+        plan["rep"] = (up.add(_flat(rep_rows, rep_ids, V), np.int64),
+                       up.add(np.repeat(np.asarray(rep_vals, np.float32), lens), np.float32))
+    if cnt_rows:
+        # Counts go to a compact [len(cnt_rows), V] scratch: positions there and in the batch.
+        lens = [len(a) for a in cnt_ids]
+        plan["cnt"] = (up.add(_flat(cnt_rows, cnt_ids, V), np.int64),
+                       up.add(_flat(range(len(cnt_rows)), cnt_ids, V), np.int64),
+                       up.add(np.repeat(np.asarray(cnt_fp, np.float32), lens), np.float32),
+                       up.add(np.repeat(np.asarray(cnt_pp, np.float32), lens), np.float32),
+                       len(cnt_rows))
+    if bias_rows:
+        plan["bias"] = (up.add(_flat(bias_rows, bias_ids, V), np.int64),
+                        up.add(np.concatenate(bias_vals), np.float32))
+    if ban_rows:
+        plan["ban"] = up.add(_flat(ban_rows, ban_ids, V), np.int64)
+    return plan or None
 
 
-def _filter(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-    """Temperature, top-k, top-p, min-p; returns probabilities."""
-    temps = torch.tensor([r.params.temperature for r in reqs], dtype=logits.dtype)
-    logits = logits / temps[:, None]
-    top_k = [r.params.top_k for r in reqs]
-    if any(top_k):
-        ks = torch.tensor([k if k > 0 else logits.shape[1] for k in top_k])
-        kth = torch.sort(logits, dim=-1, descending=True).values.gather(1, (ks - 1).clamp(max=logits.shape[1] - 1)[:, None])
+def _apply_penalties(logits: torch.Tensor, plan: dict, t: list[torch.Tensor]) -> torch.Tensor:
+    """Repetition (HF style, over prompt + output), frequency and presence
+    (OpenAI style, over output) penalties, logit_bias, then min_tokens bans
+    of EOS / stop ids, each a gather / compute / scatter at the flat
+    positions it touches (a position listed twice gets the same value
+    twice). Returns new float32 logits."""
+    B, V = logits.shape
+    logits = torch.empty((B, V), dtype=torch.float32, device=logits.device).copy_(logits)
+    flat = logits.view(-1)
+    if "rep" in plan:
+        pos, rp = (t[k] for k in plan["rep"])
+        sel = flat.index_select(0, pos)
+        flat.index_copy_(0, pos, torch.where(sel > 0, sel / rp, sel * rp))
+    if "cnt" in plan:
+        pos, cpos, fp, pp = (t[k] for k in plan["cnt"][:4])
+        counts = torch.zeros(plan["cnt"][4] * V, dtype=torch.float32, device=logits.device)
+        counts.index_add_(0, cpos, torch.ones(cpos.shape, dtype=torch.float32, device=logits.device))
+        c = counts.index_select(0, cpos)
+        sel = flat.index_select(0, pos)
+        flat.index_copy_(0, pos, sel - (fp * c + pp * (c > 0).to(torch.float32)))
+    if "bias" in plan:
+        pos, vals = (t[k] for k in plan["bias"])
+        flat.index_add_(0, pos, vals)
+    if "ban" in plan:
+        flat.index_fill_(0, t[plan["ban"]], float("-inf"))
+    return logits
+
+
+def _filter(logits: torch.Tensor, tt: dict) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p on float32 logits of the rows that
+    sample; returns probabilities. tt: the uploaded per-row parameters."""
+    logits = logits / tt["temp"][:, None]
+    if "top_k" in tt:
+        km1 = tt["top_k"]                      # k - 1 per row; -1 = off
+        kth = torch.topk(logits, tt["kmax"], dim=-1).values.gather(1, km1.clamp(min=0)[:, None])
+        kth = kth.masked_fill(km1[:, None] < 0, float("-inf"))
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    top_p = torch.tensor([r.params.top_p for r in reqs], dtype=probs.dtype)
-    if (top_p < 1).any():
+    if "top_p" in tt:
         sp, si = torch.sort(probs, dim=-1, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always).
-        drop = (sp.cumsum(-1) - sp) >= top_p[:, None]
+        # Keep the smallest prefix whose mass reaches top_p (the first token
+        # always); rows with top_p = 1 have an unreachable threshold (inf).
+        drop = (sp.cumsum(-1) - sp) >= tt["top_p"][:, None]
         sp = sp.masked_fill(drop, 0)
         probs = torch.zeros_like(probs).scatter_(1, si, sp)
-    min_p = torch.tensor([r.params.min_p for r in reqs], dtype=probs.dtype)
-    if (min_p > 0).any():
-        thr = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+    if "min_p" in tt:
+        thr = probs.max(dim=-1, keepdim=True).values * tt["min_p"][:, None]
         probs = probs.masked_fill(probs < thr, 0)
     return probs / probs.sum(-1, keepdim=True)
 
 
 def sample(logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[dict | None]]:
-    """logits: [B, V] float32 (raw model output) -> token per request and,
-    where asked, logprobs {chosen: lp, top-k alternatives...} of the raw
-    distribution (as vLLM reports by default)."""
-    raw = logits
-    logits = logits.clone()
-    _penalties(logits, reqs)
-    greedy = torch.tensor([r.params.greedy for r in reqs])
-    tokens = logits.argmax(dim=-1)
-    if not greedy.all():
-        idx = (~greedy).nonzero().flatten().tolist()
-        sub = [reqs[i] for i in idx]
-        probs = _filter(logits[idx], sub)
+    """logits: [B, V] float32 or bf16 (raw model output, on any device) ->
+    token per request and, where asked, logprobs {chosen: lp, top-k
+    alternatives...} of the raw distribution (as vLLM reports by default).
+    Penalties apply before the filters; greedy rows take the argmax of the
+    penalised logits."""
+    B, V = logits.shape
+    if B == 0:
+        return [], []
+    device = logits.device
+    params = [r.params for r in reqs]
+    samp = [i for i, p in enumerate(params) if not p.greedy]
+    want = [i for i, p in enumerate(params) if p.logprobs is not None]
+
+    # Everything the host knows, in one upload.
+    up = _Upload(device)
+    plan = _plan_penalties(reqs, V, up)
+    keys: dict[str, int] = {}
+    kmax = 0
+    if samp:
+        sps = [params[i] for i in samp]
+        if len(samp) < B:
+            keys["rows"] = up.add(samp, np.int64)
+        keys["temp"] = up.add([p.temperature for p in sps], np.float32)
+        if any(p.top_k for p in sps):
+            kmax = min(max(p.top_k for p in sps), V)
+            keys["top_k"] = up.add([min(p.top_k, V) - 1 if p.top_k > 0 else -1 for p in sps], np.int64)
+        if any(p.top_p < 1 for p in sps):
+            keys["top_p"] = up.add([p.top_p if p.top_p < 1 else np.inf for p in sps], np.float32)
+        if any(p.min_p > 0 for p in sps):
+            keys["min_p"] = up.add([p.min_p for p in sps], np.float32)
+    if want and len(want) < B:
+        keys["want"] = up.add(want, np.int64)
+    t = up.send()
+    tt = {k: t[v] for k, v in keys.items()}
+    tt["kmax"] = kmax
+
+    work = logits if plan is None else _apply_penalties(logits, plan, t)
+    if len(samp) < B:
+        tokens = work.argmax(dim=-1)
+    if samp:
+        sub = work if "rows" not in tt else work.index_select(0, tt["rows"])
+        probs = _filter(sub if sub.dtype == torch.float32 else sub.float(), tt)
         # Exponential race (Gumbel-max on probabilities): a per-request
         # generator makes seeded requests repeatable in any batch.
         q = torch.empty_like(probs)
-        for j, r in enumerate(sub):
-            q[j].exponential_(generator=r.generator)
-        tokens[idx] = (probs / q).argmax(dim=-1)
-    out_tokens = tokens.tolist()
-    lps: list[dict | None] = [None] * len(reqs)
-    want = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
-    if want:
-        logp = torch.log_softmax(raw[want].float(), dim=-1)
-        for j, i in enumerate(want):
-            lps[i] = token_logprobs(logp[j], out_tokens[i], reqs[i].params.logprobs)
+        gens = [reqs[i].generator_for(device) for i in samp]
+        if any(g is None for g in gens):
+            q.exponential_()                   # unseeded rows: one draw for all
+        for j, g in enumerate(gens):
+            if g is not None:
+                q[j].exponential_(generator=g)
+        drawn = (probs / q).argmax(dim=-1)
+        if "rows" in tt:
+            tokens.index_copy_(0, tt["rows"], drawn)
+        else:
+            tokens = drawn
+
+    lps: list[dict | None] = [None] * B
+    if not want:
+        return tokens.tolist(), lps            # the step's one host sync
+    rows = tt.get("want")
+    raw = logits if rows is None else logits.index_select(0, rows)
+    wtok = tokens if rows is None else tokens.index_select(0, rows)
+    ks = [params[i].logprobs for i in want]
+    logp = torch.log_softmax(raw.float(), dim=-1)
+    host, kmax = _to_host(logp, wtok, ks, tokens)   # the step's one host sync
+    out_tokens = [int(x) for x in host[-B:]]
+    for i, d in zip(want, _lp_dicts(host, [out_tokens[i] for i in want], ks, kmax)):
+        lps[i] = d
     return out_tokens, lps
 
 
+def _to_host(logp: torch.Tensor, tokens: torch.Tensor, ks: list[int],
+             extra: torch.Tensor | None = None) -> tuple[list[float], int]:
+    """Chosen-token logprobs ([N]), top-kmax values and ids ([N, kmax]) of logp
+    [N, V] at tokens ([N], on logp's device), then `extra`, in one transfer as
+    float64 (which holds float32 values and token ids exactly)."""
+    kmax = min(max(ks, default=0), logp.shape[1])
+    parts = [logp.gather(1, tokens[:, None].long()).flatten().double()]
+    if kmax:
+        vals, ids = torch.topk(logp, kmax, dim=-1)
+        parts += [vals.flatten().double(), ids.flatten().double()]
+    if extra is not None:
+        parts.append(extra.double())
+    return torch.cat(parts).tolist(), kmax
+
+
+def _lp_dicts(host: list[float], tokens: list[int], ks: list[int], kmax: int) -> list[dict[int, float]]:
+    """The dicts {token: lp, then top-k alternatives} from _to_host's list."""
+    N = len(tokens)
+    vals, ids = host[N:N + N * kmax], host[N + N * kmax:N + 2 * N * kmax]
+    res = []
+    for j in range(N):
+        d = {tokens[j]: host[j]}
+        for c in range(j * kmax, j * kmax + min(ks[j], kmax)):
+            d.setdefault(int(ids[c]), vals[c])
+        res.append(d)
+    return res
+
+
 def token_logprobs(logp: torch.Tensor, token: int, k: int) -> dict[int, float]:
-    """{token: lp} then the top-k alternatives, descending."""
-    d = {token: float(logp[token])}
-    if k:
-        vals, ids = torch.topk(logp, k)
-        for v, t in zip(vals.tolist(), ids.tolist()):
-            d.setdefault(t, v)
-    return d
+    """{token: lp} then the top-k alternatives, descending (logp: one row [V])."""
+    return batch_token_logprobs(logp[None], [token], k)[0]
+
+
+def batch_token_logprobs(logp: torch.Tensor, tokens: list[int], ks: int | list[int]) -> list[dict[int, float]]:
+    """token_logprobs for each row of logp [N, V] (tokens: N ids; ks: one k
+    or one per row), with one host transfer."""
+    N = logp.shape[0]
+    ks = [ks] * N if isinstance(ks, int) else list(ks)
+    if N == 0:
+        return []
+    tok = torch.tensor(tokens, dtype=torch.long)
+    if logp.device.type == "cuda":
+        tok = tok.pin_memory().to(logp.device, non_blocking=True)
+    else:
+        tok = tok.to(logp.device)
+    host, kmax = _to_host(logp, tok, ks)
+    return _lp_dicts(host, list(tokens), ks, kmax)

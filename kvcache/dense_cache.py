@@ -1,4 +1,7 @@
-"""Uncompressed (f32 / f16 / bf16) paged KV storage for one layer, and its attention.
+"""Uncompressed (f32 / f16 / bf16) paged KV storage for one layer, and its
+torch attention backend (dense-torch: SDPA over gathered blocks, the default
+on CPU and the reference the Triton backend, dense_triton.py, is tested
+against).
 
 This is the reference format: TurboQuant formats keep the same interface
 (write / attention / nbytes) so the pool never changes shape for them.
@@ -6,6 +9,7 @@ This is the reference format: TurboQuant formats keep the same interface
 import torch
 import torch.nn.functional as F
 
+from kvcache.backends import AttentionBackend, backend_for, register_backend
 from kvcache.layer_cache import LayerCache
 
 
@@ -16,9 +20,11 @@ def expand_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 class DenseLayerCache(LayerCache):
+    format_kind = "dense"
+
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, group_id: int, sliding_window: int | None = None,
-                 device: str | torch.device = "cpu"):
+                 device: str | torch.device = "cpu", backend: str | None = None):
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -26,6 +32,11 @@ class DenseLayerCache(LayerCache):
         self.sliding_window = sliding_window
         self.k = torch.zeros(num_blocks * block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
+        self.backend = backend_for(self.format_kind, self.k.device, backend)
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
 
     @property
     def nbytes(self) -> int:
@@ -48,38 +59,45 @@ class DenseLayerCache(LayerCache):
         first = lo_pos // bs
         return first, (hi_pos + bs - 1) // bs - first
 
-    def _decode(self, q, block_tables, seq_lens, scale):
+
+@register_backend("dense-torch", "dense")
+class DenseTorchBackend(AttentionBackend):
+    """SDPA over the gathered blocks: one batched decode, one call per prefill.
+    Runs on any device; its decode reads seq_lens.max() back (a sync on CUDA,
+    where dense-triton is the default)."""
+
+    def decode(self, cache, q, block_tables, seq_lens, scale):
         B, Hq, D = q.shape
-        H, bs, dev = self.num_kv_heads, self.block_size, q.device
+        H, bs, dev = cache.num_kv_heads, cache.block_size, q.device
         seq_lens = seq_lens.to(dev)
-        cols = self.decode_columns(block_tables, seq_lens)
+        cols = cache.decode_columns(block_tables, seq_lens)
         blocks = block_tables.gather(1, cols)
         slots = (blocks.unsqueeze(-1) * bs + torch.arange(bs, device=dev)).flatten()
         pos = (cols.unsqueeze(-1) * bs + torch.arange(bs, device=dev)).flatten(1)
         L = pos.shape[1]
         # index_select is ~10x faster than advanced indexing on CPU; the
         # [B, H, L, D] views need no copy.
-        k = self.k.index_select(0, slots).view(B, L, H, D).transpose(1, 2).to(q.dtype)
-        v = self.v.index_select(0, slots).view(B, L, H, D).transpose(1, 2).to(q.dtype)
+        k = cache.k.index_select(0, slots).view(B, L, H, D).transpose(1, 2).to(q.dtype)
+        v = cache.v.index_select(0, slots).view(B, L, H, D).transpose(1, 2).to(q.dtype)
         valid = pos < seq_lens[:, None]
-        if self.sliding_window is not None:
-            valid &= pos > (seq_lens[:, None] - 1 - self.sliding_window)
+        if cache.sliding_window is not None:
+            valid &= pos > (seq_lens[:, None] - 1 - cache.sliding_window)
         # GQA without copying K/V: a KV head's G query heads act as G queries.
         o = F.scaled_dot_product_attention(q.view(B, H, Hq // H, D), k, v,
                                            attn_mask=valid[:, None, None, :], scale=scale)
         return o.reshape(B, Hq, D)
 
-    def _prefill(self, q, block_table, seq_len, scale):
+    def prefill(self, cache, q, block_table, seq_len, scale):
         Lq = q.shape[0]
         start = seq_len - Lq
-        lo = 0 if self.sliding_window is None else max(0, start - self.sliding_window + 1)
-        first, nblk = self._window_blocks(lo, seq_len)
-        k, v = self._gather(block_table, first, nblk, q.dtype)         # [L, H, D]
-        kpos = torch.arange(first * self.block_size, (first + nblk) * self.block_size, device=q.device)
+        lo = 0 if cache.sliding_window is None else max(0, start - cache.sliding_window + 1)
+        first, nblk = cache._window_blocks(lo, seq_len)
+        k, v = cache._gather(block_table, first, nblk, q.dtype)         # [L, H, D]
+        kpos = torch.arange(first * cache.block_size, (first + nblk) * cache.block_size, device=q.device)
         qpos = torch.arange(start, seq_len, device=q.device)
         mask = kpos[None, :] <= qpos[:, None]
-        if self.sliding_window is not None:
-            mask &= kpos[None, :] > qpos[:, None] - self.sliding_window
+        if cache.sliding_window is not None:
+            mask &= kpos[None, :] > qpos[:, None] - cache.sliding_window
         k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),

@@ -163,18 +163,19 @@ class KVPolicy:
         return ", ".join(f"{a}{'' if a == b else f'-{b}'} {fmt} {nb} B/token" for (fmt, nb), a, b in runs)
 
     def make_layer_cache(self, spec: LayerSpec, num_blocks: int, block_size: int, group_id: int,
-                         num_layers: int, hot_blocks: int = 0, hot_group_id: int | None = None):
+                         num_layers: int, hot_blocks: int = 0, hot_group_id: int | None = None,
+                         device: str | torch.device = "cpu"):
         k, v = self.layer_formats(spec, num_layers)
         if k == F16 and v == F16:
             return DenseLayerCache(num_blocks, block_size, spec.num_kv_heads, spec.head_dim,
-                                   self.f16_dtype, group_id, spec.sliding_window)
+                                   self.f16_dtype, group_id, spec.sliding_window, device)
         d = spec.head_dim
         if d < 8 or d & (d - 1):
             raise ValueError(f"layer {spec.layer_idx}: compressed KV formats need a power-of-two "
                              f"head_dim >= 8 (Walsh-Hadamard rotation), got {d}; use kv_cache_dtype f16")
         hot = self.layer_hot(spec, num_layers) if hot_group_id is not None else ""
         return TQLayerCache(num_blocks, block_size, spec.num_kv_heads, spec.head_dim, k, v, group_id,
-                            spec.sliding_window, seed=layer_seed(self.seed, spec.layer_idx),
+                            spec.sliding_window, seed=layer_seed(self.seed, spec.layer_idx), device=device,
                             hot=hot, hot_blocks=hot_blocks, hot_group_id=hot_group_id)
 
 

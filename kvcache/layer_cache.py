@@ -1,21 +1,41 @@
-"""What every per-layer paged storage format shares: the split of a flat
-batch into one batched decode and per-sequence prefills, and which block
-columns a decode reads."""
+"""What every per-layer paged storage format shares: its attention backend
+(kvcache/backends.py, chosen by format and device), and which block columns
+a decode reads."""
 import torch
 
-from kvcache.metadata import AttentionMetadata, GroupMetadata
+from kvcache.backends import AttentionBackend, backend_for
+from kvcache.metadata import AttentionMetadata
 
 
 class LayerCache:
-    """Subclasses set block_size, group_id, sliding_window and implement
-    write(slot_mapping, k, v), nbytes, _decode(q [B, Hq, D], block_tables,
-    seq_lens, scale, *extra_tables) and _prefill(q [Lq, Hq, D], block_table,
-    seq_len, scale, *extra_tables), where extra_tables are the block tables of
-    extra_groups (more KV-cache groups the layer stores into, e.g. hot tokens)."""
+    """Subclasses set block_size, group_id, sliding_window, format_kind
+    ("dense" / "tq": which backends can read it) and device, and implement
+    write(slot_mapping, k, v) and nbytes. Attention runs in the backend the
+    registry gives for (format_kind, device), looked up on first use unless
+    set (`cache.backend = name`); _decode / _prefill are its one-call entry
+    points (tests, benchmarks). extra_groups: more KV-cache groups the layer
+    stores into (e.g. hot tokens), whose block tables the backend also gets."""
     block_size: int
     group_id: int
     sliding_window: int | None
+    format_kind: str = ""
     extra_groups: tuple = ()
+    _backend: AttentionBackend | None = None
+
+    @property
+    def device(self) -> torch.device:
+        raise NotImplementedError
+
+    @property
+    def backend(self) -> AttentionBackend:
+        if self._backend is None:
+            self._backend = backend_for(self.format_kind, self.device)
+        return self._backend
+
+    @backend.setter
+    def backend(self, b: "AttentionBackend | str | None") -> None:
+        """A backend, a registered name, or None (the default for the device)."""
+        self._backend = b if isinstance(b, AttentionBackend) else backend_for(self.format_kind, self.device, b)
 
     def store(self, meta: AttentionMetadata, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write this step's new K/V (k, v: [T, Hkv, D])."""
@@ -23,18 +43,15 @@ class LayerCache:
 
     def attention(self, q: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q: [T, Hq, D] for the whole flat batch (decodes first) -> [T, Hq, D]."""
-        group: GroupMetadata = meta.groups[self.group_id]
-        extra = [meta.groups[g].block_tables for g in self.extra_groups]
-        out = torch.empty_like(q)
-        nd = meta.num_decodes
-        if nd:
-            out[:nd] = self._decode(q[:nd], group.block_tables[:nd], meta.seq_lens_t[:nd], scale,
-                                    *[t[:nd] for t in extra])
-        for i in range(nd, meta.num_seqs):
-            s, e = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-            out[s:e] = self._prefill(q[s:e], group.block_tables[i], meta.seq_lens[i], scale,
-                                     *[t[i] for t in extra])
-        return out
+        return self.backend.forward(self, q, meta, scale)
+
+    def _decode(self, q, block_tables, seq_lens, scale, *extra_tables):
+        """q [B, Hq, D], one query token per sequence -> [B, Hq, D]."""
+        return self.backend.decode(self, q, block_tables, seq_lens, scale, *extra_tables)
+
+    def _prefill(self, q, block_table, seq_len, scale, *extra_tables):
+        """q [Lq, Hq, D], the last Lq positions of one sequence -> [Lq, Hq, D]."""
+        return self.backend.prefill(self, q, block_table, seq_len, scale, *extra_tables)
 
     def decode_columns(self, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
         """[B, nblk] block-table columns each decoding sequence reads: all of

@@ -17,6 +17,12 @@ class AttentionMetadata:
 
     Sequences are laid out decodes first (query_len == 1), then prefills.
     seq_lens counts the context after this step's tokens are written.
+
+    The lists are host copies (the CPU backends' per-sequence prefill loop
+    and DeepSeek-V4 read them); the tensors live on the model's device (the
+    GPU kernels read them: no host sync); the max_* are host ints that size
+    kernel grids. The model runner fills everything; built from the lists
+    alone (tests), the rest is derived here, on the CPU.
     """
     query_start_loc: list[int]          # [B + 1] offsets of each sequence's tokens in the flat batch
     seq_lens: list[int]                 # [B]
@@ -24,11 +30,25 @@ class AttentionMetadata:
     groups: list[GroupMetadata]         # indexed by group id
     kv_caches: list = field(default_factory=list)   # indexed by layer_idx: the layer's storage
     seq_lens_t: torch.Tensor | None = None          # [B] long, same as seq_lens
+    query_start_loc_t: torch.Tensor | None = None   # [B + 1] long, same as query_start_loc
+    max_seq_len: int | None = None                  # max(seq_lens)
+    max_query_len: int | None = None                # the longest sequence's query_len
 
     def __post_init__(self):
         if self.seq_lens_t is None:
             self.seq_lens_t = torch.tensor(self.seq_lens, dtype=torch.long)
+        if self.query_start_loc_t is None:
+            self.query_start_loc_t = torch.tensor(self.query_start_loc, dtype=torch.long)
+        if self.max_seq_len is None:
+            self.max_seq_len = max(self.seq_lens, default=0)
+        if self.max_query_len is None:
+            qsl = self.query_start_loc
+            self.max_query_len = max((qsl[i + 1] - qsl[i] for i in range(len(qsl) - 1)), default=0)
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)
+
+    @property
+    def num_prefills(self) -> int:
+        return self.num_seqs - self.num_decodes

@@ -1,4 +1,5 @@
-"""Size the KV pool from a memory budget, with bytes measured on real tensors."""
+"""Size the KV pool from a memory budget, with bytes measured on real tensors;
+the budget itself from the host's or the card's memory."""
 from dataclasses import dataclass
 
 import torch
@@ -28,13 +29,58 @@ def kv_dtype(name: str, model_dtype: torch.dtype, k: str | None = None, v: str |
 
 
 def make_layer_cache(spec: LayerSpec, num_blocks: int, block_size: int, dtype, group_id: int,
-                     num_layers: int | None = None, hot_blocks: int = 0, hot_group_id: int | None = None):
+                     num_layers: int | None = None, hot_blocks: int = 0, hot_group_id: int | None = None,
+                     device: str | torch.device = "cpu"):
     if isinstance(dtype, KVPolicy):
         return dtype.make_layer_cache(spec, num_blocks, block_size, group_id,
                                       num_layers if num_layers is not None else spec.layer_idx + 1,
-                                      hot_blocks, hot_group_id)
+                                      hot_blocks, hot_group_id, device)
     return DenseLayerCache(num_blocks, block_size, spec.num_kv_heads, spec.head_dim, dtype,
-                           group_id, spec.sliding_window)
+                           group_id, spec.sliding_window, device)
+
+
+# ---------------------------------------------------------------- budget
+
+DEFAULT_KV_BYTES = 2 << 30
+
+
+def available_memory() -> int:
+    """The host's MemAvailable (8 GiB when /proc/meminfo cannot say)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 8 << 30
+
+
+def kv_budget(setting, available: int | None = None) -> int:
+    """KV bytes from kv_cache_memory: bytes, a fraction (< 1) of `available`
+    (default: the host's available memory), or None: min(2 GiB, a quarter of it)."""
+    if setting is not None and not (isinstance(setting, float) and setting < 1):
+        return int(setting)
+    avail = available_memory() if available is None else available
+    return min(DEFAULT_KV_BYTES, avail // 4) if setting is None else int(avail * setting)
+
+
+def device_kv_budget(total: int, utilization: float, free_at_start: int, non_kv: int,
+                     peak_activation: int) -> int:
+    """KV bytes on an accelerator (vLLM's rule): the engine may use
+    utilization * total, which must have been free when it started; the
+    weights and every other allocation it made since (non_kv) and one step's
+    activation peak come off that first."""
+    gib = 1 << 30
+    requested = int(total * utilization)
+    if requested > free_at_start:
+        raise ValueError(f"gpu_memory_utilization {utilization:g} asks for {requested / gib:.2f} GiB of the "
+                         f"device's {total / gib:.2f} GiB but {free_at_start / gib:.2f} GiB was free at startup "
+                         f"(other processes on it?); lower gpu_memory_utilization")
+    budget = requested - non_kv - peak_activation
+    if budget <= 0:
+        raise ValueError(f"no device memory left for the KV cache: {utilization:g} x {total / gib:.2f} GiB - "
+                         f"{non_kv / gib:.2f} GiB weights and other allocations - {peak_activation / gib:.2f} GiB "
+                         f"activation peak = {budget / gib:.2f} GiB; raise gpu_memory_utilization or lower "
+                         f"max_num_batched_tokens")
+    return budget
 
 
 @dataclass
@@ -132,11 +178,14 @@ def plan_kv_pool(specs: list[LayerSpec], budget_bytes: int, block_size: int, dty
                   f16_bytes_per_token=sum(f16_block[i] for i in groups[0].layer_ids) / block_size)
 
 
-def allocate_kv_caches(specs: list[LayerSpec], plan: KVPlan, dtype: torch.dtype):
-    """Per-layer storage list (dense / TurboQuant), or one DSV4PagedCache."""
+def allocate_kv_caches(specs: list[LayerSpec], plan: KVPlan, dtype: torch.dtype,
+                       device: str | torch.device = "cpu"):
+    """Per-layer storage list (dense / TurboQuant), or one DSV4PagedCache, on device.
+    (plan_kv_pool measures bytes on CPU probes: the same bytes on any device.)"""
     if specs and isinstance(specs[0], DSV4LayerSpec):
         from kvcache.dsv4_paged import DSV4PagedCache
-        return DSV4PagedCache(specs, plan.groups, plan.num_blocks, plan.block_size, plan.max_rollback, dtype)
+        return DSV4PagedCache(specs, plan.groups, plan.num_blocks, plan.block_size, plan.max_rollback, dtype,
+                              device)
     caches = [None] * (max(s.layer_idx for s in specs) + 1)
     by_idx = {s.layer_idx: s for s in specs}
     hot_gid = next((gi for gi, g in enumerate(plan.groups) if g.hot), None)
@@ -148,5 +197,5 @@ def allocate_kv_caches(specs: list[LayerSpec], plan: KVPlan, dtype: torch.dtype)
             hot = i in hot_layers
             caches[i] = make_layer_cache(by_idx[i], plan.num_blocks[gi], plan.block_size, dtype, gi,
                                          len(caches), plan.num_blocks[hot_gid] if hot else 0,
-                                         hot_gid if hot else None)
+                                         hot_gid if hot else None, device)
     return caches

@@ -1,7 +1,9 @@
 """Paged KV storage for one layer in TurboQuant / int8 / f16 component formats,
 and attention that reads the compressed blocks directly: a compiled kernel on
-CPU (tq_cpu.py), Triton on GPU (tq_triton.py), and the torch implementation
-here (_attend_torch), which both are tested against.
+CPU (tq_cpu.py, backend tq-cpu), Triton on GPU (tq_triton.py, tq-triton), and
+the torch implementation here (_attend_torch; backend tq-torch), which both
+are tested against. The cache picks its backend by device from the registry
+(kvcache/backends.py) on first use.
 
 Same interface as DenseLayerCache (write / attention / nbytes). K and V are
 stored rotated (see turboquant.py); attention rotates the query once, scores
@@ -31,9 +33,8 @@ perplexity (tests/bench/results/kv_levers_*).
 """
 import torch
 
-from kvcache import tq_cpu
+from kvcache.backends import AttentionBackend, register_backend
 from kvcache.layer_cache import LayerCache
-from kvcache.tq_triton import tq_paged_decode, tq_prefill   # loads triton only on first GPU call
 from kvcache.turboquant import INT8, Codec, ComponentFormat
 
 NEG = -1e30   # finite "minus infinity": a fully masked chunk is wiped exactly by the next rescale
@@ -58,6 +59,8 @@ def merge(o1, lse1, o2, lse2):
 
 
 class TQLayerCache(LayerCache):
+    format_kind = "tq"
+
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  k_fmt: ComponentFormat, v_fmt: ComponentFormat, group_id: int,
                  sliding_window: int | None = None, seed: int = 0,
@@ -94,6 +97,10 @@ class TQLayerCache(LayerCache):
             if hot == "kv":
                 self.hvc = Codec(INT8, num_kv_heads, head_dim, seed)
                 self.hv = self.hvc.alloc(hot_blocks * block_size, device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.signs.device
 
     def part_stores(self, part: int):
         """(K codec, K store, V codec, V store) a pass over `part` reads."""
@@ -165,14 +172,7 @@ class TQLayerCache(LayerCache):
             k = k + self.k_mean.to(dtype)
         return k, self.vc.dequantize(self._rows(self.v, slots), dtype)
 
-    # -- attention ---------------------------------------------------------
-    def _attend(self, qr, cols, block_tables, qpos, seq_lens, part=ALL, v_tables=None):
-        """CPU attention over compressed blocks: the compiled kernel
-        (kvcache/tq_cpu.py), or the torch reference with TQSERVE_TQ_CPU=torch."""
-        if tq_cpu.enabled(self.head_dim):
-            return tq_cpu.attend(self, qr, cols, block_tables, qpos, seq_lens, part, v_tables)
-        return self._attend_torch(qr, cols, block_tables, qpos, seq_lens, part, v_tables)
-
+    # -- attention (the math the backends share) ------------------------------
     def _attend_torch(self, qr, cols, block_tables, qpos, seq_lens, part=ALL, v_tables=None):
         """Online-softmax attention over compressed blocks (the reference).
 
@@ -242,64 +242,6 @@ class TQLayerCache(LayerCache):
         o = acc.float() @ self.kc.rot_t(acc.device).T            # unrotate(acc)
         return o.permute(0, 3, 1, 2, 4).reshape(B, Lq, H * G, D).to(dtype)
 
-    def _decode(self, q, block_tables, seq_lens, scale, hot_tables=None):
-        seq_lens = seq_lens.to(q.device)
-        qr = self._rotate_q(q.unsqueeze(1), scale)
-        if q.is_cuda:
-            if not self.hot:
-                acc, _ = tq_paged_decode(self, qr, block_tables, seq_lens)
-            else:
-                v_hot = self.hot_v_tables(hot_tables, block_tables)
-                acc = merge(*tq_paged_decode(self, qr, block_tables, seq_lens, part=CODED),
-                            *tq_paged_decode(self, qr, hot_tables, seq_lens, part=HOT, v_tables=v_hot))
-            return self._finish(acc, q.dtype)[:, 0]
-        qpos = (seq_lens - 1)[:, None]
-        cols = self.decode_columns(block_tables, seq_lens)
-        if not self.hot:
-            acc, _ = self._attend(qr, cols, block_tables, qpos, seq_lens)
-            return self._finish(acc, q.dtype)[:, 0]
-        # Hot pass: block 0 and the query's own block (a masked block 1 when
-        # they are the same); coded pass: the blocks between. The compiled
-        # kernel runs both in one call (one online softmax).
-        own = (seq_lens - 1) // self.block_size
-        hot_cols = torch.stack([torch.zeros_like(own), own.clamp(min=1)], 1)
-        passes = [(HOT, hot_cols, hot_tables, self.hot_v_tables(hot_tables, block_tables))]
-        if cols.shape[1] > 1:
-            passes.append((CODED, cols[:, 1:], block_tables, None))
-        if tq_cpu.enabled(self.head_dim):
-            acc, _ = tq_cpu.attend_passes(self, qr, passes, qpos, seq_lens)
-        else:
-            outs = [self._attend_torch(qr, c, t, qpos, seq_lens, part, v) for part, c, t, v in passes]
-            acc = outs[0][0] if len(outs) == 1 else merge(*outs[0], *outs[1])
-        return self._finish(acc, q.dtype)[:, 0]
-
-    def _prefill(self, q, block_table, seq_len, scale, hot_table=None):
-        qr = self._rotate_q(q.unsqueeze(0), scale)
-        Lq = q.shape[0]
-        start = seq_len - Lq
-        bs, dev = self.block_size, q.device
-        lens = torch.tensor([seq_len], device=dev)
-        qpos = torch.arange(start, seq_len, device=dev)[None]
-        if self.hot:
-            # Coded pass over blocks 1 up to the last query's own block;
-            # the hot pass (block 0 + each query's own block) in torch.
-            hot = self._hot_prefill(qr, block_table, hot_table, seq_len)
-            cols = torch.arange(1, max(1, (seq_len - 1) // bs), device=dev)[None]
-            if cols.shape[1] == 0:
-                return self._finish(hot[0], q.dtype)[0]
-            if q.is_cuda:
-                coded = tq_prefill(self, qr, block_table, seq_len, part=CODED)
-            else:
-                coded = self._attend(qr, cols, block_table[None], qpos, lens, CODED)
-            return self._finish(merge(*coded, *hot), q.dtype)[0]
-        if q.is_cuda:
-            acc, _ = tq_prefill(self, qr, block_table, seq_len)
-            return self._finish(acc, q.dtype)[0]
-        lo = 0 if self.sliding_window is None else max(0, start - self.sliding_window + 1)
-        cols = torch.arange(lo // bs, -(-seq_len // bs), device=dev)[None]
-        acc, _ = self._attend(qr, cols, block_table[None], qpos, lens)
-        return self._finish(acc, q.dtype)[0]
-
     def _hot_prefill(self, qr, block_table, hot_table, seq_len):
         """The HOT pass of a prefill chunk: each query attends to block 0
         and to its own block up to itself, rows before the chunk from the hot
@@ -353,3 +295,62 @@ class TQLayerCache(LayerCache):
         o = o.reshape(H, G, nb * bs, D)[:, :, before:before + Lq]
         lse = lse.reshape(H, G, nb * bs)[:, :, before:before + Lq]
         return o[None].to(qr.dtype), lse[None]
+
+
+@register_backend("tq-torch", "tq")
+class TQTorchBackend(AttentionBackend):
+    """The reference: TQLayerCache._attend_torch (chunks of blocks, online
+    softmax in torch), one batched decode and one call per prefill; runs on
+    any device. tq-cpu (tq_cpu.py) is this with attend / attend_passes in
+    the compiled kernel."""
+
+    def attend(self, cache, qr, cols, block_tables, qpos, seq_lens, part=ALL, v_tables=None):
+        """One pass (TQLayerCache._attend_torch's contract) -> (acc, lse)."""
+        return cache._attend_torch(qr, cols, block_tables, qpos, seq_lens, part, v_tables)
+
+    def attend_passes(self, cache, qr, passes, qpos, seq_lens):
+        """The union of disjoint passes [(part, cols, block_tables, v_tables)] -> (acc, lse)."""
+        outs = [self.attend(cache, qr, c, t, qpos, seq_lens, part, v) for part, c, t, v in passes]
+        if len(outs) == 1:
+            return outs[0]
+        return merge(*outs[0], *outs[1]), torch.logaddexp(outs[0][1], outs[1][1])
+
+    def decode(self, cache, q, block_tables, seq_lens, scale, hot_tables=None):
+        seq_lens = seq_lens.to(q.device)
+        qr = cache._rotate_q(q.unsqueeze(1), scale)
+        qpos = (seq_lens - 1)[:, None]
+        cols = cache.decode_columns(block_tables, seq_lens)
+        if not cache.hot:
+            acc, _ = self.attend(cache, qr, cols, block_tables, qpos, seq_lens)
+            return cache._finish(acc, q.dtype)[:, 0]
+        # Hot pass: block 0 and the query's own block (a masked block 1 when
+        # they are the same); coded pass: the blocks between. The compiled
+        # kernel runs both in one call (one online softmax).
+        own = (seq_lens - 1) // cache.block_size
+        hot_cols = torch.stack([torch.zeros_like(own), own.clamp(min=1)], 1)
+        passes = [(HOT, hot_cols, hot_tables, cache.hot_v_tables(hot_tables, block_tables))]
+        if cols.shape[1] > 1:
+            passes.append((CODED, cols[:, 1:], block_tables, None))
+        acc, _ = self.attend_passes(cache, qr, passes, qpos, seq_lens)
+        return cache._finish(acc, q.dtype)[:, 0]
+
+    def prefill(self, cache, q, block_table, seq_len, scale, hot_table=None):
+        qr = cache._rotate_q(q.unsqueeze(0), scale)
+        Lq = q.shape[0]
+        start = seq_len - Lq
+        bs, dev = cache.block_size, q.device
+        lens = torch.tensor([seq_len], device=dev)
+        qpos = torch.arange(start, seq_len, device=dev)[None]
+        if cache.hot:
+            # Coded pass over blocks 1 up to the last query's own block;
+            # the hot pass (block 0 + each query's own block) in torch.
+            hot = cache._hot_prefill(qr, block_table, hot_table, seq_len)
+            cols = torch.arange(1, max(1, (seq_len - 1) // bs), device=dev)[None]
+            if cols.shape[1] == 0:
+                return cache._finish(hot[0], q.dtype)[0]
+            coded = self.attend(cache, qr, cols, block_table[None], qpos, lens, CODED)
+            return cache._finish(merge(*coded, *hot), q.dtype)[0]
+        lo = 0 if cache.sliding_window is None else max(0, start - cache.sliding_window + 1)
+        cols = torch.arange(lo // bs, -(-seq_len // bs), device=dev)[None]
+        acc, _ = self.attend(cache, qr, cols, block_table[None], qpos, lens)
+        return cache._finish(acc, q.dtype)[0]

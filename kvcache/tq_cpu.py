@@ -1,7 +1,8 @@
 """Compiled CPU attention over TurboQuant paged blocks (kvcache/csrc/tq_cpu_attn.cpp).
 
-TQLayerCache._attend uses it on CPU; TQLayerCache._attend_torch stays the
-reference it is tested against (tests/test_tq_cpu.py). The kernel decodes one
+The tq-cpu attention backend (TQCpuBackend below, the default for TurboQuant
+caches on CPU) runs it; TQLayerCache._attend_torch stays the reference it is
+tested against (tests/test_tq_cpu.py). The kernel decodes one
 block of keys and values at a time straight from the packed codes, shared by
 every query row of a KV head, with an online softmax: the torch path's
 per-chunk op overhead and float intermediates dominate decode on CPU.
@@ -22,6 +23,9 @@ from functools import lru_cache
 from pathlib import Path
 
 import torch
+
+from kvcache.backends import register_backend
+from kvcache.tq_cache import TQTorchBackend
 
 SRC = Path(__file__).resolve().parent / "csrc" / "tq_cpu_attn.cpp"
 CXX = os.environ.get("CXX", "g++")
@@ -47,7 +51,7 @@ HEAD_DIMS = (8, 16, 32, 64, 128, 256, 512)   # the kernel's compiled specialisat
 
 
 def enabled(head_dim: int) -> bool:
-    """Whether TQLayerCache runs the compiled kernel on CPU (the default)."""
+    """Whether tq-cpu runs the compiled kernel (the default; read at every call)."""
     return os.environ.get("TQSERVE_TQ_CPU", "kernel").lower() != "torch" and head_dim in HEAD_DIMS
 
 
@@ -153,3 +157,20 @@ def attend_passes(cache, qr, passes, qpos, seq_lens):
         raise ValueError(f"TurboQuant CPU kernel: unsupported head_dim {D}, parts "
                          f"{[p[0] for p in passes]} or sink {cache.sink}")
     return out.to(qr.dtype), lse
+
+
+@register_backend("tq-cpu", "tq")
+class TQCpuBackend(TQTorchBackend):
+    """tq-torch's decode / prefill with their passes in the compiled kernel
+    (this module's attend / attend_passes), or in torch where enabled() says
+    no: TQSERVE_TQ_CPU=torch, or a head_dim the kernel has no build for."""
+
+    def attend(self, cache, qr, cols, block_tables, qpos, seq_lens, part=0, v_tables=None):
+        if enabled(cache.head_dim):
+            return attend(cache, qr, cols, block_tables, qpos, seq_lens, part, v_tables)   # the module's
+        return super().attend(cache, qr, cols, block_tables, qpos, seq_lens, part, v_tables)
+
+    def attend_passes(self, cache, qr, passes, qpos, seq_lens):
+        if enabled(cache.head_dim):
+            return attend_passes(cache, qr, passes, qpos, seq_lens)
+        return super().attend_passes(cache, qr, passes, qpos, seq_lens)

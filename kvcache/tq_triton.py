@@ -21,10 +21,14 @@ those blocks: a program only visits the key tiles its part can see).
 
 The caller rotates and scales the queries (TQLayerCache._rotate_q) and
 de-rotates the output (TQLayerCache._finish): the kernels work entirely in
-the rotated domain. triton is imported lazily so that importing kvcache
-never needs it.
+the rotated domain; TQTritonBackend below (tq-triton, the default for
+TurboQuant caches on CUDA) does both around them. triton is imported lazily
+so that importing kvcache never needs it.
 """
 import torch
+
+from kvcache.backends import AttentionBackend, register_backend
+from kvcache.tq_cache import CODED, HOT, merge
 
 _KIND = {"f16": 0, "int8": 1, "tq": 2}
 
@@ -203,3 +207,32 @@ def tq_prefill(cache, qr: torch.Tensor, block_tables: torch.Tensor, seq_lens,
             v_tables.to(dev), torch.tensor(qsl[:-1], **i32), torch.tensor(lens, **i32),
             torch.as_tensor(seq_lens).to(**i32), n_row_tiles, rows, block_n, 1, part)
     return out, lse
+
+
+@register_backend("tq-triton", "tq")
+class TQTritonBackend(AttentionBackend):
+    """One batched decode launch (two with hot tokens: CODED and HOT passes,
+    merged by log-sum-exp) and one launch per prefill sequence (its HOT pass
+    in torch, TQLayerCache._hot_prefill)."""
+
+    def decode(self, cache, q, block_tables, seq_lens, scale, hot_tables=None):
+        seq_lens = seq_lens.to(q.device)
+        qr = cache._rotate_q(q.unsqueeze(1), scale)
+        if not cache.hot:
+            acc, _ = tq_paged_decode(cache, qr, block_tables, seq_lens)
+        else:
+            v_hot = cache.hot_v_tables(hot_tables, block_tables)
+            acc = merge(*tq_paged_decode(cache, qr, block_tables, seq_lens, part=CODED),
+                        *tq_paged_decode(cache, qr, hot_tables, seq_lens, part=HOT, v_tables=v_hot))
+        return cache._finish(acc, q.dtype)[:, 0]
+
+    def prefill(self, cache, q, block_table, seq_len, scale, hot_table=None):
+        qr = cache._rotate_q(q.unsqueeze(0), scale)
+        if cache.hot:
+            hot = cache._hot_prefill(qr, block_table, hot_table, seq_len)
+            if (seq_len - 1) // cache.block_size <= 1:      # no coded block between the hot ones
+                return cache._finish(hot[0], q.dtype)[0]
+            coded = tq_prefill(cache, qr, block_table, seq_len, part=CODED)
+            return cache._finish(merge(*coded, *hot), q.dtype)[0]
+        acc, _ = tq_prefill(cache, qr, block_table, seq_len)
+        return cache._finish(acc, q.dtype)[0]

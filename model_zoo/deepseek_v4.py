@@ -86,7 +86,8 @@ def rope_inv_freq(rope: dict, rope_dim: int, max_pos: int) -> torch.Tensor:
     """[rope_dim / 2] inverse frequencies: default or YaRN (transformers' formula;
     V4 forces attention_factor 1, so there is no cos/sin scaling)."""
     base = rope["rope_theta"]
-    pos_freqs = base ** (torch.arange(0, rope_dim, 2, dtype=torch.float) / rope_dim)
+    # On the CPU, also under a meta-device build: the same values on every device.
+    pos_freqs = base ** (torch.arange(0, rope_dim, 2, dtype=torch.float, device="cpu") / rope_dim)
     inv = 1.0 / pos_freqs
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind == "default":
@@ -107,7 +108,7 @@ def rope_inv_freq(rope: dict, rope_dim: int, max_pos: int) -> torch.Tensor:
     low, high = max(low, 0), min(high, rope_dim - 1)
     if low == high:
         high += 0.001
-    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
     extra = 1 - ramp
     return (inv / factor) * (1 - extra) + inv * extra
 
@@ -135,6 +136,9 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32), requires_grad=False)
+
+    def init_dummy(self, generator, low, high):
+        self.weight.fill_(1.0)    # identity scale (models.init_dummy_weights)
 
     def forward(self, x):
         xf = x.float()
@@ -279,6 +283,16 @@ class Router(nn.Module):
         else:
             self.register_buffer("e_score_correction_bias", torch.zeros(E, dtype=torch.float32))
 
+    def init_dummy(self, generator, low, high):
+        """Dummy weights, and hash routes a real checkpoint could have: top_k distinct experts per token."""
+        self.weight.uniform_(low, high, generator=generator)
+        if self.is_hash:
+            E = self.weight.shape[0]
+            r = torch.rand(self.tid2eid.shape[0], E, generator=generator, device=self.tid2eid.device)
+            self.tid2eid.copy_(r.argsort(dim=-1)[:, :self.top_k])
+        else:
+            self.e_score_correction_bias.uniform_(low, high, generator=generator)
+
     def forward(self, x, input_ids):
         scores = F.softplus(F.linear(x, self.weight)).sqrt()
         if self.is_hash:
@@ -397,6 +411,9 @@ class Attention(nn.Module):
             self.compressor.indexer = Indexer(c, self.ratio)
         elif layer_type == HCA:
             self.compressor = Compressor(c, self.ratio, D, overlap=False)
+
+    def init_constants(self, device) -> None:
+        self.inv_freq, self.comp_inv_freq = self.inv_freq.to(device), self.comp_inv_freq.to(device)
 
     def _load_sinks(self, param, loaded, shard_id=None):
         n = param.shape[0]

@@ -171,7 +171,7 @@ def load_into(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]
     """Load official- or transformers-named tensors (quantised or not) into a
     model_zoo DeepseekV4ForCausalLM. Unknown names and wrong shapes raise; a
     missing tensor raises, except that a checkpoint without any `mtp.*` leaves
-    the MTP head unloaded (model.mtp_loaded False)."""
+    the MTP head unloaded (zeros, model.mtp_loaded False)."""
     targets = dict(model.named_parameters())
     targets.update(dict(model.named_buffers()))
     seen: set[str] = set()
@@ -223,6 +223,9 @@ def load_into(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]
     model.mtp_loaded = bool(mtp_expected) and not mtp_missing
     if mtp_missing and len(mtp_missing) == len(mtp_expected):
         missing = [n for n in missing if not n.startswith("mtp.")]
+        with torch.no_grad():   # unused, but zeros rather than whatever the memory held
+            for n in mtp_expected:
+                targets[n].zero_()
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensor(s) for DeepseekV4ForCausalLM: "
                          f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")

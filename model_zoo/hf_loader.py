@@ -4,7 +4,8 @@ Reads config.json, safetensors weights (one file or sharded through
 model.safetensors.index.json), and when present tokenizer.json +
 tokenizer_config.json (+ chat_template.jinja, which transformers 5 writes
 beside it) and generation_config.json (stop ids). A directory without
-tokenizer files loads with tokenizer=None.
+tokenizer files loads with tokenizer=None; with weights=False (load_format
+dummy) one with no weight files loads too.
 """
 
 from __future__ import annotations
@@ -120,12 +121,14 @@ def fill_derived_config(config: dict) -> dict:
     return config
 
 
-def open_hf_dir(folder: str | Path) -> ModelSource:
+def open_hf_dir(folder: str | Path, weights: bool = True) -> ModelSource:
+    """weights False: config, tokenizer and stop ids only; the source has no
+    weights to load (and the directory needs none)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ModelLoadError(f"model directory {folder} does not exist")
     config = fill_derived_config(_read_json(folder / "config.json", "model config"))
-    entries = _tensor_names(weight_files(folder))
+    entries = _tensor_names(weight_files(folder)) if weights else []
 
     tokenizer = None
     tokenizer_config: dict = {}
@@ -153,7 +156,7 @@ def open_hf_dir(folder: str | Path) -> ModelSource:
     for f, name in entries:
         by_file.setdefault(f, []).append(name)
 
-    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+    def read_weights() -> Iterator[tuple[str, torch.Tensor]]:
         for f, names in by_file.items():
             with safe_open(str(f), framework="pt") as st:
                 for name in names:
@@ -173,6 +176,6 @@ def open_hf_dir(folder: str | Path) -> ModelSource:
         tokenizer=tokenizer,
         chat_template=_chat_template(folder, tokenizer_config),
         eos_token_ids=eos,
-        _weights_fn=weights,
+        _weights_fn=read_weights if weights else None,
         num_tensors=len(entries),
     )

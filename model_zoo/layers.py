@@ -20,6 +20,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
+    def init_dummy(self, generator, low, high):
+        self.weight.fill_(1.0)    # identity scale (models.init_dummy_weights)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -36,6 +39,9 @@ class GemmaRMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.zeros(dim), requires_grad=False)
+
+    def init_dummy(self, generator, low, high):
+        self.weight.zero_()       # identity scale 1 + 0 (models.init_dummy_weights)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -63,10 +69,12 @@ class GeluAndMul(nn.Module):
 
 def rope_inv_freq(head_dim: int, rope: dict) -> torch.Tensor:
     """Inverse frequencies [head_dim / 2] for one rope parameter dict
-    (transformers' `rope_parameters` shape: rope_type, rope_theta, factor, ...)."""
+    (transformers' `rope_parameters` shape: rope_type, rope_theta, factor, ...).
+    Always computed on the CPU (also under a meta-device build): the same values
+    on every device."""
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     base = rope["rope_theta"]
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
     if rope_type == "default":
         return inv_freq
     if rope_type == "linear":
@@ -115,6 +123,9 @@ class RotaryEmbedding(nn.Module):
         # A plain attribute, not a buffer, so model.to(bfloat16) cannot round
         # the frequencies; it follows the positions' device on first use.
         self.inv_freq = rope_inv_freq(head_dim, rope)
+
+    def init_constants(self, device) -> None:
+        self.inv_freq = self.inv_freq.to(device)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """positions [T]; q [T, Hq*D], k [T, Hkv*D] -> rotated q, k (same shapes)."""

@@ -1,4 +1,8 @@
-"""From a Hugging Face config.json dict to the model class that runs it."""
+"""From a Hugging Face config.json dict to the model class that runs it, and
+to that model with its weights on a device."""
+from collections.abc import Iterable
+
+import torch
 from torch import nn
 
 from model_zoo.deepseek_v4 import DeepseekV4ForCausalLM
@@ -41,3 +45,92 @@ def build_model(config: dict) -> nn.Module:
     """The model for an HF config dict, with uninitialised weights: call
     load_weights next. Built in the current default dtype and device."""
     return model_class(config)(config)
+
+
+def create_model(config: dict, dtype: torch.dtype, device: str | torch.device,
+                 weights: Iterable[tuple[str, torch.Tensor]] | None = None, seed: int = 0) -> nn.Module:
+    """The model for a config with its weights on `device`, in eval mode.
+
+    Built on the meta device (no memory), given uninitialised storage on
+    `device` (materialize), then filled from `weights`, HF-named tensors the
+    model's load_weights copies in one at a time (the host never holds a
+    second copy of the model; a missing tensor raises, naming it), or,
+    weights None, with dummy values (init_dummy_weights)."""
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = build_model(config)
+    finally:
+        torch.set_default_dtype(prev)
+    materialize(model, device)
+    with torch.no_grad():
+        if weights is None:
+            init_dummy_weights(model, seed)
+        else:
+            model.load_weights(weights)
+    return model.eval()
+
+
+def materialize(model: nn.Module, device: str | torch.device) -> None:
+    """Give every meta parameter and buffer uninitialised storage on device,
+    and let modules move the constants they computed from the config
+    (init_constants(device): rotary frequencies, plain attributes kept in fp32).
+
+    Not nn.Module.to_empty: it makes a new Parameter per module, which unties
+    tied weights (lm_head = embed_tokens) and drops the weight_loader
+    attribute the loaders call."""
+    device = torch.device(device)
+    new: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # id(meta tensor) -> (it, replacement)
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                if t is None or not t.is_meta:
+                    continue
+                if id(t) not in new:
+                    m = torch.empty_like(t, device=device)
+                    if isinstance(t, nn.Parameter):
+                        m = nn.Parameter(m, requires_grad=t.requires_grad)
+                        m.__dict__.update(t.__dict__)
+                    new[id(t)] = (t, m)
+                table[name] = new[id(t)][1]
+        if hasattr(module, "init_constants"):
+            module.init_constants(device)
+    if device.type != "meta":
+        stray = [f"{name}.{attr}" if name else attr for name, module in model.named_modules()
+                 for attr, v in vars(module).items() if isinstance(v, torch.Tensor) and v.is_meta]
+        if stray:
+            raise RuntimeError(f"{type(model).__name__}: tensors built on the meta device that no "
+                               f"init_constants moved: {', '.join(stray)}")
+
+
+def init_dummy_weights(model: nn.Module, seed: int = 0, low: float = -1e-3, high: float = 1e-3) -> None:
+    """load_format "dummy" (vLLM's): every parameter and floating buffer
+    uniform in [low, high), drawn on its device from `seed` (same model, seed
+    and device: same weights), nothing read from disk.
+
+    A module with init_dummy(generator, low, high) fills its own tensors:
+    norms keep their identity scale (RMSNorm 1, Gemma's 1 + w with w = 0), so
+    every layer's input has unit RMS as in a trained model, rather than
+    shrinking ~1000x per norm to near-constant logits; DeepSeek-V4's router
+    draws valid hash routes. Integer tensors need such a method."""
+    generators: dict[torch.device, torch.Generator] = {}
+    seen: set[int] = set()
+    for mname, module in model.named_modules():
+        own = [(n, t) for n, t in (*module._parameters.items(), *module._buffers.items())
+               if t is not None and id(t) not in seen]
+        if not own:
+            continue
+        seen.update(id(t) for _, t in own)
+        dev = own[0][1].device
+        if dev not in generators:
+            generators[dev] = torch.Generator(device=dev).manual_seed(seed)
+        g = generators[dev]
+        if hasattr(module, "init_dummy"):
+            module.init_dummy(g, low, high)
+            continue
+        for n, t in own:
+            if not t.is_floating_point():
+                raise ValueError(f"load_format dummy: no dummy values for {mname}.{n} ({t.dtype}); "
+                                 f"{type(module).__name__} needs an init_dummy method")
+            t.uniform_(low, high, generator=g)

@@ -137,12 +137,14 @@ def resolve_path(name_or_path: str | os.PathLike) -> Path:
     )
 
 
-def open_model(name_or_path: str | os.PathLike) -> ModelSource:
+def open_model(name_or_path: str | os.PathLike, weights: bool = True) -> ModelSource:
+    """weights False (load_format dummy): an HF directory needs only config.json
+    (a GGUF file has its weights inside anyway; they are not read)."""
     path = resolve_path(name_or_path)
     if path.is_dir():
         from model_zoo.hf_loader import open_hf_dir
 
-        return open_hf_dir(path)
+        return open_hf_dir(path, weights)
     from model_zoo.gguf_loader import open_gguf
 
     return open_gguf(path)

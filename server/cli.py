@@ -10,11 +10,12 @@ second SIGTERM or Ctrl-C during the drain aborts what runs and exits at once.
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
-import re
 import socket
 import sys
+import typing
 
 log = logging.getLogger("tqserve")
 
@@ -23,20 +24,37 @@ ENV_API_KEY = "TQSERVE_API_KEY"
 
 def parse_bytes_or_fraction(s: str) -> int | float:
     """'0.3' -> 0.3 (fraction of free memory); '2000000', '512MiB', '2G', '1.5GB' -> bytes."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([KMGT]?)(i?)(B?)\s*", s, re.IGNORECASE)
-    if not m:
-        raise argparse.ArgumentTypeError(f"expected bytes (e.g. 2000000, 512MiB, 2GB) or a fraction < 1, got {s!r}")
-    value, unit, binary, _ = m.groups()
-    v = float(value)
-    if not unit:
-        if v < 1:
-            if v <= 0:
-                raise argparse.ArgumentTypeError(f"must be > 0, got {s!r}")
-            return v
-        return int(v)
-    # K/M/G/T alone or with iB are binary (as `free -h` shows them); with B alone, decimal.
-    base = 1000 if (not binary and _) else 1024
-    return int(v * base ** ("KMGT".index(unit.upper()) + 1))
+    from engine.engine_args import parse_memory
+    return _cli_type(parse_memory)(s)
+
+
+def _cli_type(parse):
+    """argparse shows an ArgumentTypeError's own message (a ValueError's it hides)."""
+    def run(s: str):
+        try:
+            return parse(s)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    run.__name__ = parse.__name__
+    return run
+
+
+def engine_fields():
+    """The EngineArgs fields that are command-line flags (those with help)."""
+    from engine.engine_args import EngineArgs
+    return [f for f in dataclasses.fields(EngineArgs) if "help" in f.metadata]
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """One --flag-name per engine field: engine/engine_args.py holds each default and help."""
+    for f in engine_fields():
+        kw = dict(f.metadata)
+        base = next((t for t in typing.get_args(f.type) if t is not type(None)), f.type)
+        if base is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            kw["type"] = _cli_type(kw.get("type", base))
+        p.add_argument("--" + f.name.replace("_", "-"), default=f.default, **kw)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,28 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"accepted API key(s) for /v1 routes; also ${ENV_API_KEY}")
     s.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients use as `model`; the first is reported")
-    s.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    s.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
-    s.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per engine step")
-    s.add_argument("--kv-cache-memory", type=parse_bytes_or_fraction, default=None,
-                   help="KV pool size: bytes (2000000, 512MiB, 2GB) or a fraction < 1 of free memory")
-    s.add_argument("--block-size", type=int, default=16)
-    s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    s.add_argument("--kv-cache-dtype", default="auto",
-                   help="auto | f32 | f16 | bf16 | tq4 | tq3 | tq2 | k8v4 | k4v3 | k4v2 | k3v3 | ...")
-    s.add_argument("--kv-cache-dtype-k", default=None, help="K format override: f16 | q8 | tq5 | tq4 | tq3 | tq2")
-    s.add_argument("--kv-cache-dtype-v", default=None, help="V format override: f16 | q8 | tq5 | tq4 | tq3 | tq2")
-    s.add_argument("--kv-protect-layers", type=int, default=0,
-                   help="keep the first and last N layers' KV in f16")
-    s.add_argument("--kv-hot", default="k", choices=["off", "k", "kv"],
-                   help="TurboQuant layers: also hold each sequence's first block and newest block "
-                        "int8 (keys, or keys and values) and read those from there")
-    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="weights and activations (bfloat16: ~2.5-4x faster on CPUs with AVX512-BF16/AMX)")
-    s.add_argument("--quantization", default=None, choices=["int4"],
-                   help="int4: run the checkpoint's 4-bit weights (GGUF Q4_1) packed; needs --dtype bfloat16")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--num-threads", type=int, default=None, help="torch threads in the engine core")
+    add_engine_args(s)
     s.add_argument("--max-queue", type=int, default=256,
                    help="waiting requests before new ones get 429 (0 = unbounded)")
     s.add_argument("--max-request-bytes", type=parse_bytes_or_fraction, default=8 << 20,
@@ -154,15 +151,7 @@ async def _serve(args, model: str, keys: list[str], sock: socket.socket, url: st
     from server.state import ServerConfig, ServerState
 
     try:
-        engine_args = EngineArgs(
-            model=model, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
-            block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
-            kv_cache_dtype=args.kv_cache_dtype, kv_cache_dtype_k=args.kv_cache_dtype_k,
-            kv_cache_dtype_v=args.kv_cache_dtype_v, kv_protect_layers=args.kv_protect_layers,
-            kv_hot=args.kv_hot,
-            seed=args.seed, num_threads=args.num_threads,
-            dtype=args.dtype, quantization=args.quantization)
+        engine_args = EngineArgs(model=model, **{f.name: getattr(args, f.name) for f in engine_fields()})
         llm = AsyncLLM(engine_args)
     except ValueError as e:
         log.error("bad engine settings: %s", e)

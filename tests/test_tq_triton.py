@@ -223,32 +223,15 @@ def test_decode_merged_parts_match_cpu_decode(hot):
     _close(c._finish(acc, q.dtype)[:, 0], c._decode(q, bt, seq_lens, 0.125, ht))
 
 
-# -- the dispatch in a mixed batch ------------------------------------------------
-class _TritonTQ(TQLayerCache):
-    """TQLayerCache with the lines of _decode / _prefill's CUDA branch."""
-
-    def _decode(self, q, block_tables, seq_lens, scale, hot_tables=None):
-        qr = self._rotate_q(q.unsqueeze(1), scale)
-        if not self.hot:
-            acc, _ = tq_paged_decode(self, qr, block_tables, seq_lens)
-        else:
-            v_hot = hot_tables if self.hot == "kv" else block_tables
-            acc = merge(*tq_paged_decode(self, qr, block_tables, seq_lens, part=CODED),
-                        *tq_paged_decode(self, qr, hot_tables, seq_lens, part=HOT, v_tables=v_hot))
-        return self._finish(acc, q.dtype)[:, 0]
-
-    def _prefill(self, q, block_table, seq_len, scale):
-        acc, _ = tq_prefill(self, self._rotate_q(q.unsqueeze(0), scale), block_table, seq_len)
-        return self._finish(acc, q.dtype)[0]
-
-
+# -- the tq-triton backend in a mixed batch -----------------------------------------
 # Hot tokens: decodes only (a hot prefill's reference needs the chunk from store()).
 @pytest.mark.parametrize("hot,window,qlens", [("", 24, [1, 1, 14, 36]), ("kv", None, [1, 1, 1, 1])])
 def test_attention_mixed_batch_matches_torch_path(hot, window, qlens):
     lens = [21, 3, 50, 36]          # with qlens 1, 1, 14, 36: two decodes, a chunk, a whole prompt
     ref_c, *tables = paged_cache(tq(4), INT8, 2, 64, lens, window=window, hot=hot)
-    tri_c = _TritonTQ.__new__(_TritonTQ)
-    tri_c.__dict__.update(ref_c.__dict__)              # same storage, Triton dispatch
+    tri_c = TQLayerCache.__new__(TQLayerCache)
+    tri_c.__dict__.update(ref_c.__dict__)              # same storage, the CUDA default backend
+    tri_c.backend = "tq-triton"
     qsl = [0]
     for n in qlens:
         qsl.append(qsl[-1] + n)

@@ -1,0 +1,201 @@
+"""The attention backend registry (kvcache/backends.py): defaults by storage
+format and device, overrides, a registered backend taking over a cache's
+attention, imports without triton; and the step inputs the backends read
+(engine/model_runner.py builds them with numpy): equal to the per-token
+Python construction they replaced."""
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from engine.model_runner import ModelRunner
+from engine.scheduler import ScheduledRequest
+from kvcache import backends
+from kvcache.backends import AttentionBackend, backend_for, backend_names, get_backend, register_backend
+from kvcache.dense_cache import DenseLayerCache
+from kvcache.kv_manager import NULL_BLOCK
+from kvcache.metadata import AttentionMetadata, GroupMetadata
+from kvcache.turboquant import tq
+from tq_paged import paged_cache
+
+
+def test_defaults_by_format_and_device(monkeypatch):
+    monkeypatch.delenv("TQSERVE_ATTN_BACKEND", raising=False)
+    assert backend_names("dense") == ["dense-torch", "dense-triton"]
+    assert backend_names("tq") == ["tq-cpu", "tq-torch", "tq-triton"]
+    want = {("dense", "cpu"): "dense-torch", ("dense", "cuda"): "dense-triton", ("dense", "meta"): "dense-torch",
+            ("tq", "cpu"): "tq-cpu", ("tq", "cuda:1"): "tq-triton", ("tq", "mps"): "tq-torch"}
+    for (fmt, dev), name in want.items():
+        b = backend_for(fmt, dev)
+        assert (b.name, b.format) == (name, fmt)
+        assert b is get_backend(name)           # one stateless instance per name
+
+
+def test_overrides(monkeypatch):
+    monkeypatch.setenv("TQSERVE_ATTN_BACKEND", "dense-torch, tq-torch")
+    assert backend_for("dense", "cuda").name == "dense-torch"
+    assert backend_for("tq", "cpu").name == "tq-torch"
+    assert backend_for("dense", "cuda", "dense-triton").name == "dense-triton"     # explicit beats the env
+    monkeypatch.setenv("TQSERVE_ATTN_BACKEND", "dense-torch")
+    assert backend_for("tq", "cuda").name == "tq-triton"                           # only its own format
+    with pytest.raises(ValueError, match="reads 'dense' storage"):
+        backend_for("tq", "cpu", "dense-torch")
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        get_backend("flash")
+
+
+def test_caches_take_their_backend(monkeypatch):
+    monkeypatch.delenv("TQSERVE_ATTN_BACKEND", raising=False)
+    c = DenseLayerCache(4, 16, 1, 64, torch.float32, 0)
+    assert c.backend.name == "dense-torch"
+    assert DenseLayerCache(4, 16, 1, 64, torch.float32, 0, backend="dense-triton").backend.name == "dense-triton"
+    t, _ = paged_cache(tq(4), tq(3), 1, 64, [20])
+    assert t.backend.name == "tq-cpu"                 # looked up on first use
+    t.backend = "tq-torch"
+    assert t.backend.name == "tq-torch"
+    t.backend = None
+    assert t.backend.name == "tq-cpu"
+    with pytest.raises(ValueError):
+        c.backend = "tq-cpu"
+
+
+def test_registered_backend_runs_a_cache(monkeypatch):
+    monkeypatch.setattr(backends, "_REGISTRY", dict(backends._REGISTRY))
+    calls = []
+
+    @register_backend("dense-test", "dense")
+    class Half(AttentionBackend):
+        """dense-torch's split, with outputs halved: the default forward
+        calls this backend's decode and prefill."""
+        def decode(self, cache, q, *a):
+            calls.append("decode")
+            return get_backend("dense-torch").decode(cache, q, *a) / 2
+
+        def prefill(self, cache, q, *a):
+            calls.append("prefill")
+            return get_backend("dense-torch").prefill(cache, q, *a) / 2
+
+    assert "dense-test" in backend_names("dense")
+    c = DenseLayerCache(8, 16, 1, 64, torch.float32, 0)
+    slots = torch.arange(40)
+    c.write(slots, torch.randn(40, 1, 64), torch.randn(40, 1, 64))
+    bt = torch.tensor([[0, 1, 2], [0, 1, 2]])
+    meta = AttentionMetadata([0, 1, 11], [40, 30], 1, [GroupMetadata(slots[:11], bt)], [c])
+    q = torch.randn(11, 2, 64)
+    ref = c.attention(q, meta, 0.125)
+    c.backend = "dense-test"
+    torch.testing.assert_close(c.attention(q, meta, 0.125), ref / 2)
+    assert calls == ["decode", "prefill"]
+    with pytest.raises(ValueError, match="already registered"):
+        register_backend("dense-test", "dense")(type("Other", (AttentionBackend,), {}))
+
+
+def test_imports_do_not_need_triton():
+    code = ("import sys, kvcache.backends as b, kvcache.dense_triton; b.backend_names(); "
+            "b.backend_for('dense', 'cuda'); assert 'triton' not in sys.modules")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**env, "OMP_NUM_THREADS": "1"},
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 0, r.stderr
+
+
+# -- the step inputs (ModelRunner._build) -------------------------------------------
+BS = 4
+
+
+class _KV:
+    """The manager's view the runner reads: block tables per (request, group)."""
+    def __init__(self, tables):
+        self.tables, self.block_size = tables, BS
+        self.groups = [None] * len(next(iter(tables.values())))
+
+    def block_table(self, rid, g):
+        return self.tables[rid][g]
+
+
+def _reference(sched, kv):
+    """The per-token Python construction the runner used before numpy."""
+    ids, pos, qsl, lens, rows = [], [], [0], [], []
+    slots, tables = [[] for _ in kv.groups], [[] for _ in kv.groups]
+    for s in sched:
+        req, a, n = s.req, s.start, s.num_new_tokens
+        ids += req.token_ids[a:a + n]
+        pos += range(a, a + n)
+        qsl.append(qsl[-1] + n)
+        lens.append(a + n)
+        if a + n == req.num_tokens:
+            rows.append(qsl[-1] - 1)
+        for g in range(len(kv.groups)):
+            t = kv.block_table(req.request_id, g)
+            slots[g] += [t[p // BS] * BS + p % BS for p in range(a, a + n)]
+            tables[g].append(t)
+    bts = []
+    for g in range(len(kv.groups)):
+        bt = torch.zeros(len(sched), max(map(len, tables[g])), dtype=torch.long)
+        for i, t in enumerate(tables[g]):
+            bt[i, :len(t)] = torch.tensor(t).clamp(min=0)
+        bts.append(bt)
+    return ids, pos, qsl, lens, rows, slots, bts
+
+
+def _sched(specs, vocab=1000):
+    """specs: (request id, tokens known, start, new tokens, tables per group)."""
+    out, tables = [], {}
+    for rid, known, start, n, tbl in specs:
+        req = SimpleNamespace(request_id=rid, token_ids=list(range(7 * len(rid), 7 * len(rid) + known)),
+                              num_tokens=known)
+        out.append(ScheduledRequest(req, n, start))
+        tables[rid] = tbl
+    return out, _KV(tables)
+
+
+def test_step_inputs_match_the_python_construction():
+    N = NULL_BLOCK
+    specs = [   # two decodes, a prefill chunk that does not sample, a whole prompt; a hot-like group with NULLs
+        ("a", 10, 9, 1, [[3, 5, 8], [3, N, 8]]),
+        ("bb", 5, 4, 1, [[1, 2], [1, 2]]),
+        ("ccc", 30, 6, 9, [[4, 6, 7, 9], [4, 6, N, 9]]),
+        ("dddd", 7, 0, 7, [[10, 11], [10, 11]]),
+    ]
+    sched, kv = _sched(specs)
+    runner = ModelRunner(torch.nn.Linear(1, 1), kv, [])
+    assert runner.device == torch.device("cpu")
+    ids, pos, meta, qsl, rows, sampled = runner._build(sched)
+    r_ids, r_pos, r_qsl, r_lens, r_rows, r_slots, r_bts = _reference(sched, kv)
+    assert ids.tolist() == r_ids and pos.tolist() == r_pos and qsl == r_qsl == meta.query_start_loc
+    assert meta.seq_lens == r_lens and meta.seq_lens_t.tolist() == r_lens
+    assert meta.query_start_loc_t.tolist() == r_qsl
+    assert (meta.num_decodes, meta.max_seq_len, meta.max_query_len) == (2, 15, 9)
+    assert rows.tolist() == r_rows and [r.request_id for r in sampled] == ["a", "bb", "dddd"]
+    for g, gm in enumerate(meta.groups):
+        assert gm.slot_mapping.tolist() == r_slots[g]
+        assert torch.equal(gm.block_tables, r_bts[g])
+        assert gm.block_tables.is_contiguous()
+    assert min(meta.groups[1].slot_mapping.tolist()) < 0          # tokens in a NULL block: not stored
+    # The next step fills the other buffer: this step's tensors stay as they were.
+    before = [t.clone() for t in (ids, pos, meta.groups[0].slot_mapping, meta.groups[1].block_tables)]
+    sched2, kv2 = _sched([("e", 3, 0, 3, [[0], [0]])])
+    runner.kv = kv2
+    runner._build(sched2)
+    after = (ids, pos, meta.groups[0].slot_mapping, meta.groups[1].block_tables)
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+def test_step_inputs_decode_only_and_growth():
+    # A decode-only batch, then one larger than the first buffer: it grows.
+    specs = [(f"r{i}", 50, 49, 1, [list(range(i, i + 13))]) for i in range(5)]
+    sched, kv = _sched(specs)
+    runner = ModelRunner(torch.nn.Linear(1, 1), kv, [])
+    _, pos, meta, _, rows, _ = runner._build(sched)
+    assert pos.tolist() == [49] * 5 and meta.num_decodes == 5 and rows.tolist() == [0, 1, 2, 3, 4]
+    big = [("x", 3000, 0, 3000, [list(range(750))])]
+    sched, kv = _sched(big)
+    runner.kv = kv
+    for _ in range(2):
+        ids, pos, meta, _, rows, _ = runner._build(sched)
+        assert pos.tolist() == list(range(3000)) and meta.num_decodes == 0 and rows.tolist() == [2999]
+        assert meta.groups[0].slot_mapping.tolist() == list(range(3000))
