@@ -27,6 +27,7 @@ class AsyncLLM:
         self.model_name = args.model
         self.tokenizer = None
         self.chat_template = None
+        self.model_type: str | None = None
         self.info: ModelInfo | None = None
         self._stats = EngineStats()
         self._streams: dict[str, asyncio.Queue] = {}
@@ -46,6 +47,7 @@ class AsyncLLM:
         # The tokenizer and template load here while the core loads weights.
         source = await loop.run_in_executor(None, open_model, self.args.model, self.args.load_format != "dummy")
         self.tokenizer, self.chat_template = source.tokenizer, source.chat_template
+        self.model_type = source.config.get("model_type")
         self.processor = OutputProcessor(self.tokenizer)
         msg = await loop.run_in_executor(None, self._wait_ready)
         if msg[0] != "ready":

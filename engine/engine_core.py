@@ -14,6 +14,7 @@ from engine.kv_calibration import calibrate, set_key_means
 from engine.model_runner import ModelRunner
 from engine.request import EngineRequest, Request
 from engine.scheduler import Scheduler
+from engine.structured_output import GrammarCompiler, GrammarState, StructuredOutputError
 from kvcache.kv_formats import KVPolicy
 from kvcache.kv_manager import KVCacheManager
 from kvcache.pool_plan import allocate_kv_caches, device_kv_budget, kv_budget, kv_dtype, plan_kv_pool
@@ -202,6 +203,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.max_num_batched_tokens,
                                    args.long_prefill_token_threshold)
         self.runner = ModelRunner(self.model, self.kv, caches)
+        self._grammars: GrammarCompiler | None = None    # built at the first constrained request
         self.stats = EngineStats()
         self.info = ModelInfo(
             max_model_len=self.max_model_len, eos_token_ids=list(self.source.eos_token_ids),
@@ -218,7 +220,22 @@ class EngineCore:
             raise InvalidRequest(f"request id {er.request_id!r} is already running")
         if not er.eos_token_ids:
             er.eos_token_ids = self.info.eos_token_ids
-        self.scheduler.add(Request(er, self.max_model_len))
+        req = Request(er, self.max_model_len)
+        so = er.params.structured_outputs
+        if so is not None:
+            try:
+                req.grammar = GrammarState.start(self._grammar_compiler(), so)
+            except StructuredOutputError as e:
+                raise InvalidRequest(str(e)) from None
+        self.scheduler.add(req)
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        if self._grammars is None:
+            if self.source.tokenizer is None:
+                raise StructuredOutputError("this model has no tokenizer, so its output cannot be constrained")
+            self._grammars = GrammarCompiler.for_tokenizer(self.source.tokenizer, self.info.vocab_size,
+                                                           self.info.eos_token_ids)
+        return self._grammars
 
     def abort(self, request_ids) -> None:
         for rid in request_ids:
@@ -247,6 +264,9 @@ class EngineCore:
             if req.request_id in results and req.max_tokens > 0:
                 tok, lp = results[req.request_id]
                 req.append(tok)
+                if req.grammar is not None and req.grammar.failed:
+                    log.warning("request %s: its grammar rejected token %d (%s); finished", req.request_id,
+                                tok, req.grammar.failed)
                 self.stats.generation_tokens_total += 1
                 out = EngineCoreOutput(req.request_id, [tok], [lp] if lp is not None else None)
             elif req.request_id in results:        # max_tokens == 0: prompt only (scoring)

@@ -52,6 +52,14 @@ class Request:
         self.stop_reason: int | str | None = None
         # Prompt logprobs are computed chunk by chunk and sent once complete.
         self.prompt_logprobs: list | None = [None] if er.params.prompt_logprobs is not None else None
+        # Grammar-constrained requests: set by the engine core (structured_output.GrammarState).
+        self.grammar = None
+
+    def truncate(self, num_tokens: int) -> None:
+        """Keep the first num_tokens tokens (the grammar follows)."""
+        del self.token_ids[num_tokens:]
+        if self.grammar is not None:
+            self.grammar.rollback(self.token_ids, self.num_output_tokens)
 
     def generator_for(self, device: torch.device) -> torch.Generator | None:
         """This request's generator on `device` (None when unseeded), seeded
@@ -80,6 +88,10 @@ class Request:
         """Add a sampled token; sets finish_reason when it ends the request."""
         self.token_ids.append(token)
         n = self.num_output_tokens
+        if self.grammar is not None and self.grammar.accept(self.token_ids, n):
+            # The grammar is complete (or, never expected, rejected the token).
+            self.finish_reason = "stop"
+            return
         if n >= self.params.min_tokens:
             if token in self.eos_token_ids:
                 self.finish_reason = "stop"

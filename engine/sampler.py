@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from engine.request import Request
+from engine.structured_output import fill_bitmask
 
 
 class _Upload:
@@ -153,6 +154,17 @@ def _apply_penalties(logits: torch.Tensor, plan: dict, t: list[torch.Tensor]) ->
     return logits
 
 
+def _apply_mask(work: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> None:
+    """-inf, in place, at the tokens a grammar forbids: mask [R, W] int32 bits
+    (bit t of word t // 32 = token t allowed) for the rows `rows` of work [B, V]."""
+    V = work.shape[1]
+    shifts = torch.arange(32, dtype=torch.int32, device=work.device)
+    bits = (mask.unsqueeze(-1) >> shifts) & 1
+    allowed = bits.view(mask.shape[0], -1)[:, :V].bool()
+    sub = work.index_select(0, rows).masked_fill_(~allowed, float("-inf"))
+    work.index_copy_(0, rows, sub)
+
+
 def _filter(logits: torch.Tensor, tt: dict) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p on float32 logits of the rows that
     sample; returns probabilities. tt: the uploaded per-row parameters."""
@@ -209,11 +221,20 @@ def sample(logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[d
             keys["min_p"] = up.add([p.min_p for p in sps], np.float32)
     if want and len(want) < B:
         keys["want"] = up.add(want, np.int64)
+    allowed = fill_bitmask(reqs)           # host work, overlapping the device's forward
+    if allowed is not None:
+        # int32 mask words travel as int64 pairs (rows are an even count of words).
+        keys["mask_rows"] = up.add(allowed[0], np.int64)
+        keys["mask"] = up.add(allowed[1].view(np.int64), np.int64)
     t = up.send()
     tt = {k: t[v] for k, v in keys.items()}
     tt["kmax"] = kmax
 
     work = logits if plan is None else _apply_penalties(logits, plan, t)
+    if allowed is not None:
+        if work is logits:
+            work = logits.to(torch.float32, copy=True)   # raw logits stay for logprobs
+        _apply_mask(work, tt["mask_rows"], tt["mask"].view(torch.int32).view(len(allowed[0]), -1))
     if len(samp) < B:
         tokens = work.argmax(dim=-1)
     if samp:

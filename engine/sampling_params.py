@@ -1,6 +1,8 @@
 """Per-request sampling parameters, in the shape vLLM users know."""
 from dataclasses import dataclass, field
 
+from engine.structured_output import StructuredOutputsParams
+
 
 class SamplingError(ValueError):
     """An invalid sampling value; the message names the field."""
@@ -27,6 +29,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None   # grammar-constrained output
 
     def __post_init__(self):
         if isinstance(self.stop, str):

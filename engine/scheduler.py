@@ -130,7 +130,7 @@ class Scheduler:
         computed = min(req.num_computed_tokens, num_tokens)
         if req.status == Status.RUNNING:
             self.kv.truncate(req.request_id, computed)    # raises, changing nothing, if too deep
-        del req.token_ids[num_tokens:]
+        req.truncate(num_tokens)
         req.num_computed_tokens = computed
 
     def finish(self, req: Request) -> None:

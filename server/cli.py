@@ -80,6 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    from server.reasoning_parsers import PARSERS as reasoning_parsers
+    from server.tool_parsers import PARSERS as tool_parsers
+    s.add_argument("--tool-call-parser", default=None, choices=sorted(tool_parsers),
+                   help="how tool calls are written in the model's output [default: chosen from the "
+                        "model's type and chat template, else hermes]")
+    s.add_argument("--reasoning-parser", default=None, choices=sorted(reasoning_parsers),
+                   help="split <think>...</think> text into reasoning_content [default: off]")
     from server import plan
     plan.add_parser(sub)
     from server import bench
@@ -160,7 +167,9 @@ async def _serve(args, model: str, keys: list[str], sock: socket.socket, url: st
     state = ServerState(llm, ServerConfig(model_names=names, api_keys=keys,
                                           max_queue=args.max_queue or None,
                                           max_body_bytes=int(args.max_request_bytes),
-                                          max_num_seqs=args.max_num_seqs))
+                                          max_num_seqs=args.max_num_seqs,
+                                          tool_call_parser=args.tool_call_parser,
+                                          reasoning_parser=args.reasoning_parser))
     # uvicorn's shutdown starts once state.drain is done (see _server_class), so its
     # grace period is only a backstop for the last chunks of responses that just
     # ended (finish_reason "abort" and [DONE] after --drain-timeout).

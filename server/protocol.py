@@ -121,6 +121,72 @@ class ChatMessage(_Body):
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 TokenIds = list[TokenId]
 
+# A JSON schema, regex, choice list or grammar is compiled by the engine; its
+# size bounds the compile work one request can ask for.
+MAX_GRAMMAR_CHARS = 256 * 1024
+MAX_CHOICES = 1024
+
+
+class JsonSchemaFormat(_Body):
+    name: str = Field("response", max_length=256)
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's response_format."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError("response_format type json_schema needs json_schema.schema")
+        return self
+
+
+class StructuredOutputs(_Body):
+    """vLLM's structured_outputs: exactly one of json, regex, choice, grammar, json_object."""
+    json_: dict[str, Any] | str | bool | None = Field(None, alias="json")
+    regex: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS)
+    choice: list[str] | None = Field(None, min_length=1, max_length=MAX_CHOICES)
+    grammar: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS)
+    json_object: bool | None = None
+
+    @model_validator(mode="after")
+    def _one(self):
+        given = [k for k, v in (("json", self.json_), ("regex", self.regex), ("choice", self.choice),
+                                ("grammar", self.grammar)) if v is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs needs exactly one of json, regex, choice, grammar, "
+                             f"json_object; got {', '.join(given) or 'none'}")
+        if len(json.dumps(self.json_)) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"a JSON schema may have at most {MAX_GRAMMAR_CHARS} characters")
+        return self
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionDef(_Body):
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
 
 class _SamplingFields(_Body):
     """Fields common to chat and completions (OpenAI's plus vLLM's extensions)."""
@@ -144,6 +210,8 @@ class _SamplingFields(_Body):
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -182,6 +250,9 @@ class _SamplingFields(_Body):
     def _check_stream_options(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        if self.structured_outputs is not None and self.response_format is not None \
+                and self.response_format.type != "text":
+            raise ValueError("give either response_format or structured_outputs, not both")
         return self
 
 
@@ -194,10 +265,20 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _check_chat(self):
+        choice = self.tool_choice
+        if choice not in (None, "none") and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in self.tools}:
+            raise ValueError(f"tool_choice names function {choice.function.name!r}, which is not in tools")
+        if choice not in (None, "none", "auto") and (self.structured_outputs is not None or (
+                self.response_format is not None and self.response_format.type != "text")):
+            raise ValueError("a forced tool_choice cannot be combined with response_format or structured_outputs")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         if self.continue_final_message and self.add_generation_prompt:

@@ -20,9 +20,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine import CompletionOutput, RequestOutput, SamplingError, SamplingParams
 from engine.errors import InvalidRequest
+from server import structured
 from server.errors import APIError, error_body
 from server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from server.state import ServerState
+from server.structured import ChatTools
 
 log = logging.getLogger("tqserve.request")
 
@@ -217,14 +219,16 @@ def check_model(state: ServerState, model: str | None) -> None:
 
 
 def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int | None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
-    kw = dict(n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens,
+                    prompt_logprobs: int | None = None, structured=None,
+                    skip_special_tokens: bool | None = None) -> SamplingParams:
+    kw = dict(n=req.n, structured_outputs=structured, max_tokens=max_tokens, min_tokens=req.min_tokens,
               stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
               stop_token_ids=list(req.stop_token_ids or []),
               include_stop_str_in_output=req.include_stop_str_in_output,
               ignore_eos=req.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
               logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()},
-              skip_special_tokens=req.skip_special_tokens, seed=req.seed)
+              skip_special_tokens=req.skip_special_tokens if skip_special_tokens is None else skip_special_tokens,
+              seed=req.seed)
     for name, default in (("temperature", 1.0), ("top_p", 1.0), ("top_k", 0), ("min_p", 0.0),
                           ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
                           ("repetition_penalty", 1.0)):
@@ -308,7 +312,7 @@ def chat_prompt(state: ServerState, req) -> tuple[str, list[int]]:
                            continue_final_message=req.continue_final_message,
                            bos_token=getattr(tok, "bos_token", None),
                            eos_token=getattr(tok, "eos_token", None),
-                           tools=getattr(req, "tools", None), **(req.chat_template_kwargs or {}))
+                           tools=_template_tools(getattr(req, "tools", None)), **(req.chat_template_kwargs or {}))
     except (ValueError, TypeError, LookupError) as e:
         raise APIError(400, f"Chat template rendering failed: {e}", param="messages") from None
     except Exception as e:     # jinja2 TemplateError (raise_exception in templates) and friends
@@ -316,6 +320,10 @@ def chat_prompt(state: ServerState, req) -> tuple[str, list[int]]:
             raise APIError(400, f"Chat template rendering failed: {e}", param="messages") from None
         raise
     return text, tok.encode(text, add_special_tokens=False)
+
+
+def _template_tools(tools) -> list[dict] | None:
+    return None if tools is None else [t.model_dump(exclude_none=True) for t in tools]
 
 
 def _template_message(m: dict) -> dict:
@@ -394,20 +402,29 @@ async def chat_completion(state: ServerState, request: Request, req: ChatComplet
                           rlog: RequestLog) -> Response:
     check_model(state, req.model)
     admit(state, [])
-    _, prompt_ids = chat_prompt(state, req)
+    prompt_text, prompt_ids = chat_prompt(state, req)
     rlog.prompt_tokens = len(prompt_ids)
     max_tokens = req.output_limit()
     check_length(state, len(prompt_ids), max_tokens)
     check_vocab(state, req)
     top_k = (req.top_logprobs or 0) if req.logprobs else 0
-    params = sampling_params(req, max_tokens, top_k if req.logprobs else None)
+    try:
+        tools = ChatTools.for_request(req, prompt_text, state.tool_call_parser, state.config.reasoning_parser)
+    except ValueError as e:       # a tool's schema the grammar cannot embed
+        raise APIError(400, f"tools: {e}", param="tools") from None
+    kw = tools.constraint(req)
+    so = structured.build(kw, tools.start_after(state.llm.tokenizer) if kw else [])
+    # Formats whose markers are special tokens need them in the text to parse.
+    skip = req.skip_special_tokens and tools.skip_special_tokens
+    params = sampling_params(req, max_tokens, top_k if req.logprobs else None, structured=so,
+                             skip_special_tokens=skip)
     admit(state, [rlog.id])
     gen = _generate(state, prompt_ids, params, rlog.id, rlog)
     created = int(time.time())
     model = req.model or state.model_name
     if req.stream:
         first = await _first(request, gen)
-        return StreamingResponse(_chat_stream(state, req, rlog, gen, first, created, model, top_k),
+        return StreamingResponse(_chat_stream(state, req, rlog, gen, first, created, model, top_k, tools),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
 
     async def run():
@@ -418,17 +435,22 @@ async def chat_completion(state: ServerState, request: Request, req: ChatComplet
     final = await _run_to_end(request, gen, run())
     choices = []
     for o in final.outputs:
-        msg = {"role": "assistant", "content": o.text, "tool_calls": []}
+        msg, called = tools.message(o.text)
         lp = ({"content": chat_logprobs(state, o.token_ids, o.logprobs or [], top_k)}
               if req.logprobs else None)
         choices.append({"index": o.index, "message": msg, "logprobs": lp,
-                        "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
+                        "finish_reason": _finish(o.finish_reason, called), "stop_reason": o.stop_reason})
     n_out = sum(len(o.token_ids) for o in final.outputs)
     rlog.output_tokens = n_out
     body = {"id": rlog.id, "object": "chat.completion", "created": created, "model": model,
             "choices": choices, "usage": usage(len(prompt_ids), n_out, final.num_cached_tokens)}
     rlog.done(200)
     return JSONResponse(body)
+
+
+def _finish(reason: str | None, called: bool) -> str | None:
+    # OpenAI: a choice that ends by calling tools finishes with "tool_calls".
+    return "tool_calls" if called and reason == "stop" else reason
 
 
 async def _first(request: Request, gen):
@@ -452,7 +474,7 @@ async def _run_to_end(request: Request, gen, coro):
             await gen.aclose()
 
 
-async def _chat_stream(state, req, rlog, gen, first, created, model, top_k):
+async def _chat_stream(state, req, rlog, gen, first, created, model, top_k, tools):
     opts = req.stream_options
     include_usage = bool(opts and opts.include_usage)
     continuous = bool(opts and opts.continuous_usage_stats)
@@ -461,6 +483,7 @@ async def _chat_stream(state, req, rlog, gen, first, created, model, top_k):
     sent_tok = [0] * req.n
     started = [False] * req.n
     finished = [False] * req.n
+    streams = [tools.stream() for _ in range(req.n)]
     status = "aborted"
 
     def chunk(index, delta, logprobs=None, finish_reason=None, stop_reason=None, n_out=0):
@@ -493,13 +516,18 @@ async def _chat_stream(state, req, rlog, gen, first, created, model, top_k):
                 lp = None
                 if req.logprobs and new_ids:
                     lp = {"content": chat_logprobs(state, new_ids, (o.logprobs or [])[sent_tok[i]:], top_k)}
-                if text or lp:
-                    parts.append(chunk(i, {"content": text}, lp, n_out=n_out))
+                deltas = streams[i].feed(text, final=o.finish_reason is not None)
+                if lp and not deltas:
+                    deltas = [{"content": ""}]
+                for d in deltas:
+                    parts.append(chunk(i, d, lp, n_out=n_out))
+                    lp = None
                 sent_text[i] = len(o.text)
                 sent_tok[i] = len(o.token_ids)
                 if o.finish_reason is not None:
                     finished[i] = True
-                    parts.append(chunk(i, {}, None, o.finish_reason, o.stop_reason, n_out=n_out))
+                    parts.append(chunk(i, {}, None, _finish(o.finish_reason, streams[i].called), o.stop_reason,
+                                       n_out=n_out))
             if parts:
                 yield "".join(parts)
             try:
@@ -560,7 +588,8 @@ async def completion(state: ServerState, request: Request, req: CompletionReques
     if echo_lp:
         prompt_lp = max(req.logprobs, prompt_lp or 0)
     # max_tokens 0 (echo only): the engine scores the prompt and generates nothing.
-    params = sampling_params(req, req.max_tokens, req.logprobs, prompt_lp)
+    params = sampling_params(req, req.max_tokens, req.logprobs, prompt_lp,
+                             structured=structured.build(structured.constraint(req)))
     rids = [rlog.id if len(ids) == 1 else f"{rlog.id}-{i}" for i in range(len(ids))]
     admit(state, rids)
     gens = [_generate(state, p, params, rid, rlog) for p, rid in zip(ids, rids)]

@@ -16,6 +16,8 @@ class ServerConfig:
     max_queue: int | None = 256             # waiting requests before a 429; None = unbounded
     max_body_bytes: int = 8 * 1024 * 1024
     max_num_seqs: int = 64                  # the engine's; bounds how many requests run at once
+    tool_call_parser: str | None = None     # None: chosen from the model (server.tool_parsers.default_parser)
+    reasoning_parser: str | None = None     # None: thinking text stays in content
 
 
 class ServerState:
@@ -56,6 +58,14 @@ class ServerState:
         self.metrics = Metrics(self.config.model_names[0], max_model_len=self.llm.max_model_len,
                                stats=self.engine_stats, kv_info=self.kv_info)
         self.ready = True
+
+    @property
+    def tool_call_parser(self) -> str:
+        if self.config.tool_call_parser:
+            return self.config.tool_call_parser
+        from server.tool_parsers import default_parser
+        return default_parser(getattr(self.llm, "model_type", None), getattr(self.llm, "chat_template", None)) \
+            or "hermes"
 
     @property
     def model_name(self) -> str:
