@@ -6,7 +6,9 @@ go to the device in one copy (packed into one pinned buffer, non-blocking,
 on CUDA; zero-copy views on CPU). Penalties, logit bias and min_tokens bans
 are scatters at flat (row * V + token) positions; temperature, top-k, top-p
 and min-p are batched tensor ops. Work a batch does not ask for is skipped:
-a greedy batch without penalties or logprobs costs one argmax.
+a greedy batch without penalties or logprobs costs one argmax. Rows with a
+grammar (structured outputs) get their token bitmask, filled on the host by
+llguidance, in the same upload, and -inf at the forbidden tokens.
 
 The step's one host sync is the transfer of the sampled tokens; the
 logprobs, computed for all rows that want them in one batched op, travel in

@@ -56,10 +56,9 @@ class StructuredOutputsParams:
         import llguidance
         try:
             if self.json is not None:
-                schema = self.json if isinstance(self.json, str) else json.dumps(self.json)
-                return llguidance.grammar_from("json_schema", schema)
+                return llguidance.grammar_from("json_schema", _compact(self.json))
             if self.json_object:
-                return llguidance.grammar_from("json_schema", '{"type": "object"}')
+                return llguidance.grammar_from("json_schema", _compact({"type": "object"}))
             if self.regex is not None:
                 return llguidance.grammar_from("regex", self.regex)
             if self.choice is not None:
@@ -78,6 +77,25 @@ class StructuredOutputsParams:
             return "json schema"
         return "json_object" if self.json_object else "regex" if self.regex is not None else \
             "choice" if self.choice is not None else "grammar"
+
+
+# JSON is written as json.dumps writes it (", " and ": ", no other whitespace):
+# with free whitespace a small model can spend its whole budget on newlines.
+# A schema's own "x-guidance" options win.
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _compact(schema: str | dict | bool) -> str:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as e:
+            raise StructuredOutputError(f"invalid json schema: {e}") from None
+    if schema is True:
+        schema = {}
+    if isinstance(schema, dict):
+        schema = {**schema, "x-guidance": {**_JSON_OPTIONS, **(schema.get("x-guidance") or {})}}
+    return json.dumps(schema)
 
 
 class GrammarCompiler:

@@ -57,10 +57,13 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n
 
 class FakeAsyncLLM:
     """One token per request per step, every `step_s` seconds; greedy text is a
-    deterministic slice of CORPUS chosen by the prompt; eos after `eos_after` tokens."""
+    deterministic slice of CORPUS chosen by the prompt; eos after `eos_after` tokens.
+    With `script` (text), every request's output is that text's UTF-8 bytes, then eos."""
 
     def __init__(self, max_model_len=256, max_num_seqs=8, capacity_tokens=4096, step_s=0.004,
-                 eos_after=40, load_s=0.0):
+                 eos_after=40, load_s=0.0, script: str | None = None):
+        self.script = None if script is None else script.encode()
+        self.params: list = []                 # every request's SamplingParams, in arrival order
         self.model_name = "fake"
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -94,6 +97,7 @@ class FakeAsyncLLM:
 
     async def generate(self, prompt, params, request_id):
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self.params.append(params)
         if len(ids) >= self.max_model_len:
             raise InvalidRequest(f"maximum context length is {self.max_model_len} tokens, "
                                  f"but the prompt has {len(ids)} tokens")
@@ -144,7 +148,9 @@ class FakeAsyncLLM:
                     eo.prompt_logprobs = [None] + [{t: -1.0 - (t % 7) / 10} for t in r["prompt"][1:]]
                 done_len = p.max_tokens is not None and len(r["out"]) >= p.max_tokens
                 if not done_len:
-                    if len(r["out"]) >= self.eos_after and not p.ignore_eos:
+                    if self.script is not None:
+                        tok = self.script[len(r["out"])] + 4 if len(r["out"]) < len(self.script) else 3
+                    elif len(r["out"]) >= self.eos_after and not p.ignore_eos:
                         tok = 3
                     else:
                         tok = ord(CORPUS[r["pos"] % len(CORPUS)]) + 4

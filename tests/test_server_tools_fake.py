@@ -1,0 +1,198 @@
+"""Tool calls and reasoning through the HTTP layer, on recorded model texts: a
+stand-in engine (test_server_fake_engine.FakeAsyncLLM) writes a fixed script,
+the official openai client reads the result, streamed and not. The grammar
+each forced tool_choice sends to the engine is checked here too; that the
+engine enforces it is tests/test_server_structured.py's job (real model)."""
+import json
+
+import pytest
+from openai import OpenAI
+from test_server_fake_engine import FakeAsyncLLM, LiveServer
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+                   "required": ["city", "unit"]}}},
+    {"type": "function", "function": {
+        "name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"type": "string"}},
+                                           "required": ["tz"]}}}]
+ASK = [{"role": "user", "content": "Weather in Paris and Tokyo?"}]
+ONE_CALL = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n'
+            '</tool_call>')
+TWO_CALLS = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>\n'
+             '<tool_call>\n{"name": "get_time", "arguments": {"tz": "Asia/Tōkyō"}}\n</tool_call>')
+MALFORMED = '<tool_call>\nget_weather(city="Paris")\n</tool_call>'
+BAD_ARGS = '<tool_call>\n{"name": "get_weather", "arguments": {city: Paris}\n</tool_call>'
+THINK = "<think>The user wants weather.\nI should call the tool.</think>\n\n" + ONE_CALL
+
+
+def serve(script, **config):
+    srv = LiveServer(FakeAsyncLLM(script=script, max_model_len=1024), **config)
+    client = OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=30)
+    return srv, client
+
+
+@pytest.fixture
+def server(request):
+    script, config = request.param if isinstance(request.param, tuple) else (request.param, {})
+    srv, client = serve(script, **config)
+    yield srv, client
+    srv.stop()
+
+
+def create(client, **kw):
+    return client.chat.completions.create(**{"model": "fake", "messages": ASK, "tools": TOOLS,
+                                             "max_tokens": 400, "temperature": 0, **kw})
+
+
+def reassemble(chunks):
+    """content, reasoning, calls {index: {id, name, arguments}}, finish reason of one streamed choice."""
+    content, reasoning, calls, finish = "", "", {}, None
+    for c in chunks:
+        for ch in c.choices:
+            d = ch.delta
+            content += d.content or ""
+            reasoning += (d.model_extra or {}).get("reasoning_content") or ""
+            for tc in d.tool_calls or []:
+                cur = calls.setdefault(tc.index, {"id": None, "name": None, "arguments": ""})
+                if tc.id is not None:
+                    assert cur["id"] is None and tc.function.name, "id and name come once, first"
+                    cur["id"], cur["name"] = tc.id, tc.function.name
+                else:
+                    assert cur["id"] is not None, "arguments before the call's name"
+                cur["arguments"] += tc.function.arguments or ""
+            finish = ch.finish_reason or finish
+    return content, reasoning, calls, finish
+
+
+@pytest.mark.parametrize("server", [ONE_CALL], indirect=True)
+def test_one_call(server):
+    _, client = server
+    c = create(client).choices[0]
+    assert c.finish_reason == "tool_calls"
+    assert c.message.content == "Let me check.\n"          # as vLLM: the text before the call
+    (call,) = c.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris", "unit": "c"}
+    content, _, calls, finish = reassemble(create(client, stream=True))
+    assert finish == "tool_calls" and content.strip() == "Let me check."
+    assert [(v["name"], json.loads(v["arguments"])) for v in calls.values()] == \
+        [("get_weather", {"city": "Paris", "unit": "c"})]
+
+
+@pytest.mark.parametrize("server", [TWO_CALLS], indirect=True)
+def test_parallel_calls_stream_like_nonstream(server):
+    _, client = server
+    m = create(client).choices[0].message
+    assert m.content is None
+    full = [(t.function.name, json.loads(t.function.arguments)) for t in m.tool_calls]
+    assert full == [("get_weather", {"city": "Paris", "unit": "c"}), ("get_time", {"tz": "Asia/Tōkyō"})]
+    content, _, calls, finish = reassemble(create(client, stream=True))
+    assert content == "" and finish == "tool_calls" and sorted(calls) == [0, 1]
+    assert [(calls[i]["name"], json.loads(calls[i]["arguments"])) for i in (0, 1)] == full
+    assert len({calls[0]["id"], calls[1]["id"]}) == 2
+
+
+@pytest.mark.parametrize("server", [MALFORMED], indirect=True)
+def test_malformed_call_is_content(server):
+    _, client = server
+    c = create(client).choices[0]
+    assert c.finish_reason == "stop" and not c.message.tool_calls and c.message.content == MALFORMED
+    content, _, calls, finish = reassemble(create(client, stream=True))
+    assert (content, calls, finish) == (MALFORMED, {}, "stop")
+
+
+@pytest.mark.parametrize("server", [BAD_ARGS], indirect=True)
+def test_bad_arguments_are_content(server):
+    _, client = server
+    c = create(client).choices[0]
+    assert c.finish_reason == "stop" and not c.message.tool_calls and c.message.content == BAD_ARGS
+    # Streamed, the call's name went out before its arguments turned out bad (as in vLLM):
+    # the stream still ends cleanly and carries what the model wrote.
+    content, _, calls, finish = reassemble(create(client, stream=True))
+    assert finish == "tool_calls" and calls[0]["name"] == "get_weather"
+    assert "{city: Paris}" in calls[0]["arguments"] + content
+
+
+@pytest.mark.parametrize("server", [ONE_CALL], indirect=True)
+def test_tool_choice_none_never_calls(server):
+    srv, client = server
+    for stream in (False, True):
+        r = create(client, tool_choice="none", stream=stream)
+        if stream:
+            content, _, calls, finish = reassemble(r)
+        else:
+            c = r.choices[0]
+            content, calls, finish = c.message.content, c.message.tool_calls, c.finish_reason
+        assert content == ONE_CALL and not calls and finish == "stop"
+    assert srv.llm.params[-1].structured_outputs is None
+
+
+@pytest.mark.parametrize("server", [ONE_CALL], indirect=True)
+def test_forced_choice_sends_a_grammar(server):
+    srv, client = server
+    create(client, tool_choice="auto")
+    assert srv.llm.params[-1].structured_outputs is None
+    create(client, tool_choice="required", parallel_tool_calls=False)
+    g = srv.llm.params[-1].structured_outputs.grammar
+    assert "get_weather" in g and "get_time" in g and "<tool_call>" in g
+    create(client, tool_choice={"type": "function", "function": {"name": "get_time"}})
+    g = srv.llm.params[-1].structured_outputs.grammar
+    assert "get_time" in g and "get_weather" not in g
+
+
+@pytest.mark.parametrize("server", [(THINK, {"reasoning_parser": "qwen3"})], indirect=True)
+def test_reasoning_then_call(server):
+    srv, client = server
+    m = create(client).choices[0].message
+    assert m.model_extra["reasoning_content"] == "The user wants weather.\nI should call the tool."
+    assert m.content.strip() == "Let me check." and m.tool_calls[0].function.name == "get_weather"
+    content, reasoning, calls, finish = reassemble(create(client, stream=True))
+    assert reasoning == m.model_extra["reasoning_content"]
+    assert content.strip() == "Let me check." and calls[0]["name"] == "get_weather"
+    # JSON output of a thinking model: the grammar starts after the thinking.
+    create(client, tools=None, response_format={"type": "json_object"})
+    so = srv.llm.params[-1].structured_outputs
+    assert so.json_object and so.start_after == tuple(srv.llm.tokenizer.encode("</think>", add_special_tokens=False))
+
+
+@pytest.mark.parametrize("server", [("Paris.", {"reasoning_parser": "qwen3"})], indirect=True)
+def test_reasoning_parser_without_thinking(server):
+    _, client = server
+    m = create(client, tools=None).choices[0].message
+    assert m.content == "Paris." and m.model_extra.get("reasoning_content") is None
+
+
+@pytest.mark.parametrize("server", ["I think it is Paris.</think>Paris."], indirect=True)
+def test_no_reasoning_parser_keeps_text(server):
+    _, client = server
+    m = create(client, tools=None).choices[0].message
+    assert m.content == "I think it is Paris.</think>Paris." and "reasoning_content" not in (m.model_extra or {})
+
+
+@pytest.mark.parametrize("server", [(ONE_CALL, {"reasoning_parser": "deepseek_r1"})], indirect=True)
+def test_deepseek_r1_cut_thinking_is_reasoning(server):
+    # deepseek_r1's template opens the thinking in the prompt: text with no </think> is still thinking.
+    _, client = server
+    m = create(client, tools=None).choices[0].message
+    assert m.model_extra["reasoning_content"] == ONE_CALL and m.content is None
+
+
+@pytest.mark.parametrize("server", [ONE_CALL], indirect=True)
+@pytest.mark.parametrize("body, match", [
+    ({"tool_choice": "required", "tools": None}, "tool_choice needs tools"),
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not in tools"),
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "name"),
+    ({"tools": [{"type": "retrieval"}]}, "tools"),
+    ({"tool_choice": "sometimes"}, "tool_choice"),
+    ({"response_format": {"type": "json_schema"}}, "json_schema"),
+    ({"response_format": {"type": "yaml"}}, "response_format"),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "cannot be combined"),
+])
+def test_bad_tool_requests_are_400(server, body, match):
+    import openai
+    _, client = server
+    with pytest.raises(openai.BadRequestError, match=match) as e:
+        create(client, **body)
+    assert e.value.status_code == 400 and e.value.body["type"] == "invalid_request_error"
