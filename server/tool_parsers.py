@@ -210,6 +210,37 @@ class ToolStream(ABC):
     def _close_call(self) -> None:
         self._index += 1
 
+    def _stream_args(self, final: bool) -> bool:
+        """State "args": stream the arguments JSON until it closes, then state
+        "tail". True: the caller's loop goes on."""
+        buf = self._buf
+        end = self._scan.feed(buf)
+        piece = buf if end < 0 else buf[:end]
+        self._args(piece)
+        self._buf = buf[len(piece):]
+        if end < 0:
+            if final:
+                self._close_call()
+            return False
+        self._state = "tail"
+        return True
+
+    def _skip_tail(self, close: str, after: str, final: bool) -> bool:
+        """State "tail": drop text up to the call's closing marker, then state
+        `after`. True: the caller's loop goes on."""
+        buf = self._buf
+        j = buf.find(close)
+        if j >= 0:
+            self._buf, self._state = buf[j + len(close):], after
+            self._close_call()
+            return True
+        if final:
+            self._buf = ""
+            self._close_call()
+        else:
+            self._buf = buf[len(buf) - _partial_suffix(buf, (close,)):]
+        return False
+
     def _whole_call(self, name: str, args: dict) -> None:
         self._end_segment()
         self._deltas.append(ToolCallDelta(self._index, _call_id(), name, _dumps(args)))
@@ -354,26 +385,9 @@ class _HermesStream(ToolStream):
                     self._buf = ""
                 return
             elif self._state == "args":
-                end = self._scan.feed(buf)
-                piece = buf if end < 0 else buf[:end]
-                self._args(piece)
-                self._buf = buf[len(piece):]
-                if end < 0:
-                    if final:
-                        self._close_call()
+                if not self._stream_args(final):
                     return
-                self._state = "tail"
-            else:                                # "tail": skip to CLOSE ("}\n" before it)
-                j = buf.find(C)
-                if j >= 0:
-                    self._buf, self._state = buf[j + len(C):], "text"
-                    self._close_call()
-                    continue
-                if final:
-                    self._buf = ""
-                    self._close_call()
-                else:
-                    self._buf = buf[len(buf) - _partial_suffix(buf, (C,)):]
+            elif not self._skip_tail(C, "text", final):    # "tail": skip to CLOSE ("}\n" before it)
                 return
 
 
@@ -582,26 +596,9 @@ class _DeepSeekStream(ToolStream):
                     self._pending, self._buf = "", ""
                 return
             elif self._state == "args":
-                end = self._scan.feed(buf)
-                piece = buf if end < 0 else buf[:end]
-                self._args(piece)
-                self._buf = buf[len(piece):]
-                if end < 0:
-                    if final:
-                        self._close_call()
+                if not self._stream_args(final):
                     return
-                self._state = "tail"
-            else:                                    # "tail": skip "\n```" to the call's end
-                j = buf.find(DS_CALL_END)
-                if j >= 0:
-                    self._buf, self._state = buf[j + len(DS_CALL_END):], "block"
-                    self._close_call()
-                    continue
-                if final:
-                    self._buf = ""
-                    self._close_call()
-                else:
-                    self._buf = buf[len(buf) - _partial_suffix(buf, (DS_CALL_END,)):]
+            elif not self._skip_tail(DS_CALL_END, "block", final):   # "tail": skip "\n```" to the call's end
                 return
 
 

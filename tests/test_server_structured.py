@@ -15,7 +15,7 @@ from structured_schemas import PROMPTS, SCHEMAS
 from test_server_process import ServerProcess
 
 ARGS = ["--max-model-len", "1024", "--kv-cache-memory", "256MiB", "--max-num-batched-tokens", "512",
-        "--max-num-seqs", "16"]
+        "--max-num-seqs", "32"]
 
 
 @pytest.fixture(scope="module", params=["smollm2-135m", "gemma3-270m"])
@@ -57,7 +57,7 @@ def _stream(client, model, schema, prompt):
 def test_parse_20_schemas_x_20_prompts(served):
     model, _, client = served
     jobs = [(schema, prompt) for schema in SCHEMAS for prompt in PROMPTS]
-    with ThreadPoolExecutor(16) as pool:
+    with ThreadPoolExecutor(32) as pool:
         texts = list(pool.map(lambda j: _parse(client, model, *j), jobs))
     assert len(texts) == 400
     # Streamed: the concatenated deltas validate, and (greedy) equal the non-streamed text.
@@ -119,9 +119,9 @@ def test_constrained_neighbours_unaffected(served):
 
     def constrained(i):
         return _parse(client, model, SCHEMAS[i], PROMPTS[i])
-    with ThreadPoolExecutor(8) as pool:
-        futs = [pool.submit(constrained, i) for i in range(5)] + [pool.submit(free, p) for p in prompts]
-        mixed = [f.result() for f in futs[5:]]
+    with ThreadPoolExecutor(6) as pool:
+        futs = [pool.submit(constrained, i) for i in range(3)] + [pool.submit(free, p) for p in prompts]
+        mixed = [f.result() for f in futs[3:]]
     assert mixed == alone
 
 
@@ -187,12 +187,12 @@ def test_tool_loop(served, choice):
 
 
 def test_parallel_required_calls(served):
+    """parallel_tool_calls: one or more calls; whatever the model completes within
+    max_tokens parses and validates (a cut last call stays content)."""
     model, _, client = served
     r = client.chat.completions.create(model=model, messages=ask("Weather in Paris and the time in Tokyo?"),
-                                       tools=TOOLS, tool_choice="required", temperature=0, max_tokens=300)
+                                       tools=TOOLS, tool_choice="required", temperature=0, max_tokens=100)
     c = r.choices[0]
-    assert c.finish_reason in ("tool_calls", "length")
-    if c.finish_reason == "tool_calls":
-        assert c.message.tool_calls
-        for call in c.message.tool_calls:
-            ARG_MODELS[call.function.name].model_validate_json(call.function.arguments)
+    assert c.message.tool_calls and c.finish_reason in ("tool_calls", "length")
+    for call in c.message.tool_calls:
+        ARG_MODELS[call.function.name].model_validate_json(call.function.arguments)

@@ -196,3 +196,29 @@ def test_bad_tool_requests_are_400(server, body, match):
     with pytest.raises(openai.BadRequestError, match=match) as e:
         create(client, **body)
     assert e.value.status_code == 400 and e.value.body["type"] == "invalid_request_error"
+
+
+# Qwen3's chat template's thinking switch (the part that matters here): with
+# enable_thinking false the prompt already holds an empty, closed thinking block.
+QWEN3_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|im_start|>assistant\n"
+                  "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+                  "{% endif %}")
+
+
+@pytest.mark.parametrize("server", [('<think>Paris is in France.</think>\n\n{"city": "Paris"}',
+                                     {"reasoning_parser": "qwen3"})], indirect=True)
+def test_qwen3_template_thinking_switch(server):
+    srv, client = server
+    srv.llm.chat_template = QWEN3_TEMPLATE
+    fmt = {"type": "json_object"}
+    m = create(client, tools=None, response_format=fmt).choices[0].message
+    assert m.model_extra["reasoning_content"] == "Paris is in France."
+    assert json.loads(m.content) == {"city": "Paris"}
+    marker = tuple(srv.llm.tokenizer.encode("</think>", add_special_tokens=False))
+    assert srv.llm.params[-1].structured_outputs.start_after == marker    # JSON after the thinking
+    # Thinking off: the prompt closes it, the grammar applies from the first token and all text is content.
+    m = create(client, tools=None, response_format=fmt,
+               extra_body={"chat_template_kwargs": {"enable_thinking": False}}).choices[0].message
+    assert srv.llm.params[-1].structured_outputs.start_after == ()
+    assert m.content.startswith("<think>") and m.model_extra.get("reasoning_content") is None
