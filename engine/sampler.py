@@ -156,15 +156,27 @@ def _apply_penalties(logits: torch.Tensor, plan: dict, t: list[torch.Tensor]) ->
     return logits
 
 
-def _apply_mask(work: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> None:
-    """-inf, in place, at the tokens a grammar forbids: mask [R, W] int32 bits
-    (bit t of word t // 32 = token t allowed) for the rows `rows` of work [B, V]."""
-    V = work.shape[1]
-    shifts = torch.arange(32, dtype=torch.int32, device=work.device)
-    bits = (mask.unsqueeze(-1) >> shifts) & 1
-    allowed = bits.view(mask.shape[0], -1)[:, :V].bool()
-    sub = work.index_select(0, rows).masked_fill_(~allowed, float("-inf"))
-    work.index_copy_(0, rows, sub)
+def forbidden_host(mask: np.ndarray, V: int) -> torch.Tensor:
+    """bool [R, V], True where a grammar forbids the token, from int32 bitmask
+    rows (bit t of word t // 32 = token t allowed): numpy's unpackbits on the
+    host, ~40x faster on CPU than torch's shift-and-mask."""
+    bits = np.unpackbits((~mask).view(np.uint8), axis=1, bitorder="little")[:, :V]
+    return torch.from_numpy(bits.view(np.bool_))
+
+
+def forbidden_device(mask: torch.Tensor, V: int) -> torch.Tensor:
+    """forbidden_host's result from the bitmask on the device (the mask
+    travels packed: 32x fewer bytes than the bool matrix)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=mask.device)
+    return ((mask.unsqueeze(-1) >> shifts) & 1).view(mask.shape[0], -1)[:, :V] == 0
+
+
+def _apply_mask(work: torch.Tensor, rows: torch.Tensor, forbid: torch.Tensor) -> None:
+    """-inf, in place, at the forbidden tokens of rows `rows` of work [B, V]."""
+    if forbid.shape[0] == work.shape[0]:        # every row constrained: rows is 0..B-1
+        work.masked_fill_(forbid, float("-inf"))
+        return
+    work.index_copy_(0, rows, work.index_select(0, rows).masked_fill_(forbid, float("-inf")))
 
 
 def _filter(logits: torch.Tensor, tt: dict) -> torch.Tensor:
@@ -225,9 +237,10 @@ def sample(logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[d
         keys["want"] = up.add(want, np.int64)
     allowed = fill_bitmask(reqs)           # host work, overlapping the device's forward
     if allowed is not None:
-        # int32 mask words travel as int64 pairs (rows are an even count of words).
         keys["mask_rows"] = up.add(allowed[0], np.int64)
-        keys["mask"] = up.add(allowed[1].view(np.int64), np.int64)
+        if up.pack:
+            # int32 mask words travel as int64 pairs (rows are an even count of words).
+            keys["mask"] = up.add(allowed[1].view(np.int64), np.int64)
     t = up.send()
     tt = {k: t[v] for k, v in keys.items()}
     tt["kmax"] = kmax
@@ -236,7 +249,9 @@ def sample(logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[d
     if allowed is not None:
         if work is logits:
             work = logits.to(torch.float32, copy=True)   # raw logits stay for logprobs
-        _apply_mask(work, tt["mask_rows"], tt["mask"].view(torch.int32).view(len(allowed[0]), -1))
+        forbid = (forbidden_device(tt["mask"].view(torch.int32).view(len(allowed[0]), -1), V) if up.pack
+                  else forbidden_host(allowed[1], V))
+        _apply_mask(work, tt["mask_rows"], forbid)
     if len(samp) < B:
         tokens = work.argmax(dim=-1)
     if samp:

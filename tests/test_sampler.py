@@ -293,3 +293,43 @@ def test_upload_packs_one_buffer(device):
 
 def test_empty_batch():
     assert sample(torch.zeros(0, V), []) == ([], [])
+
+
+class _FixedGrammar:
+    """A grammar stand-in whose mask allows a fixed token set (what
+    structured_output.fill_bitmask reads from a request's grammar)."""
+
+    def __init__(self, allowed):
+        import numpy as np
+        from engine.structured_output import mask_words
+        self.active, self.words = True, mask_words(V)
+        self.bits = np.zeros(self.words, np.int32)
+        for t in allowed:
+            self.bits[t // 32] |= np.uint32(1 << (t % 32)).view(np.int32)
+        self.matcher = self
+
+    def unsafe_compute_mask_ptr(self, ptr, nbytes):
+        import ctypes
+        ctypes.memmove(ptr, self.bits.ctypes.data, nbytes)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_grammar_rows_take_allowed_tokens_only(device):
+    """Constrained rows (greedy, seeded, with logprobs) sample inside their
+    mask; the other rows and every row's raw logprobs are as without masks."""
+    logits = _random_logits(len(MIXED), device, seed=5)
+    allowed = {1: [7, 300, 999], 3: [2, 5], 5: [640]}
+    plain = [make_req(i, n_out=4, **kw) for i, kw in enumerate(MIXED)]
+    masked = [make_req(i, n_out=4, **kw) for i, kw in enumerate(MIXED)]
+    for i, toks in allowed.items():
+        masked[i].grammar = _FixedGrammar(toks)
+    t0, lp0 = sample(logits, plain)
+    t1, lp1 = sample(logits, masked)
+    for i in range(len(MIXED)):
+        if i in allowed:
+            assert t1[i] in allowed[i]
+        else:
+            assert t1[i] == t0[i]
+    assert lp1[5] is not None and lp1[5][t1[5]] == pytest.approx(
+        torch.log_softmax(logits[5].float(), -1)[t1[5]].item(), abs=1e-5)   # raw, not masked
+    assert lp1[7] == lp0[7]

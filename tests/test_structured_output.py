@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import LLM, InvalidRequest, SamplingParams
-from engine.sampler import _apply_mask
+from engine.sampler import _apply_mask, forbidden_device, forbidden_host
 from engine.structured_output import (GrammarCompiler, StructuredOutputError, StructuredOutputsParams as SO,
                                       fill_bitmask, mask_words)
 
@@ -67,13 +67,18 @@ def test_mask_bits_apply_to_their_rows_only():
         for t in toks:
             mask[j, t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
     logits = torch.randn(3, V)
+    forbid = forbidden_host(mask, V)
+    assert torch.equal(forbid, forbidden_device(torch.from_numpy(mask), V))   # the CUDA path's unpacking
     work = logits.clone()
-    _apply_mask(work, torch.tensor([2, 0]), torch.from_numpy(mask))
+    _apply_mask(work, torch.tensor([2, 0]), forbid)
     assert torch.equal(work[1], logits[1])                      # an unconstrained row is untouched
     for row, toks in ((2, allowed[0]), (0, allowed[1])):
         finite = set(torch.isfinite(work[row]).nonzero().flatten().tolist())
         assert finite == toks
         assert torch.equal(work[row, sorted(toks)], logits[row, sorted(toks)])
+    every = logits[:2].clone()                                   # all rows constrained: in place
+    _apply_mask(every, torch.tensor([0, 1]), forbid)
+    assert set(torch.isfinite(every[0]).nonzero().flatten().tolist()) == allowed[0]
 
 
 def test_fill_bitmask_matches_llguidance(llm):
