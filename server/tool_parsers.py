@@ -865,6 +865,25 @@ class _PyRules:
         return name
 
 
+def _ordered_kwargs(rule: str, name: str, props: dict, required: set, pr) -> list[str]:
+    """Lark rules for name(k1=v1, k2=v2, ...): the properties in schema order,
+    each at most once, required ones present (a small model otherwise repeats
+    one keyword until max_tokens). Rule {rule}_a{j}_{f}: the arguments from
+    property j on, f = 0 before the first one written (no ", " yet), 1 after."""
+    keys = list(props)
+    out = [f'{rule}: {_lark_str(name + "(")} {rule}_a0_0 ")"']
+    for j, k in enumerate(keys):
+        kv = f"{_lark_str(k + '=')} {pr.value(props[k])}"
+        for f in (0, 1):
+            sep = '", " ' if f else ""
+            alts = [f"{sep}{kv} {rule}_a{j + 1}_1"]
+            if k not in required:
+                alts.append(f"{rule}_a{j + 1}_{f}")
+            out.append(f"{rule}_a{j}_{f}: " + " | ".join(alts))
+    out += [f'{rule}_a{len(keys)}_0: ""', f'{rule}_a{len(keys)}_1: ""']
+    return out
+
+
 class PythonicToolParser(ToolParser):
     """Llama 3.2 / Gemma 3 recipes: [get_weather(city="Paris", days=3), other(x=1)],
     keyword arguments with Python literal values (read with ast, never eval'd;
@@ -879,9 +898,10 @@ class PythonicToolParser(ToolParser):
         """Enforces: "[" call (", " call)* "]" (one call unless parallel), names
         from the allowed tools, keyword names from each tool's properties, each
         value a Python literal of the property's JSON type (enum/const values,
-        array items, nested object properties too). Not enforced: required
-        arguments, argument order/repeats, numeric ranges, string lengths or
-        patterns. Fixed spelling: "=" with no spaces, ", " between items."""
+        array items, nested object properties too), each keyword at most once
+        and in the schema's order, required ones present. Not enforced:
+        numeric ranges, string lengths or patterns. Fixed spelling: "=" with
+        no spaces, ", " between items."""
         tools = self._chosen(choice)
         pr = _PyRules()
         lines = ['start: "[" fn (", " fn)* "]"' if parallel else 'start: "[" fn "]"',
@@ -889,9 +909,7 @@ class PythonicToolParser(ToolParser):
         for i, (n, p) in enumerate(tools):
             props = p.get("properties") if isinstance(p.get("properties"), dict) else {}
             if props:
-                kws = " | ".join(f"{_lark_str(k + '=')} {pr.value(s)}" for k, s in props.items())
-                lines.append(f"kw_{i}: {kws}")
-                lines.append(f'fn_{i}: {_lark_str(n + "(")} (kw_{i} (", " kw_{i})*)? ")"')
+                lines += _ordered_kwargs(f"fn_{i}", n, props, set(p.get("required") or ()), pr)
             elif p.get("additionalProperties") is False:
                 lines.append(f'fn_{i}: {_lark_str(n + "(")} ")"')
             else:                               # free-form object: any keyword=literal

@@ -317,12 +317,13 @@ WRITE = {
     "deepseek_v3": (ds, "\n", lambda s: DS_B + s + DS_E),
     "pythonic": (py_call, ", ", lambda s: "[" + s + "]"),
 }
-# argument sets that break get_weather's schema (pythonic checks types and enums, not ranges)
+# argument sets that break get_weather's schema (pythonic checks types, enums, required and
+# repeated keywords and their order, not ranges)
 VIOLATIONS = {
     "json": [{"city": "Paris", "unit": "kelvin"}, {"city": "Paris", "days": 9}, {"city": 5},
              {"unit": "celsius"}],
     "pythonic": [{"city": "Paris", "unit": "kelvin"}, {"city": 5}, {"city": "Paris", "days": "3"},
-                 {"city": "Paris", "extra": 1}],
+                 {"city": "Paris", "extra": 1}, {"unit": "celsius"}, {"unit": "celsius", "city": "Paris"}],
 }
 
 
@@ -382,3 +383,10 @@ def test_deepseek_marker_tokens_grammar_text():
     g = PARSERS["deepseek_v3"](TOOLS).grammar("ping", True, marker_tokens=True)
     assert g.startswith(f"start: {DS_B} call") and f'"\\n```" {DS_CE}' in g
     assert f'"{DS_B}"' not in g
+
+
+def test_pythonic_grammar_takes_each_keyword_once(tk):
+    g = compile_grammar(tk, PARSERS["pythonic"](TOOLS).grammar("get_weather", False))
+    assert accepts(tk, g, '[get_weather(city="Paris", days=3)]')               # optional unit left out
+    assert not accepts(tk, g, '[get_weather(city="Paris", city="Paris")]')     # repeated keyword
+    assert not accepts(tk, g, "[get_weather()]")                               # required city missing
