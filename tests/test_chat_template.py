@@ -170,3 +170,33 @@ def test_messages_are_not_mutated():
     messages = [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "One"}]
     render_chat(GEMMA3_CHAT_TEMPLATE, messages, continue_final_message=True, bos_token="<bos>")
     assert messages == [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "One"}]
+
+
+def test_gemma3_tool_template():
+    """The gemma3 fallback (GGUFs without a template) renders exactly as
+    google's template when there are no tools, and writes tools, calls
+    (pythonic) and results (user turns) when there are."""
+    from model_zoo.chat_template import FALLBACK_TEMPLATES, GEMMA3_TOOL_CHAT_TEMPLATE as T
+    assert FALLBACK_TEMPLATES["gemma3"] == T
+    convs = [[{"role": "user", "content": "hi"}],
+             [{"role": "system", "content": "be nice"}, {"role": "user", "content": "hi"},
+              {"role": "assistant", "content": "hello"}, {"role": "user", "content": " bye "}]]
+    for c in convs:
+        for agp in (True, False):
+            assert render_chat(T, c, add_generation_prompt=agp, bos_token="<bos>") == \
+                render_chat(GEMMA3_CHAT_TEMPLATE, c, add_generation_prompt=agp, bos_token="<bos>")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    chat = [{"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+                {"id": "b", "type": "function", "function": {"name": "get_time", "arguments": {}}}]},
+            {"role": "tool", "tool_call_id": "a", "content": "sunny"},
+            {"role": "tool", "tool_call_id": "b", "content": "noon"}]
+    text = render_chat(T, chat, add_generation_prompt=True, bos_token="<bos>", tools=tools)
+    assert '{"name": "get_weather", "parameters"' in text.split("weather?")[0]
+    assert '<start_of_turn>model\n[get_weather(city="Paris"), get_time()]<end_of_turn>\n' in text
+    assert "<start_of_turn>user\nResult of the call: sunny\nResult of the call: noon<end_of_turn>\n" \
+           "<start_of_turn>model\n" in text
+    with pytest.raises(ChatTemplateError, match="alternate"):
+        render_chat(T, chat[:1] + chat[2:], bos_token="<bos>")
