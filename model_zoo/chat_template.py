@@ -22,10 +22,8 @@ import jinja2.ext
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-# The template google/gemma-3-*-it ship in tokenizer_config.json. The gemma3
-# GGUF we bundle carries no tokenizer.chat_template, so the loader falls back
-# to this one (it writes {{ bos_token }} itself and calls the assistant "model").
-GEMMA3_CHAT_TEMPLATE = (
+# Pieces of Gemma 3's chat template, shared by google's and the tool variant.
+_GEMMA3_HEAD = (
     "{{ bos_token }}\n"
     "{%- if messages[0]['role'] == 'system' -%}\n"
     "    {%- if messages[0]['content'] is string -%}\n"
@@ -38,16 +36,9 @@ GEMMA3_CHAT_TEMPLATE = (
     "    {%- set first_user_prefix = \"\" -%}\n"
     "    {%- set loop_messages = messages -%}\n"
     "{%- endif -%}\n"
-    "{%- for message in loop_messages -%}\n"
-    "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
-    "        {{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}\n"
-    "    {%- endif -%}\n"
-    "    {%- if (message['role'] == 'assistant') -%}\n"
-    "        {%- set role = \"model\" -%}\n"
-    "    {%- else -%}\n"
-    "        {%- set role = message['role'] -%}\n"
-    "    {%- endif -%}\n"
-    "    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}\n"
+)
+
+_GEMMA3_CONTENT = (
     "    {%- if message['content'] is string -%}\n"
     "        {{ message['content'] | trim }}\n"
     "    {%- elif message['content'] is iterable -%}\n"
@@ -61,31 +52,41 @@ GEMMA3_CHAT_TEMPLATE = (
     "    {%- else -%}\n"
     "        {{ raise_exception(\"Invalid content type\") }}\n"
     "    {%- endif -%}\n"
-    "    {{ '<end_of_turn>\n' }}\n"
-    "{%- endfor -%}\n"
+)
+
+_GEMMA3_TAIL = (
     "{%- if add_generation_prompt -%}\n"
     "    {{'<start_of_turn>model\n'}}\n"
     "{%- endif -%}\n"
 )
+
+# The template google/gemma-3-*-it ship in tokenizer_config.json (it writes
+# {{ bos_token }} itself and calls the assistant "model"). The gemma3 GGUF we
+# bundle carries no tokenizer.chat_template: the loader falls back to the
+# tool variant below.
+GEMMA3_CHAT_TEMPLATE = _GEMMA3_HEAD + (
+    "{%- for message in loop_messages -%}\n"
+    "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
+    "        {{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}\n"
+    "    {%- endif -%}\n"
+    "    {%- if (message['role'] == 'assistant') -%}\n"
+    "        {%- set role = \"model\" -%}\n"
+    "    {%- else -%}\n"
+    "        {%- set role = message['role'] -%}\n"
+    "    {%- endif -%}\n"
+    "    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}\n"
+) + _GEMMA3_CONTENT + (
+    "    {{ '<end_of_turn>\n' }}\n"
+    "{%- endfor -%}\n"
+) + _GEMMA3_TAIL
+
 
 # GEMMA3_CHAT_TEMPLATE with tools (Gemma 3 has no tool format of its own; this
 # is the pythonic one of vLLM's Gemma 3 tool example): the tools and how to call
 # them go into the first user turn, an assistant's tool_calls are written
 # [name(k=v, ...)], and tool results are user turns (consecutive ones share a
 # turn). Without tools or tool messages it renders exactly as google's template.
-GEMMA3_TOOL_CHAT_TEMPLATE = (
-    "{{ bos_token }}\n"
-    "{%- if messages[0]['role'] == 'system' -%}\n"
-    "    {%- if messages[0]['content'] is string -%}\n"
-    "        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}\n"
-    "    {%- else -%}\n"
-    "        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}\n"
-    "    {%- endif -%}\n"
-    "    {%- set loop_messages = messages[1:] -%}\n"
-    "{%- else -%}\n"
-    "    {%- set first_user_prefix = \"\" -%}\n"
-    "    {%- set loop_messages = messages -%}\n"
-    "{%- endif -%}\n"
+GEMMA3_TOOL_CHAT_TEMPLATE = _GEMMA3_HEAD + (
     "{%- if tools -%}\n"
     "    {%- set tns = namespace(text='') -%}\n"
     "    {%- for tool in tools -%}\n"
@@ -116,19 +117,7 @@ GEMMA3_TOOL_CHAT_TEMPLATE = (
     "    {%- if message['role'] == 'tool' -%}\n"
     "        {{ 'Result of ' + (message['name'] ~ ' ' if message['name'] is defined else '') + 'the call: ' }}\n"
     "    {%- endif -%}\n"
-    "    {%- if message['content'] is string -%}\n"
-    "        {{ message['content'] | trim }}\n"
-    "    {%- elif message['content'] is iterable -%}\n"
-    "        {%- for item in message['content'] -%}\n"
-    "            {%- if item['type'] == 'image' -%}\n"
-    "                {{ '<start_of_image>' }}\n"
-    "            {%- elif item['type'] == 'text' -%}\n"
-    "                {{ item['text'] | trim }}\n"
-    "            {%- endif -%}\n"
-    "        {%- endfor -%}\n"
-    "    {%- else -%}\n"
-    "        {{ raise_exception(\"Invalid content type\") }}\n"
-    "    {%- endif -%}\n"
+) + _GEMMA3_CONTENT + (
     "    {%- if message['tool_calls'] is defined and message['tool_calls'] -%}\n"
     "        {{ '[' }}\n"
     "        {%- for call in message['tool_calls'] -%}\n"
@@ -147,10 +136,7 @@ GEMMA3_TOOL_CHAT_TEMPLATE = (
     "        {{ '<end_of_turn>\n' }}\n"
     "    {%- endif -%}\n"
     "{%- endfor -%}\n"
-    "{%- if add_generation_prompt -%}\n"
-    "    {{'<start_of_turn>model\n'}}\n"
-    "{%- endif -%}\n"
-)
+) + _GEMMA3_TAIL
 
 # Fallbacks by GGUF architecture, for files that carry no template.
 FALLBACK_TEMPLATES = {"gemma3": GEMMA3_TOOL_CHAT_TEMPLATE}
