@@ -753,6 +753,8 @@ def main():
     if args.quick:
         args.max_tokens, args.repeats, args.min_len, args.max_len = 4, 1, 16, 24
     cmd = shlex.join([".venv/bin/python", "tests/bench/structured_output.py", *sys.argv[1:]])
+    if os.environ.get("PYTHONPATH"):          # where xgrammar came from, for section 4
+        cmd = f"PYTHONPATH={shlex.quote(os.environ['PYTHONPATH'])} {cmd}"
     t_start = time.perf_counter()
     import torch
     torch.set_num_threads(args.threads)
