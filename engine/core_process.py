@@ -20,6 +20,7 @@ def run_engine_core(args: EngineArgs, in_q, out_q) -> None:
         out_q.put(("error", f"{type(e).__name__}: {e}"))
         return
     out_q.put(("ready", core.info))
+    core.prepare_grammars()         # off the step loop: the first constrained request does not stall it
     try:
         while True:
             msgs = []
