@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from engine.request import Request
-from engine.sampler import sample, token_logprobs
+from engine.sampler import batch_token_logprobs, sample
 from engine.scheduler import SchedulerOutput, ScheduledRequest
 from kvcache.dsv4_paged import DSV4PagedCache
 from kvcache.kv_manager import KVCacheManager
@@ -183,9 +183,12 @@ class ModelRunner:
         n = end - s.start
         if n <= 0:
             return
-        logp = torch.log_softmax(self.model.compute_logits(hidden[:n]).float(), dim=-1)
-        k = req.params.prompt_logprobs
-        for j in range(n):
-            if len(req.prompt_logprobs) != s.start + j + 1:   # already scored before a preemption
-                continue
-            req.prompt_logprobs.append(token_logprobs(logp[j], req.token_ids[s.start + j + 1], k))
+        # Positions scored before a preemption are not scored again; scoring
+        # continues only where the list left off.
+        first = len(req.prompt_logprobs) - 1 - s.start
+        if not 0 <= first < n:
+            return
+        logp = torch.log_softmax(self.model.compute_logits(hidden[first:n]).float(), dim=-1)
+        targets = req.token_ids[s.start + first + 1:s.start + n + 1]
+        # One host transfer for the chunk, not one per position.
+        req.prompt_logprobs.extend(batch_token_logprobs(logp, targets, req.params.prompt_logprobs))
