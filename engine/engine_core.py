@@ -204,7 +204,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.max_num_batched_tokens,
                                    args.long_prefill_token_threshold)
         self.runner = ModelRunner(self.model, self.kv, caches)
-        self._grammars: GrammarCompiler | None = None    # built at the first constrained request
+        self._grammars: GrammarCompiler | None = None    # at prepare_grammars or the first constrained request
         self.stats = EngineStats()
         self.info = ModelInfo(
             max_model_len=self.max_model_len, eos_token_ids=list(self.source.eos_token_ids),
