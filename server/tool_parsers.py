@@ -107,15 +107,15 @@ def _first_marker(text: str, markers: tuple[str, ...]) -> tuple[int, str]:
     return found
 
 
-# Incremental bracket depth of JSON text, aware of strings and escapes: finds
-# where an object ends without re-reading what came before (O(n) per call).
-_JSON_OUT = re.compile(r'["{}\[\]]')
-_JSON_IN = re.compile(r'["\\]')
+class _BracketScan:
+    """Incremental bracket depth of JSON text fed piece by piece, aware of
+    strings and escapes: finds where an object ends without re-reading what
+    came before (O(n) per call). _PyScan: the same over Python source."""
+    OUT = re.compile(r'["{}\[\]]')                 # what matters outside a string
+    IN = {'"': re.compile(r'["\\]')}              # ... inside one, by its quote
 
-
-class _JsonScan:
     def __init__(self, depth: int = 0):
-        self.depth, self.in_str, self.esc = depth, False, False
+        self.depth, self.quote, self.esc = depth, "", False
 
     def feed(self, text: str, pos: int = 0) -> int:
         """Scan text[pos:]; index just past the bracket that brings the depth
@@ -125,18 +125,18 @@ class _JsonScan:
             if self.esc:
                 self.esc, pos = False, pos + 1
                 continue
-            m = (_JSON_IN if self.in_str else _JSON_OUT).search(text, pos)
+            m = (self.IN[self.quote] if self.quote else self.OUT).search(text, pos)
             if m is None:
                 return -1
             ch, pos = m.group(), m.end()
-            if self.in_str:
+            if self.quote:
                 if ch == "\\":
                     self.esc = True
                 else:
-                    self.in_str = False
-            elif ch == '"':
-                self.in_str = True
-            elif ch in "{[":
+                    self.quote = ""
+            elif ch in self.IN:
+                self.quote = ch
+            elif ch in "([{":
                 self.depth += 1
             else:
                 self.depth -= 1
@@ -378,7 +378,7 @@ class _HermesStream(ToolStream):
                 name = _load_json(m.group(1)) if m else None
                 if isinstance(name, str) and name.strip():
                     self._open_call(name.strip())
-                    self._buf, self._state, self._scan = buf[m.end():], "args", _JsonScan()
+                    self._buf, self._state, self._scan = buf[m.end():], "args", _BracketScan()
                     continue
                 if final:                        # unclosed: content
                     self._content(buf)
@@ -436,7 +436,7 @@ class _Llama3Stream(ToolStream):
                     else:
                         self._pending = lead
                     self._buf, self._state = rest, "head"
-                    self._scan, self._scanned = _JsonScan(), 0
+                    self._scan, self._scanned = _BracketScan(), 0
                     continue
                 if not final and (not rest or T.startswith(rest)):
                     return                           # undecided yet
@@ -465,7 +465,7 @@ class _Llama3Stream(ToolStream):
                 if isinstance(name, str) and name.strip():
                     self._open_call(name.strip())
                     self._pending = ""
-                    self._buf, self._state, self._scan = buf[m.end():], "args", _JsonScan()
+                    self._buf, self._state, self._scan = buf[m.end():], "args", _BracketScan()
                     continue
                 if final:                            # unclosed object: content
                     self._content(self._pending + buf)
@@ -480,7 +480,7 @@ class _Llama3Stream(ToolStream):
                     if final:
                         self._close_call()
                     return
-                self._state, self._scan = "tail", _JsonScan(depth=1)
+                self._state, self._scan = "tail", _BracketScan(depth=1)
             else:                                    # "tail": up to the outer object's "}"
                 end = self._scan.feed(buf)
                 if end < 0:
@@ -589,7 +589,7 @@ class _DeepSeekStream(ToolStream):
                 if m and m.group(1).strip():
                     self._open_call(m.group(1).strip())
                     self._pending, self._block_ok = "", True
-                    self._buf, self._state, self._scan = buf[m.end():], "args", _JsonScan()
+                    self._buf, self._state, self._scan = buf[m.end():], "args", _BracketScan()
                     continue
                 if final:
                     self._content(self._pending + buf)
@@ -687,41 +687,11 @@ def _py_call(text: str) -> tuple[str, dict] | None:
         return None
 
 
-_PY_OUT = re.compile(r"[\"'()\[\]{}]")
-_PY_IN = {'"': re.compile(r'["\\]'), "'": re.compile(r"['\\]")}
-
-
-class _PyScan:
-    """Bracket depth of Python source fed piece by piece, skipping '...'/"..."
-    strings (triple quotes are not special-cased: ast checks the result)."""
-
-    def __init__(self, depth: int):
-        self.depth, self.quote, self.esc = depth, "", False
-
-    def feed(self, text: str, pos: int = 0) -> int:
-        n = len(text)
-        while pos < n:
-            if self.esc:
-                self.esc, pos = False, pos + 1
-                continue
-            m = (_PY_IN[self.quote] if self.quote else _PY_OUT).search(text, pos)
-            if m is None:
-                return -1
-            ch, pos = m.group(), m.end()
-            if self.quote:
-                if ch == "\\":
-                    self.esc = True
-                else:
-                    self.quote = ""
-            elif ch in "\"'":
-                self.quote = ch
-            elif ch in "([{":
-                self.depth += 1
-            else:
-                self.depth -= 1
-                if self.depth <= 0:
-                    return pos
-        return -1
+class _PyScan(_BracketScan):
+    """Bracket depth of Python source, skipping '...'/"..." strings (triple
+    quotes are not special-cased: ast checks the result)."""
+    OUT = re.compile(r"[\"'()\[\]{}]")
+    IN = {'"': re.compile(r'["\\]'), "'": re.compile(r"['\\]")}
 
 
 class _PythonicStream(ToolStream):

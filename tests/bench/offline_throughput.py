@@ -12,25 +12,12 @@ Writes tests/bench/results/offline_throughput.{json,md}.
 import argparse
 import json
 import os
-import random
 import subprocess
 import textwrap
 import time
 
-from bench_paths import DATA, OUT, log  # puts the repo on sys.path
+from bench_paths import OUT, log, make_prompts  # puts the repo on sys.path
 
-
-
-def make_prompts(tok, n, lo, hi, seed):
-    text = DATA.read_text()
-    ids = tok.encode(text[:400_000], add_special_tokens=False)
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        L = rng.randrange(lo, hi + 1)
-        s = rng.randrange(0, len(ids) - L)
-        out.append(ids[s:s + L])
-    return out
 
 
 def bench_tqserve(prompts, out_len, threads, dtype, quantization=None):

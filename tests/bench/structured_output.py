@@ -31,7 +31,6 @@ import gc
 import json
 import os
 import platform
-import random
 import re
 import shlex
 import statistics
@@ -39,7 +38,7 @@ import sys
 import time
 from importlib.metadata import PackageNotFoundError, version
 
-from bench_paths import DATA, OUT, log  # puts the repo on sys.path
+from bench_paths import OUT, log, make_prompts  # puts the repo on sys.path
 
 MODEL = "smollm2-135m"
 ENGINE_ARGS = dict(max_num_seqs=16, kv_cache_memory=256 << 20, max_model_len=1024, enable_prefix_caching=False)
@@ -79,18 +78,6 @@ def machine_line(m):
 
 
 # -- workloads -------------------------------------------------------------------------------------
-def make_prompts(tok, n, lo, hi, seed):
-    text = DATA.read_text()
-    ids = tok.encode(text[:400_000], add_special_tokens=False)
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        L = rng.randrange(lo, hi + 1)
-        s = rng.randrange(0, len(ids) - L)
-        out.append(ids[s:s + L])
-    return out
-
-
 def max_token_bytes(tok, V):
     """Bytes of the vocabulary's longest token (byte-level BPE: one char per byte)."""
     b = tok.backend
