@@ -1,4 +1,5 @@
 """Engine configuration, shared by the offline LLM, the async client and the CLI."""
+import json
 import re
 from dataclasses import asdict, dataclass, field, replace
 
@@ -23,6 +24,17 @@ def parse_memory(s: str) -> int | float:
     # K/M/G/T alone or with iB are binary (as `free -h` shows them); with B alone, decimal.
     base = 1000 if (not binary and b) else 1024
     return int(v * base ** ("KMGT".index(unit.upper()) + 1))
+
+
+def parse_json_object(s: str) -> dict:
+    """A JSON object given on the command line ('{"method": "ngram", ...}')."""
+    try:
+        v = json.loads(s)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not valid JSON ({e}): {s!r}") from None
+    if not isinstance(v, dict):
+        raise ValueError(f"expected a JSON object, got {s!r}")
+    return v
 
 
 def arg(default, help: str, **cli):
@@ -66,6 +78,9 @@ class EngineArgs:
     max_rollback_tokens: int = arg(0, "how far a step may roll a sequence back (speculative decoding); sizes "
                                       "ring-buffered state (DeepSeek-V4 window / carry)")
     num_threads: int | None = arg(None, "torch threads in the engine core (default: torch's)")
+    speculative_config: dict | None = arg(
+        None, 'speculative decoding, as vLLM spells it: {"method": "ngram" | "mtp", "num_speculative_tokens": k, '
+              '"prompt_lookup_min": n, "prompt_lookup_max": n, "disable_by_batch_size": b}', type=parse_json_object)
 
     def validate(self) -> None:
         import torch     # here, not at import: the protocol layer imports this module
@@ -101,6 +116,12 @@ class EngineArgs:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.kv_cache_memory is not None and not self.kv_cache_memory > 0:
             raise ValueError(f"kv_cache_memory must be > 0, got {self.kv_cache_memory}")
+        self.speculative()
+
+    def speculative(self):
+        """The parsed speculative_config (engine.speculative.SpeculativeConfig) or None."""
+        from engine.speculative import SpeculativeConfig
+        return SpeculativeConfig.parse(self.speculative_config)
 
     def resolved_device(self) -> str:
         import torch
@@ -114,7 +135,10 @@ class EngineArgs:
         self.validate()
         device = self.resolved_device()
         dtype = self.dtype if self.dtype != "auto" else "bfloat16" if device == "cuda" else "float32"
-        return replace(self, device=device, dtype=dtype)
+        spec = self.speculative()
+        # Rejected drafts are rolled back: ring-buffered state must keep that many positions.
+        rollback = max(self.max_rollback_tokens, spec.num_speculative_tokens if spec else 0)
+        return replace(self, device=device, dtype=dtype, max_rollback_tokens=rollback)
 
     def to_dict(self) -> dict:
         return asdict(self)

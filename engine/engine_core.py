@@ -15,6 +15,7 @@ from engine.kv_calibration import calibrate, set_key_means
 from engine.model_runner import ModelRunner
 from engine.request import EngineRequest, Request
 from engine.scheduler import Scheduler
+from engine.speculative import make_proposer
 from engine.structured_output import GrammarCompiler, GrammarState, StructuredOutputError
 from kvcache.kv_formats import KVPolicy
 from kvcache.kv_manager import KVCacheManager
@@ -48,6 +49,11 @@ class EngineStats:
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     steps_total: int = 0
+    # Speculative decoding (vLLM's spec_decode_* counters).
+    spec_decode_num_drafts_total: int = 0
+    spec_decode_num_draft_tokens_total: int = 0
+    spec_decode_num_accepted_tokens_total: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -98,6 +104,7 @@ class EngineCore:
         self.model = self._load_model(source)
         caches = self._init_kv_caches()
         self._init_scheduler(caches)
+        self._init_speculation()
         per_seq = (f" + {self.plan.state_bytes_per_seq} B/sequence of window/carry state"
                    if hasattr(self.plan, "state_bytes_per_seq") else
                    f" + {self.plan.hot_bytes_per_seq} B/sequence of hot tokens" if self.plan.hot_bytes_per_seq else "")
@@ -214,6 +221,17 @@ class EngineCore:
             vocab_size=int(self.source.config.get("vocab_size", 0)),
             hot_bytes_per_seq=self.plan.hot_bytes_per_seq, compression_ratio=self.plan.compression_ratio)
 
+    def _init_speculation(self) -> None:
+        self.spec = self.args.speculative()
+        self.proposer = make_proposer(self.spec, self.model) if self.spec else None
+        if self.spec:
+            self.stats.spec_decode_num_accepted_tokens_per_pos = [0] * self.spec.num_speculative_tokens
+            log.info("speculative decoding: %s, %d tokens per step%s", self.spec.method,
+                     self.spec.num_speculative_tokens,
+                     f", off above {self.spec.disable_by_batch_size} running requests"
+                     if self.spec.disable_by_batch_size else "")
+        self._spec_logged = (time.monotonic(), 0, 0, 0)   # time, drafts, draft tokens, accepted
+
     # -- requests -------------------------------------------------------------
     def add_request(self, er: EngineRequest) -> None:
         check_request(er.prompt_token_ids, er.params, self.max_model_len, self.info.vocab_size)
@@ -264,33 +282,82 @@ class EngineCore:
         if not sched.scheduled:
             return []
         results = self.runner.execute(sched)
-        self.scheduler.update(sched)
         self.stats.steps_total += 1
-        outputs = []
+        outputs, rejected = [], {}
         for s in sched.scheduled:
             req = s.req
             out = None
             if req.request_id in results and req.max_tokens > 0:
-                tok, lp = results[req.request_id]
-                req.append(tok)
+                toks, lps = results[req.request_id]
+                out = EngineCoreOutput(req.request_id, [], [] if lps[0] is not None else None)
+                for tok, lp in zip(toks, lps):
+                    req.append(tok)
+                    out.new_token_ids.append(tok)
+                    if lp is not None:
+                        out.new_logprobs.append(lp)
+                    if req.finish_reason is not None:
+                        break
                 if req.grammar is not None and req.grammar.failed:
                     log.warning("request %s: its grammar rejected token %d (%s); finished", req.request_id,
                                 tok, req.grammar.failed)
-                self.stats.generation_tokens_total += 1
-                out = EngineCoreOutput(req.request_id, [tok], [lp] if lp is not None else None)
+                self.stats.generation_tokens_total += len(out.new_token_ids)
+                if s.spec_token_ids:
+                    # KV stays for the positions of the tokens now in token_ids.
+                    rejected[req.request_id] = len(s.spec_token_ids) + 1 - len(out.new_token_ids)
+                    self._count_spec(len(s.spec_token_ids), len(toks) - 1)
             elif req.request_id in results:        # max_tokens == 0: prompt only (scoring)
                 req.finish_reason = "length"
                 out = EngineCoreOutput(req.request_id)
             if out is not None:
-                if req.num_output_tokens <= 1:
+                if req.num_output_tokens <= len(out.new_token_ids):
                     out.num_cached_tokens = req.num_cached_tokens
                     out.first_scheduled_time = req.first_scheduled_time
                     out.prompt_logprobs = req.prompt_logprobs
-                if req.finish_reason is not None:
-                    out.finish_reason, out.stop_reason = req.finish_reason, req.stop_reason
-                    self.scheduler.finish(req)
                 outputs.append(out)
+        self.scheduler.update(sched, rejected)
+        for out in outputs:
+            req = self.scheduler.requests[out.request_id]
+            if req.finish_reason is not None:
+                out.finish_reason, out.stop_reason = req.finish_reason, req.stop_reason
+                self.scheduler.finish(req)
+        if self.proposer is not None:
+            self._propose()
         return outputs
+
+    def _propose(self) -> None:
+        """Drafts for the next step, for the running requests about to decode."""
+        running = self.scheduler.running
+        limit = self.spec.disable_by_batch_size
+        if limit and len(running) > limit:
+            return
+        k = self.spec.num_speculative_tokens
+        reqs, room = [], []
+        for r in running:
+            if (r.num_computed_tokens == r.num_tokens - 1 and r.params.speculative and r.grammar is None):
+                # The step samples 1 + accepted tokens: they must fit max_tokens and the context.
+                n = min(k, r.max_tokens - r.num_output_tokens - 1, self.max_model_len - r.num_tokens)
+                if n > 0:
+                    reqs.append(r)
+                    room.append(n)
+        for r, d in zip(reqs, self.proposer.propose(reqs, room)):
+            r.spec_token_ids = d
+
+    def _count_spec(self, drafted: int, accepted: int) -> None:
+        st = self.stats
+        st.spec_decode_num_drafts_total += 1
+        st.spec_decode_num_draft_tokens_total += drafted
+        st.spec_decode_num_accepted_tokens_total += accepted
+        for i in range(accepted):
+            st.spec_decode_num_accepted_tokens_per_pos[i] += 1
+        t0, d0, n0, a0 = self._spec_logged
+        now = time.monotonic()
+        if now - t0 >= 10:
+            d, n, a = (st.spec_decode_num_drafts_total - d0, st.spec_decode_num_draft_tokens_total - n0,
+                       st.spec_decode_num_accepted_tokens_total - a0)
+            log.info("speculative decoding: mean acceptance length %.2f, draft acceptance rate %.1f%% "
+                     "(%d drafts, %d draft tokens, %d accepted)", 1 + a / d, 100 * a / max(n, 1), d, n, a)
+            self._spec_logged = (now, st.spec_decode_num_drafts_total, st.spec_decode_num_draft_tokens_total,
+                                 st.spec_decode_num_accepted_tokens_total)
 
     def get_stats(self) -> EngineStats:
         s, st = self.scheduler, self.stats

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from engine.request import Request
-from engine.sampler import batch_token_logprobs, sample
+from engine.sampler import DraftRow, batch_token_logprobs, sample
 from engine.scheduler import SchedulerOutput, ScheduledRequest
 from kvcache.dsv4_paged import DSV4PagedCache
 from kvcache.kv_manager import KVCacheManager
@@ -91,10 +91,13 @@ class ModelRunner:
         B = len(sched)
         n = np.fromiter((s.num_new_tokens for s in sched), np.int64, B)
         start = np.fromiter((s.start for s in sched), np.int64, B)
+        nd = np.fromiter((len(s.spec_token_ids) for s in sched), np.int64, B)
         ends = start + n
-        # A request samples when this step reaches the end of its known tokens.
-        samples = ends == np.fromiter((s.req.num_tokens for s in sched), np.int64, B)
-        T, R = int(n.sum()), int(samples.sum())
+        # A request samples when this step reaches the end of its known tokens
+        # and drafts: one logits row per draft and one after the last.
+        samples = ends == np.fromiter((s.req.num_tokens for s in sched), np.int64, B) + nd
+        per = np.where(samples, nd + 1, 0)
+        T, R = int(n.sum()), int(per.sum())
         lens = [np.fromiter(map(len, tg), np.int64, B) for tg in tables]
         widths = [int(x.max()) if B else 0 for x in lens]
         # Layout of the packed buffer.
@@ -104,14 +107,16 @@ class ModelRunner:
         part = [host[a:b] for a, b in zip(offs, offs[1:])]
         ids, pos, qsl, seq_lens, rows = part[:5]
 
-        ids[:] = np.fromiter(chain.from_iterable(s.req.token_ids[s.start:s.start + s.num_new_tokens]
-                                                 for s in sched), np.int64, T)
+        ids[:] = np.fromiter(chain.from_iterable(
+            chain(s.req.token_ids[s.start:s.start + s.num_new_tokens - len(s.spec_token_ids)], s.spec_token_ids)
+            for s in sched), np.int64, T)
         qsl[0] = 0
         np.cumsum(n, out=qsl[1:])
         seq_lens[:] = ends
         seq_of_tok = np.repeat(np.arange(B), n)
         np.add(np.arange(T), (start - qsl[:-1])[seq_of_tok], out=pos)
-        rows[:] = qsl[1:][samples] - 1
+        first_row = np.cumsum(per) - per
+        rows[:] = np.repeat(qsl[1:] - per, per) + np.arange(R) - np.repeat(first_row, per)
         bs = self.kv.block_size
         blk, off = pos // bs, pos % bs
         for g, (tg, ln, w) in enumerate(zip(tables, lens, widths)):
@@ -159,9 +164,10 @@ class ModelRunner:
         return ids, pos, meta, qsl_list, rows, sampled
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, tuple[int, dict | None]]:
-        """Run one step. Returns {request_id: (token, logprobs)} for requests
-        whose step reached the end of their known tokens; fills prompt
+    def execute(self, out: SchedulerOutput) -> dict[str, tuple[list[int], list[dict | None]]]:
+        """Run one step. Returns {request_id: (tokens, logprobs)} for requests
+        whose step reached the end of their known tokens: one token, or with
+        drafts the accepted drafts and the token after them. Fills prompt
         logprobs on the request objects as a side effect."""
         # Decodes first, as the attention metadata expects.
         sched = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)
@@ -174,8 +180,24 @@ class ModelRunner:
         if not sampled:
             return {}
         logits = self.model.compute_logits(hidden[rows])
-        tokens, lps = sample(logits, sampled)
-        return {r.request_id: (t, lp) for r, t, lp in zip(sampled, tokens, lps)}
+        if not any(r.spec_token_ids for r in sampled):
+            tokens, lps = sample(logits, sampled)
+            return {r.request_id: ([t], [lp]) for r, t, lp in zip(sampled, tokens, lps)}
+        views, drafts = [], []
+        for r in sampled:
+            d = r.spec_token_ids
+            views += [DraftRow(r, d[:j]) if j else r for j in range(len(d) + 1)]
+            drafts += [*d, -1]
+        tokens, lps = sample(logits, views, drafts)
+        res, i = {}, 0
+        for r in sampled:
+            # Accepted drafts are the rows whose token is their draft; the
+            # first other row's token (or the last row's) ends the run.
+            k = len(r.spec_token_ids)
+            m = next((j for j in range(k) if tokens[i + j] != drafts[i + j]), k) + 1
+            res[r.request_id] = (tokens[i:i + m], lps[i:i + m])
+            i += k + 1
+        return res
 
     def _prompt_logprobs(self, req: Request, s: ScheduledRequest, hidden: torch.Tensor) -> None:
         # Position p predicts token p + 1; only prompt tokens are scored.

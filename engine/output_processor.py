@@ -142,16 +142,26 @@ class OutputProcessor:
         return results, to_abort
 
     def _append(self, p: ParentState, c: _Child, eo: EngineCoreOutput) -> None:
-        if c.out.finish_reason is not None:
+        if not p.params.stop:
+            if c.out.finish_reason is None:
+                c.out.token_ids.extend(eo.new_token_ids)
+                if c.out.logprobs is not None and eo.new_logprobs:
+                    c.out.logprobs.extend(eo.new_logprobs)
+                c.out.text += c.detok.add(eo.new_token_ids)
             return
-        c.out.token_ids.extend(eo.new_token_ids)
-        if c.out.logprobs is not None and eo.new_logprobs:
-            c.out.logprobs.extend(eo.new_logprobs)
-        delta = c.detok.add(eo.new_token_ids)
+        # Token by token: a stop string ends the output at the token that
+        # completes it, however many tokens a step brought (speculative decoding).
+        for i, tok in enumerate(eo.new_token_ids):
+            if c.out.finish_reason is not None:
+                return
+            c.out.token_ids.append(tok)
+            if c.out.logprobs is not None and eo.new_logprobs:
+                c.out.logprobs.append(eo.new_logprobs[i])
+            self._stop_strings(p, c, c.detok.add([tok]))
+
+    @staticmethod
+    def _stop_strings(p: ParentState, c: _Child, delta: str) -> None:
         stops = p.params.stop
-        if not stops:
-            c.out.text += delta
-            return
         # Search the held-back tail plus the new text for a complete stop string.
         buf = c.hold + delta
         best = None

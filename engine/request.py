@@ -3,6 +3,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from engine.sampling_params import SamplingParams
@@ -54,6 +55,16 @@ class Request:
         self.prompt_logprobs: list | None = [None] if er.params.prompt_logprobs is not None else None
         # Grammar-constrained requests: set by the engine core (structured_output.GrammarState).
         self.grammar = None
+        # Draft tokens the next step verifies (speculative decoding); never in token_ids.
+        self.spec_token_ids: list[int] = []
+        self._prompt_array: np.ndarray | None = None
+
+    @property
+    def prompt_array(self) -> np.ndarray:
+        """The prompt's ids as int64 numpy, built once (a prompt never changes)."""
+        if self._prompt_array is None:
+            self._prompt_array = np.asarray(self.prompt_token_ids, dtype=np.int64)
+        return self._prompt_array
 
     def truncate(self, num_tokens: int) -> None:
         """Keep the first num_tokens tokens (the grammar follows)."""

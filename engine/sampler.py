@@ -18,9 +18,16 @@ Seeded requests draw their exponentials from their own generator on the
 logits' device (Request.generator_for), one row each, so a seeded request
 gives the same tokens alone or in any batch; unseeded rows draw from the
 device's default generator, all in one call.
-"""
-import weakref
 
+Speculative decoding verifies a request's k drafts with k + 1 rows, one per
+position (DraftRow: the request as it would be with the drafts before that
+row accepted, so penalties and min_tokens see them). A row with a draft d
+keeps it with probability min(1, p(d) / q(d)) = p(d) (the proposers draft
+deterministically: q is one-hot), else takes a sample of the residual
+(p - q)+, which is p without d; greedy rows keep d when it is the argmax.
+Either way a row's token equals its draft exactly when the draft is
+accepted, so the caller reads acceptance off the tokens.
+"""
 import numpy as np
 import torch
 
@@ -61,16 +68,21 @@ class _Upload:
                 for o, a in zip(offs, self.parts)]
 
 
-# Prompt token ids as numpy arrays, built once per request (a prompt never
-# changes; outputs can be rolled back, so they are converted each step).
-_PROMPT_IDS: "weakref.WeakKeyDictionary[Request, np.ndarray]" = weakref.WeakKeyDictionary()
+class DraftRow:
+    """A request as the sampler sees it at verification row j: its tokens
+    followed by drafts[:j], counted as output."""
+    __slots__ = ("req", "params", "drafts", "num_output_tokens")
 
+    def __init__(self, req: Request, drafts: list[int]):
+        self.req, self.params, self.drafts = req, req.params, drafts
+        self.num_output_tokens = req.num_output_tokens + len(drafts)
 
-def _prompt_ids(r: Request) -> np.ndarray:
-    a = _PROMPT_IDS.get(r)
-    if a is None:
-        a = _PROMPT_IDS[r] = np.asarray(r.prompt_token_ids, dtype=np.int64)
-    return a
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.req.output_token_ids + self.drafts
+
+    def __getattr__(self, name):          # prompt_array, eos / stop ids, generator_for, grammar
+        return getattr(self.req, name)
 
 
 def _flat(rows: list[int], ids: list[np.ndarray], V: int) -> np.ndarray:
@@ -90,8 +102,8 @@ def _plan_penalties(reqs: list[Request], V: int, up: _Upload) -> dict | None:
         if p.repetition_penalty != 1.0:
             rep_rows.append(i)
             rep_vals.append(p.repetition_penalty)
-            rep_ids.append(np.concatenate([_prompt_ids(r), np.asarray(r.output_token_ids, np.int64)])
-                           if r.num_output_tokens else _prompt_ids(r))
+            rep_ids.append(np.concatenate([r.prompt_array, np.asarray(r.output_token_ids, np.int64)])
+                           if r.num_output_tokens else r.prompt_array)
         if (p.frequency_penalty or p.presence_penalty) and r.num_output_tokens:
             cnt_rows.append(i)
             cnt_fp.append(p.frequency_penalty)
@@ -202,12 +214,20 @@ def _filter(logits: torch.Tensor, tt: dict) -> torch.Tensor:
     return probs / probs.sum(-1, keepdim=True)
 
 
-def sample(logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[dict | None]]:
+def residual(probs: torch.Tensor, drafts: torch.Tensor, has: torch.Tensor) -> torch.Tensor:
+    """(p - q)+ for one-hot drafts q: p with each drafted row's draft zeroed
+    (unnormalised: the exponential race does not need it)."""
+    return probs.scatter(1, drafts[:, None], torch.where(has[:, None], 0.0, probs.gather(1, drafts[:, None])))
+
+
+def sample(logits: torch.Tensor, reqs: list, drafts: list[int] | None = None
+           ) -> tuple[list[int], list[dict | None]]:
     """logits: [B, V] float32 or bf16 (raw model output, on any device) ->
     token per request and, where asked, logprobs {chosen: lp, top-k
     alternatives...} of the raw distribution (as vLLM reports by default).
     Penalties apply before the filters; greedy rows take the argmax of the
-    penalised logits."""
+    penalised logits. drafts: per row the draft token it verifies, or -1
+    (see the module docstring); reqs are Requests or DraftRows."""
     B, V = logits.shape
     if B == 0:
         return [], []
@@ -233,6 +253,8 @@ def sample(logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[d
             keys["top_p"] = up.add([p.top_p if p.top_p < 1 else np.inf for p in sps], np.float32)
         if any(p.min_p > 0 for p in sps):
             keys["min_p"] = up.add([p.min_p for p in sps], np.float32)
+        if drafts is not None and any(drafts[i] >= 0 for i in samp):
+            keys["draft"] = up.add([drafts[i] for i in samp], np.int64)
     if want and len(want) < B:
         keys["want"] = up.add(want, np.int64)
     allowed = fill_bitmask(reqs)           # host work, overlapping the device's forward
@@ -266,7 +288,18 @@ def sample(logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[d
         for j, g in enumerate(gens):
             if g is not None:
                 q[j].exponential_(generator=g)
-        drawn = (probs / q).argmax(dim=-1)
+        if "draft" in tt:
+            d = tt["draft"]
+            has = d >= 0
+            d = d.clamp(min=0)
+            u = torch.rand(len(samp), device=device)
+            for j, g in enumerate(gens):
+                if g is not None:
+                    u[j] = torch.rand((), generator=g, device=device)
+            accept = has & (u < probs.gather(1, d[:, None]).squeeze(1))
+            drawn = torch.where(accept, d, (residual(probs, d, has) / q).argmax(dim=-1))
+        else:
+            drawn = (probs / q).argmax(dim=-1)
         if "rows" in tt:
             tokens.index_copy_(0, tt["rows"], drawn)
         else:

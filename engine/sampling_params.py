@@ -30,6 +30,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None   # grammar-constrained output
+    speculative: bool = True              # False: never draft for this request (speculative decoding)
 
     def __post_init__(self):
         if isinstance(self.stop, str):

@@ -1,7 +1,12 @@
 """Continuous batching with one token budget per step (vLLM v1's shape):
 running requests first (decodes and unfinished prefill chunks), then waiting
 requests FCFS, chunked when the budget is short; preemption by recompute of
-the newest running request when KV blocks run out."""
+the newest running request when KV blocks run out.
+
+A decoding request with drafts (speculative decoding) is scheduled for its
+last token plus its drafts; the drafts are the first thing dropped when the
+budget or the pool is short. After the step, update() counts only the
+accepted positions as computed and frees the KV of the rejected ones."""
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -13,8 +18,9 @@ from kvcache.kv_manager import KVCacheManager
 @dataclass
 class ScheduledRequest:
     req: Request
-    num_new_tokens: int
-    start: int          # num_computed_tokens when scheduled
+    num_new_tokens: int                 # drafts included
+    start: int                          # num_computed_tokens when scheduled
+    spec_token_ids: list[int] = field(default_factory=list)   # drafts verified this step (the last tokens)
 
 
 @dataclass
@@ -61,6 +67,7 @@ class Scheduler:
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
+        req.spec_token_ids = []
         self.kv.free(req.request_id)
         req.status = Status.PREEMPTED
         req.num_computed_tokens = 0
@@ -77,7 +84,11 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.allocate(req.request_id, req.token_ids, req.num_computed_tokens, n):
+            spec = req.spec_token_ids[:budget - n] if n == req.num_tokens - req.num_computed_tokens else []
+            while not self.kv.allocate(req.request_id, req.token_ids, req.num_computed_tokens, n + len(spec)):
+                if spec:
+                    spec = []
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 if victim is req:
@@ -85,8 +96,9 @@ class Scheduler:
                     break
             if n == 0:
                 break
-            out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens))
-            budget -= n
+            req.spec_token_ids = spec
+            out.scheduled.append(ScheduledRequest(req, n + len(spec), req.num_computed_tokens, spec))
+            budget -= n + len(spec)
             i += 1
         # 2. Waiting requests, FCFS, never by preempting others.
         if not out.preempted:
@@ -113,11 +125,17 @@ class Scheduler:
                 budget -= n
         return out
 
-    def update(self, out: SchedulerOutput) -> None:
-        """After the forward: advance computed counts and register full blocks."""
+    def update(self, out: SchedulerOutput, rejected: dict[str, int] | None = None) -> None:
+        """After the forward: advance computed counts by the positions whose
+        KV stays (rejected: per request, draft positions whose KV goes),
+        free the rejected positions' blocks, register full blocks."""
         for s in out.scheduled:
             req = s.req
-            req.num_computed_tokens += s.num_new_tokens
+            req.spec_token_ids = []
+            drop = rejected.get(req.request_id, 0) if rejected else 0
+            req.num_computed_tokens += s.num_new_tokens - drop
+            if drop:
+                self.kv.truncate(req.request_id, req.num_computed_tokens)
             self.kv.cache_full_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
 
     def rollback(self, req: Request, num_tokens: int) -> None:

@@ -168,10 +168,13 @@ class KVCacheManager:
         the blocks past them. Ring-buffered state (max_rollback) is intact only
         within max_rollback of the highest position ever written."""
         rb = self.reqs[req_id]
-        if self.enable_caching:
-            # The block holding num_tokens may be registered (or shared) with
-            # contents that would now be overwritten: that needs copy-on-write.
-            raise NotImplementedError("rollback with prefix caching is not supported")
+        if num_tokens < rb.num_cached * self.block_size:
+            # Registered blocks may be shared, and their contents would now be
+            # overwritten: that would need copy-on-write. Blocks past the last
+            # registered one belong to this request alone (the scheduler
+            # registers blocks only once their tokens are accepted).
+            raise ValueError(f"cannot roll back to {num_tokens} tokens: the first "
+                             f"{rb.num_cached * self.block_size} are in the prefix cache")
         if self.max_rollback is not None and num_tokens < rb.high - self.max_rollback:
             raise ValueError(f"cannot roll back to {num_tokens} tokens: state keeps only "
                              f"{self.max_rollback} positions before {rb.high}")

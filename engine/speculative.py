@@ -1,0 +1,111 @@
+"""Speculative decoding: its configuration (vLLM's `speculative_config`) and
+the proposers that draft tokens for the next step.
+
+A proposer drafts up to k tokens per decoding request at the end of a step;
+the next step runs them through the target model with the request's last
+token (one mixed forward with everyone else's prefill and decode), the
+sampler verifies them (engine/sampler.py: rejection sampling against a
+one-hot draft distribution, since every proposer here drafts
+deterministically) and the scheduler rolls the rejected positions' KV back.
+
+Requests that speculate: running, decoding (their prompt fully computed),
+SamplingParams.speculative true and no grammar (a grammar's masks would have
+to advance through the drafts). When more than disable_by_batch_size
+requests run, nobody drafts: a step's verification costs k + 1 tokens of
+compute per request, which a large batch no longer has for free."""
+import json
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, fields
+
+import numpy as np
+
+from engine.request import Request
+
+METHODS = ("ngram", "mtp")
+
+
+@dataclass
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int | None = None     # ngram: longest suffix matched
+    prompt_lookup_min: int | None = None     # ngram: shortest suffix matched
+    disable_by_batch_size: int | None = None  # no drafts while more requests than this run
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"speculative method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be a positive integer, got {self.num_speculative_tokens!r}")
+        if self.method == "ngram":
+            # vLLM's defaults: either bound defaults to the other, both to 5.
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            lo, hi = lo or hi or 5, hi or lo or 5
+            if not 1 <= lo <= hi:
+                raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo} and {hi}")
+            self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
+
+    @classmethod
+    def parse(cls, value) -> "SpeculativeConfig | None":
+        """From a dict, a JSON string (the CLI's form) or an instance."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative_config keys {unknown}; known: {sorted(known)}")
+        if "method" not in value or "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config needs 'method' and 'num_speculative_tokens'")
+        return cls(**value)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class Proposer(ABC):
+    """Drafts tokens for requests about to decode."""
+
+    @abstractmethod
+    def propose(self, reqs: list[Request], max_drafts: list[int]) -> list[list[int]]:
+        """Per request, at most max_drafts[i] tokens to follow req.token_ids."""
+
+
+class NgramProposer(Proposer):
+    """Prompt lookup: the newest n tokens (n from prompt_lookup_max down to
+    prompt_lookup_min) are looked up in the request's own prompt + output;
+    the tokens that followed their latest earlier occurrence are the draft."""
+
+    def __init__(self, cfg: SpeculativeConfig):
+        self.lo, self.hi = cfg.prompt_lookup_min, cfg.prompt_lookup_max
+
+    def propose(self, reqs: list[Request], max_drafts: list[int]) -> list[list[int]]:
+        return [self.lookup(r.token_ids, k) if k > 0 else [] for r, k in zip(reqs, max_drafts)]
+
+    def lookup(self, token_ids: list[int], k: int) -> list[int]:
+        L = len(token_ids)
+        if L <= self.lo:
+            return []
+        ids = np.asarray(token_ids, dtype=np.int64)
+        for n in range(min(self.hi, L - 1), self.lo - 1, -1):
+            # Windows starting at 0 .. L - n - 1 (the suffix itself excluded).
+            win = np.lib.stride_tricks.sliding_window_view(ids[:L - 1], n)
+            hit = np.flatnonzero((win == ids[L - n:]).all(axis=1))
+            if hit.size:
+                start = int(hit[-1]) + n
+                return token_ids[start:start + k]
+        return []
+
+
+def make_proposer(cfg: SpeculativeConfig, model=None) -> Proposer:
+    if cfg.method == "ngram":
+        return NgramProposer(cfg)
+    raise ValueError(f"speculative method {cfg.method!r} is not available for this model")
