@@ -21,6 +21,16 @@ past L // r. The rings are position-addressed (slot = position % capacity),
 and their capacities keep max_rollback extra positions, so the window and
 carry of any L >= (highest position ever written) - max_rollback are intact.
 
+The MTP head (speculative decoding's drafter; mtp_specs, sliding window only)
+keeps its window ring in the same state slot, so it needs no group or table
+of its own and is freed with the sequence. `mtp_batch` views it at the MTP
+cache's own length: the positions the head has processed, usually behind
+the main model's by one (it predicts t + 2 from t + 1 and the state at t).
+Its ring keeps max_rollback extra positions too, so rolling back the MTP
+cache (rejected drafts) is only passing a smaller length to the next
+mtp_batch, within max_rollback of the highest position it ever wrote; the
+stale slots past that length are overwritten before anything reads them.
+
 Prefix caching is off for V4: window and carry are per-sequence state, not
 block-addressable (a hit would need them snapshotted at block boundaries).
 
@@ -174,17 +184,26 @@ class DSV4PagedCache:
     """All layers' storage; `batch` builds the model's metadata for one step."""
 
     def __init__(self, specs: list[DSV4LayerSpec], groups: list[KVGroup], num_blocks: list[int],
-                 block_size: int, max_rollback: int, dtype, device=None):
+                 block_size: int, max_rollback: int, dtype, device=None,
+                 mtp_specs: list[DSV4LayerSpec] | None = None):
+        """mtp_specs: the MTP head's mtp_cache_spec(), kept per slot beside the main layers."""
         self.specs, self.groups, self.block_size, self.device = specs, groups, block_size, device
         self.state_group = len(groups) - 1
         self.group_of_ratio = {g.ratio: gi for gi, g in enumerate(groups) if not g.per_seq}
         num_slots = num_blocks[self.state_group]
         self.layers = [DSV4LayerStorage(s, num_slots, num_blocks[self.group_of_ratio[s.ratio]] if s.ratio else 0,
                                         block_size, max_rollback, dtype, device, len(specs)) for s in specs]
+        self.mtp_specs = list(mtp_specs or [])
+        self.mtp_layers = [DSV4LayerStorage(s, num_slots, 0, block_size, max_rollback, dtype, device, len(specs))
+                           for s in _check_mtp(self.mtp_specs)]
+
+    @property
+    def all_layers(self) -> list[DSV4LayerStorage]:
+        return self.layers + self.mtp_layers
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for layer in self.layers
+        return sum(t.numel() * t.element_size() for layer in self.all_layers
                    for t in (*layer.state.values(), *layer.entries.values()))
 
     def _view(self, layer: DSV4LayerStorage, slot: int, length: int, tables: dict[int, torch.Tensor]) -> LayerView:
@@ -211,6 +230,30 @@ class DSV4PagedCache:
             states.append(SequenceView(length, [self._view(layer, slot, length, by_ratio) for layer in self.layers]))
         return DSV4Batch(states, query_start_loc)
 
+    def mtp_batch(self, seqs: list[tuple[int, list[list[int]]]], query_start_loc: list[int]) -> DSV4Batch:
+        """The MTP head's metadata (for mtp_forward): seqs as for `batch`, but each
+        length is the MTP cache's own (positions the head has processed for
+        that sequence). A smaller length than last time rolls it back."""
+        if not self.mtp_layers:
+            raise ValueError("this pool was built without mtp_specs")
+        states = []
+        for length, tables in seqs:
+            slot = tables[self.state_group][0]
+            states.append(SequenceView(length, [self._view(layer, slot, length, {}) for layer in self.mtp_layers]))
+        return DSV4Batch(states, query_start_loc)
+
+
+def _check_mtp(mtp_specs: list[DSV4LayerSpec]) -> list[DSV4LayerSpec]:
+    for i, s in enumerate(mtp_specs):
+        # Entry groups are sized for the main layers' context; an MTP layer
+        # with compressed entries would need its own tables.
+        if s.ratio:
+            raise ValueError(f"MTP layer of type {s.layer_type} is not supported (sliding window only)")
+        # Attention reads meta.states[i].layers[layer_idx]: views are in layer_idx order.
+        if s.layer_idx != i:
+            raise ValueError(f"MTP layer specs must be numbered 0..{len(mtp_specs) - 1}, got {s.layer_idx} at {i}")
+    return mtp_specs
+
 
 # ---------------------------------------------------------------- planning
 
@@ -224,6 +267,7 @@ class DSV4Plan(KVPlan):
     state_bytes_by_part: dict | None = None
     max_rollback: int = 0
     prefix_caching: bool = False
+    mtp_specs: list | None = None   # the MTP head's layers, in the state slot (allocate_kv_caches)
 
     @property
     def capacity_tokens(self) -> int:
@@ -244,13 +288,18 @@ def _per_token(block_bytes: int, tokens: int) -> float:
 
 
 def plan_dsv4_pool(specs: list[DSV4LayerSpec], budget_bytes: int, block_size: int, dtype: torch.dtype,
-                   max_num_seqs: int, max_model_len: int, max_rollback: int = 0) -> DSV4Plan:
+                   max_num_seqs: int, max_model_len: int, max_rollback: int = 0,
+                   mtp_specs: list[DSV4LayerSpec] | None = None) -> DSV4Plan:
     """Slots for max_num_seqs sequences; the rest to entry groups sized for a
     common context capacity C (+ one partly filled block per running sequence
     in each group, so that concurrency never costs more than C tokens' worth).
-    Bytes are measured on a one-block, one-slot storage of each layer."""
+    Bytes are measured on a one-block, one-slot storage of each layer.
+    mtp_specs: the MTP head's layers, whose windows share the state slot."""
     groups = dsv4_groups(specs)
     probe = [DSV4LayerStorage(s, 1, 1, block_size, max_rollback, dtype, None, len(specs)) for s in specs]
+    mtp_specs = list(mtp_specs or [])
+    mtp_probe = [DSV4LayerStorage(s, 1, 0, block_size, max_rollback, dtype, None, len(specs))
+                 for s in _check_mtp(mtp_specs)]
     layer_block = {s.layer_idx: p.entry_block_nbytes(block_size) for s, p in zip(specs, probe)}
     f16_probe = [DSV4LayerStorage(s, 1, 1, block_size, 0, torch.bfloat16, None, len(specs)) for s in specs]
     f16_per_token = sum(p.entry_block_nbytes(block_size) / (block_size * s.ratio)
@@ -260,7 +309,11 @@ def plan_dsv4_pool(specs: list[DSV4LayerSpec], budget_bytes: int, block_size: in
         kind = state_by_part.setdefault(s.layer_type, {})
         for part, b in p.state_nbytes().items():
             kind[part] = kind.get(part, 0) + b
-    state_bytes = sum(sum(p.state_nbytes().values()) for p in probe)
+    for p in mtp_probe:
+        mtp = state_by_part.setdefault("mtp", {})
+        for part, b in p.state_nbytes().items():
+            mtp[part] = mtp.get(part, 0) + b
+    state_bytes = sum(sum(p.state_nbytes().values()) for p in probe + mtp_probe)
     entry_groups = groups[:-1]
     block_bytes = [sum(layer_block[i] for i in g.layer_ids) for g in entry_groups] + [state_bytes]
     per_token = sum(b / (block_size * g.ratio) for g, b in zip(entry_groups, block_bytes))
@@ -285,4 +338,4 @@ def plan_dsv4_pool(specs: list[DSV4LayerSpec], budget_bytes: int, block_size: in
                      for s in specs},
                     capacity=capacity, state_bytes_per_seq=state_bytes, kind_bytes_per_token=kinds,
                     state_bytes_by_part=state_by_part, max_rollback=max_rollback,
-                    f16_bytes_per_token=f16_per_token)
+                    f16_bytes_per_token=f16_per_token, mtp_specs=mtp_specs or None)

@@ -132,10 +132,14 @@ class KVPlan:
 
 def plan_kv_pool(specs: list[LayerSpec], budget_bytes: int, block_size: int, dtype: torch.dtype,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int = 1 << 30,
-                 max_rollback: int = 0) -> KVPlan:
+                 max_rollback: int = 0, mtp_specs: list[DSV4LayerSpec] | None = None) -> KVPlan:
+    """mtp_specs (DeepSeek-V4 only): the MTP head's cache, planned into each sequence's state slot."""
     if specs and isinstance(specs[0], DSV4LayerSpec):
         from kvcache.dsv4_paged import plan_dsv4_pool   # (it builds on this module)
-        return plan_dsv4_pool(specs, budget_bytes, block_size, dtype, max_num_seqs, max_model_len, max_rollback)
+        return plan_dsv4_pool(specs, budget_bytes, block_size, dtype, max_num_seqs, max_model_len, max_rollback,
+                              mtp_specs)
+    if mtp_specs:
+        raise ValueError("mtp_specs is for DeepSeek-V4's pool only")
     groups = group_layers(specs)
     by_idx = {s.layer_idx: s for s in specs}
     # Measure one block of each layer's real storage.
@@ -181,11 +185,12 @@ def plan_kv_pool(specs: list[LayerSpec], budget_bytes: int, block_size: int, dty
 def allocate_kv_caches(specs: list[LayerSpec], plan: KVPlan, dtype: torch.dtype,
                        device: str | torch.device = "cpu"):
     """Per-layer storage list (dense / TurboQuant), or one DSV4PagedCache, on device.
-    (plan_kv_pool measures bytes on CPU probes: the same bytes on any device.)"""
+    (plan_kv_pool measures bytes on CPU probes: the same bytes on any device.)
+    A V4 plan carries its mtp_specs, so what is allocated is what was planned."""
     if specs and isinstance(specs[0], DSV4LayerSpec):
         from kvcache.dsv4_paged import DSV4PagedCache
         return DSV4PagedCache(specs, plan.groups, plan.num_blocks, plan.block_size, plan.max_rollback, dtype,
-                              device)
+                              device, plan.mtp_specs)
     caches = [None] * (max(s.layer_idx for s in specs) + 1)
     by_idx = {s.layer_idx: s for s in specs}
     hot_gid = next((gi for gi, g in enumerate(plan.groups) if g.hot), None)
