@@ -101,6 +101,7 @@ class EngineCore:
         torch.manual_seed(args.seed)
         t0 = time.monotonic()
         self.device = torch.device(args.device)
+        self.spec = args.speculative()
         self.model = self._load_model(source)
         caches = self._init_kv_caches()
         self._init_scheduler(caches)
@@ -128,6 +129,12 @@ class EngineCore:
         build_dtype = torch.float32 if args.quantization == "int4" else dtype
         model = create_model(self.source.config, build_dtype, self.device,
                              None if dummy else self.source.weights(), args.seed)
+        if self.spec is not None and self.spec.method == "mtp":
+            if not getattr(model, "has_mtp", False):
+                raise ValueError("speculative method 'mtp' needs a model with an MTP head "
+                                 "(DeepSeek-V4 with num_nextn_predict_layers > 0)")
+            if not dummy and not model.mtp_loaded:
+                raise ValueError("speculative method 'mtp': the checkpoint has no MTP weights (mtp.0.*)")
         if args.quantization == "int4":
             linears = [m for m in model.modules() if hasattr(m, "pack_int4")]
             packed = sum(m.pack_int4(dtype) for m in linears)
@@ -148,7 +155,7 @@ class EngineCore:
         self.plan = plan_kv_pool(specs, self._kv_budget(), args.block_size, cdtype,
                                  args.max_num_seqs, args.max_num_batched_tokens,
                                  max_model_len=args.max_model_len or model_len,
-                                 max_rollback=args.max_rollback_tokens)
+                                 max_rollback=args.max_rollback_tokens, mtp_specs=self._mtp_specs())
         caches = allocate_kv_caches(specs, self.plan, cdtype, self.device)
         if isinstance(cdtype, KVPolicy) and isinstance(caches, list):
             log.info("KV formats by layer: %s", cdtype.describe(specs, self.plan.layer_bytes_per_token))
@@ -161,6 +168,10 @@ class EngineCore:
         else:
             self.max_model_len = min(model_len, self.plan.capacity_tokens)
         return caches
+
+    def _mtp_specs(self):
+        """The MTP head's cache, planned into the pool when it drafts."""
+        return self.model.mtp_cache_spec() if self.spec is not None and self.spec.method == "mtp" else None
 
     def _kv_budget(self) -> int:
         """Bytes for the KV pool: kv_cache_memory when given (a fraction: of the
@@ -222,8 +233,7 @@ class EngineCore:
             hot_bytes_per_seq=self.plan.hot_bytes_per_seq, compression_ratio=self.plan.compression_ratio)
 
     def _init_speculation(self) -> None:
-        self.spec = self.args.speculative()
-        self.proposer = make_proposer(self.spec, self.model) if self.spec else None
+        self.proposer = make_proposer(self.spec, self.runner) if self.spec else None
         if self.spec:
             self.stats.spec_decode_num_accepted_tokens_per_pos = [0] * self.spec.num_speculative_tokens
             log.info("speculative decoding: %s, %d tokens per step%s", self.spec.method,
@@ -325,14 +335,13 @@ class EngineCore:
         return outputs
 
     def _propose(self) -> None:
-        """Drafts for the next step, for the running requests about to decode."""
+        """Drafts for the next step, for the running requests about to decode
+        (the proposer is called every step: MTP's cache follows every step)."""
         running = self.scheduler.running
         limit = self.spec.disable_by_batch_size
-        if limit and len(running) > limit:
-            return
         k = self.spec.num_speculative_tokens
         reqs, room = [], []
-        for r in running:
+        for r in (running if not limit or len(running) <= limit else []):
             if (r.num_computed_tokens == r.num_tokens - 1 and r.params.speculative and r.grammar is None):
                 # The step samples 1 + accepted tokens: they must fit max_tokens and the context.
                 n = min(k, r.max_tokens - r.num_output_tokens - 1, self.max_model_len - r.num_tokens)

@@ -6,6 +6,7 @@ A step's inputs are assembled with numpy, per request at most (never per
 token in Python), into a reusable host buffer that goes to the model's
 device in one copy (pinned and non-blocking on CUDA): building a step reads
 nothing back from the device, so the step's one host sync is the sampler's."""
+from dataclasses import dataclass
 from itertools import accumulate, chain
 
 import numpy as np
@@ -70,6 +71,16 @@ def _model_device(model: torch.nn.Module) -> torch.device:
     return p.device if p is not None else torch.device("cpu")
 
 
+@dataclass
+class StepRecord:
+    """What a step leaves for a proposer that drafts from the target's hidden
+    state (MTP): the scheduled requests in batch order, their token offsets,
+    and the model's pre-collapse streams at every token."""
+    sched: list[ScheduledRequest]
+    query_start_loc: list[int]
+    streams: torch.Tensor
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv: KVCacheManager, kv_caches: list):
         self.model = model
@@ -77,6 +88,8 @@ class ModelRunner:
         self.kv_caches = kv_caches     # indexed by layer, or one DSV4PagedCache
         self.device = _model_device(model)
         self.buf = _StepBuffer(self.device)
+        self.keep_streams = False      # set for an MTP proposer: each step's streams go to last_step
+        self.last_step: StepRecord | None = None
 
     def _pack(self, sched: list[ScheduledRequest], tables: list[list[list[int]]]):
         """The step's integer inputs on the device.
@@ -172,7 +185,12 @@ class ModelRunner:
         # Decodes first, as the attention metadata expects.
         sched = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)
         input_ids, positions, meta, qsl, rows, sampled = self._build(sched)
-        hidden = self.model(input_ids, positions, meta)
+        if self.keep_streams:
+            streams = self.model.forward_streams(input_ids, positions, meta)
+            self.last_step = StepRecord(sched, qsl, streams)
+            hidden = self.model.collapse(streams)
+        else:
+            hidden = self.model(input_ids, positions, meta)
         for i, s in enumerate(sched):
             req = s.req
             if req.prompt_logprobs is not None and s.start < req.num_prompt_tokens:

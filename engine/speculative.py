@@ -72,11 +72,12 @@ class SpeculativeConfig:
 
 
 class Proposer(ABC):
-    """Drafts tokens for requests about to decode."""
+    """Drafts tokens for requests about to decode, at the end of each step."""
 
     @abstractmethod
     def propose(self, reqs: list[Request], max_drafts: list[int]) -> list[list[int]]:
-        """Per request, at most max_drafts[i] tokens to follow req.token_ids."""
+        """Per request, at most max_drafts[i] tokens to follow req.token_ids
+        (reqs may be empty: a proposer with state still sees every step)."""
 
 
 class NgramProposer(Proposer):
@@ -105,7 +106,8 @@ class NgramProposer(Proposer):
         return []
 
 
-def make_proposer(cfg: SpeculativeConfig, model=None) -> Proposer:
+def make_proposer(cfg: SpeculativeConfig, runner) -> Proposer:
     if cfg.method == "ngram":
         return NgramProposer(cfg)
-    raise ValueError(f"speculative method {cfg.method!r} is not available for this model")
+    from engine.mtp_proposer import MtpProposer
+    return MtpProposer(runner)

@@ -563,10 +563,17 @@ class DeepseekV4MTP(DecoderLayer):
         self.enorm, self.hnorm, self.norm = (RMSNorm(H, c["rms_norm_eps"]) for _ in range(3))
         self.hc_head = HyperHead(c)
 
-    def draft(self, embeds, streams, positions, next_ids, meta):
+    def draft_streams(self, embeds, streams, positions, next_ids, meta):
+        """The block's pre-collapse output [T, hc, D]: what a chained draft
+        feeds back in place of the main model's streams (as vLLM chains MTP)."""
         h = self.e_proj(self.enorm(embeds)).unsqueeze(1) + self.h_proj(self.hnorm(streams))
-        h = self.forward(h, positions, next_ids, meta)
+        return self.forward(h, positions, next_ids, meta)
+
+    def collapse(self, h):
         return self.norm(self.hc_head(h))
+
+    def draft(self, embeds, streams, positions, next_ids, meta):
+        return self.collapse(self.draft_streams(embeds, streams, positions, next_ids, meta))
 
 
 class DeepseekV4ForCausalLM(nn.Module):
@@ -606,8 +613,13 @@ class DeepseekV4ForCausalLM(nn.Module):
     def mtp_forward(self, next_ids, streams, positions, attn_metadata):
         """Draft hidden states: next_ids[i] is the token after position positions[i],
         streams[i] the main model's pre-collapse state there. Feed to compute_logits."""
+        return self.mtp[0].collapse(self.mtp_streams(next_ids, streams, positions, attn_metadata))
+
+    def mtp_streams(self, next_ids, streams, positions, attn_metadata):
+        """mtp_forward before its collapse (mtp[0].collapse): [T, hc, D]."""
         self._check(positions, attn_metadata)
-        h = self.mtp[0].draft(self.model.embed_tokens(next_ids), streams, positions, next_ids, attn_metadata)
+        h = self.mtp[0].draft_streams(self.model.embed_tokens(next_ids), streams, positions, next_ids,
+                                      attn_metadata)
         if attn_metadata is not None:
             attn_metadata.advance()
         return h

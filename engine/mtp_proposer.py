@@ -1,0 +1,82 @@
+"""Drafts from DeepSeek-V4's MTP head (multi-token prediction).
+
+The head reads the target's pre-collapse streams at position p and the
+embedding of token p + 1, and predicts token p + 2. Its own cache (one
+sliding-window ring per sequence, in the sequence's state slot of the pool:
+kvcache/dsv4_paged.py mtp_batch) must see every position the target keeps,
+so after each step the head runs over the positions whose KV stayed (prefill
+chunks too, drafting or not); the last of them gives the first draft. Further
+drafts chain, as vLLM chains MTP: the head's own output streams stand in for
+the target's at the next position, fed the draft before. Those chained
+positions are rolled back by the next step, which starts the head at the
+sequence's computed length again (the ring keeps max_rollback extra
+positions). Drafts are the argmax: deterministic, so verification treats
+them as one-hot."""
+import torch
+
+from engine.request import Request, Status
+from engine.speculative import Proposer
+
+
+class MtpProposer(Proposer):
+    def __init__(self, runner):
+        self.runner = runner      # its model has an MTP head (EngineCore checked at load)
+        runner.keep_streams = True
+
+    def _tables(self, req: Request) -> list[list[int]]:
+        kv = self.runner.kv
+        return [kv.block_table(req.request_id, g) for g in range(len(kv.groups))]
+
+    def _run(self, ids: list[int], streams: torch.Tensor, pos: list[int], seqs: list, qsl: list[int]):
+        dev = self.runner.device
+        model = self.runner.model
+        return model.mtp_streams(torch.tensor(ids, dtype=torch.long, device=dev), streams,
+                                 torch.tensor(pos, dtype=torch.long, device=dev),
+                                 self.runner.kv_caches.mtp_batch(seqs, qsl))
+
+    def _argmax(self, h: torch.Tensor) -> list[int]:
+        model = self.runner.model
+        return model.compute_logits(model.mtp[0].collapse(h)).argmax(dim=-1).tolist()
+
+    @torch.inference_mode()
+    def propose(self, reqs: list[Request], max_drafts: list[int]) -> list[list[int]]:
+        step, self.runner.last_step = self.runner.last_step, None
+        if step is None:
+            return [[] for _ in reqs]
+        # 1. The head over each running request's kept positions, true streams.
+        ids, rows, pos, seqs, qsl, last = [], [], [], [], [0], {}
+        for i, s in enumerate(step.sched):
+            req = s.req
+            kept = req.num_computed_tokens - s.start
+            if req.status != Status.RUNNING or kept <= 0:
+                continue
+            a = step.query_start_loc[i]
+            rows.extend(range(a, a + kept))
+            ids.extend(req.token_ids[s.start + 1:s.start + kept + 1])
+            pos.extend(range(s.start, s.start + kept))
+            seqs.append((s.start, self._tables(req)))
+            qsl.append(qsl[-1] + kept)
+            last[req.request_id] = qsl[-1] - 1
+        if not seqs:
+            return [[] for _ in reqs]
+        rows_t = torch.tensor(rows, dtype=torch.long, device=step.streams.device)
+        h = self._run(ids, step.streams.index_select(0, rows_t), pos, seqs, qsl)
+        # 2. Drafts: the first from the last kept position, then chained.
+        todo = [(i, r, k) for i, (r, k) in enumerate(zip(reqs, max_drafts)) if k > 0 and r.request_id in last]
+        out = [[] for _ in reqs]
+        if not todo:
+            return out
+        hs = h[[last[r.request_id] for _, r, _ in todo]]
+        for j, t in enumerate(self._argmax(hs)):
+            out[todo[j][0]].append(t)
+        for step_j in range(1, max(k for _, _, k in todo)):
+            sel = [n for n, (_, _, k) in enumerate(todo) if k > step_j]
+            todo, hs = [todo[n] for n in sel], hs[sel]
+            # Position c + step_j - 1 (c: computed length) gets the previous draft.
+            starts = [r.num_computed_tokens + step_j - 1 for _, r, _ in todo]
+            hs = self._run([out[i][-1] for i, _, _ in todo], hs, starts,
+                           [(p, self._tables(r)) for p, (_, r, _) in zip(starts, todo)],
+                           list(range(len(todo) + 1)))
+            for (i, _, _), t in zip(todo, self._argmax(hs)):
+                out[i].append(t)
+        return out
