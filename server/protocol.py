@@ -205,6 +205,7 @@ class _SamplingFields(_Body):
     include_stop_str_in_output: bool = False
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
+    speculative: bool = True        # false: this request never drafts (speculative decoding)
     min_tokens: int = Field(0, ge=0)
     skip_special_tokens: bool = True
     user: str | None = None

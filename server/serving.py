@@ -225,7 +225,7 @@ def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int 
               stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
               stop_token_ids=list(req.stop_token_ids or []),
               include_stop_str_in_output=req.include_stop_str_in_output,
-              ignore_eos=req.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+              ignore_eos=req.ignore_eos, speculative=req.speculative, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
               logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()},
               skip_special_tokens=req.skip_special_tokens if skip_special_tokens is None else skip_special_tokens,
               seed=req.seed)

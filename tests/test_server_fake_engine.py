@@ -79,7 +79,9 @@ class FakeAsyncLLM:
         self.running: dict[str, dict] = {}
         self.aborted: list[str] = []
         self.counters = {"num_preemptions_total": 0, "prefix_cache_queries_total": 0,
-                         "prefix_cache_hits_total": 0}
+                         "prefix_cache_hits_total": 0, "spec_decode_num_drafts_total": 7,
+                         "spec_decode_num_draft_tokens_total": 28, "spec_decode_num_accepted_tokens_total": 9,
+                         "spec_decode_num_accepted_tokens_per_pos": [5, 3, 1, 0]}
         self._task = None
 
     async def start(self):
@@ -417,6 +419,12 @@ def test_metrics_parse(live):
         assert "tqserve:" + name in fams, name
     assert fams["tqserve:kv_cache_hot_bytes_per_sequence"].samples[0].value == 190080
     assert fams["tqserve:kv_cache_compression_ratio"].samples[0].value == 3.76
+    # speculative decoding, vLLM's names
+    for name, v in (("spec_decode_num_drafts", 7), ("spec_decode_num_draft_tokens", 28),
+                    ("spec_decode_num_accepted_tokens", 9)):
+        assert fams["tqserve:" + name].samples[0].value == v, name
+    per = {s.labels["position"]: s.value for s in fams["tqserve:spec_decode_num_accepted_tokens_per_pos"].samples}
+    assert per == {"0": 5, "1": 3, "2": 1, "3": 0}
 
 
 def test_auth():
