@@ -35,7 +35,7 @@ RENAMES = [(re.compile(a), b) for a, b in [
     (r"\.hc_ffn_base", ".ffn_hc.base"),
     (r"\.hc_ffn_scale", ".ffn_hc.scale"),
     (r"\.attn_sink", ".sinks"),
-    (r"\.indexer\.weights_proj\.", ".compressor.indexer.scorer.weights_proj."),
+    (r"(?<!\.compressor)\.indexer\.weights_proj\.", ".compressor.indexer.scorer.weights_proj."),
     (r"\.indexer\.wq_b\.", ".compressor.indexer.q_b_proj."),
     (r"\.norm\.", ".kv_norm."),
     (r"\.ape", ".position_bias"),

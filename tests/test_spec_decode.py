@@ -289,3 +289,41 @@ def test_engine_sampling_distribution_with_speculation(tiny_dir, monkeypatch):
     monkeypatch.setattr(sampler, "residual", lambda probs, d, has: probs)
     bad = run(spec, 2 * 10**6)
     assert bad - ref > 8 * se, (ref, bad, se)
+
+
+# ---------------------------------------------------------------- real models
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
+def test_real_model_lossless_with_stop_strings(name):
+    """SmolLM2 and Gemma3 (sliding-window groups) asked to repeat a passage:
+    drafts are accepted, and greedy tokens and text equal the same engine's
+    requests that opt out; a stop string inside an accepted run ends the text
+    and the tokens where decoding one at a time ends them."""
+    from fixtures_models import shakespeare_text
+    llm = LLM(name, kv_cache_memory=64 << 20, max_model_len=1024, block_size=16,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+                                  "prompt_lookup_min": 2})
+    text = shakespeare_text()
+    passages = [text[i:i + 300] for i in (2000, 9000)]
+    prompts = [llm.tokenizer.encode(llm.chat_template and _chat(llm, f"Repeat this text exactly:\n\n{p}")
+                                    or p, add_special_tokens=False) for p in passages]
+    off = [o.outputs[0] for o in llm.generate(prompts, greedy(40, speculative=False))]
+    on = [o.outputs[0] for o in llm.generate(prompts, greedy(40))]
+    assert [o.token_ids for o in on] == [o.token_ids for o in off]
+    assert [o.text for o in on] == [o.text for o in off]
+    drafts, accepted = spec_stats(llm)
+    assert accepted > drafts // 2, (drafts, accepted)
+    # a stop string from the middle of the first output
+    words = off[0].text.split()
+    stop = " ".join(words[len(words) // 2:len(words) // 2 + 2])
+    a = llm.generate([prompts[0]], greedy(40, stop=[stop], speculative=False))[0].outputs[0]
+    b = llm.generate([prompts[0]], greedy(40, stop=[stop]))[0].outputs[0]
+    assert a.finish_reason == b.finish_reason == "stop" and a.stop_reason == stop
+    assert (a.text, a.token_ids) == (b.text, b.token_ids)
+    assert len(b.token_ids) < len(off[0].token_ids)
+
+
+def _chat(llm, content):
+    from model_zoo.chat_template import render_chat
+    return render_chat(llm.chat_template, [{"role": "user", "content": content}], add_generation_prompt=True,
+                       bos_token=llm.tokenizer.bos_token, eos_token=llm.tokenizer.eos_token)
