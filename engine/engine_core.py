@@ -342,14 +342,15 @@ class EngineCore:
         k = self.spec.num_speculative_tokens
         reqs, room = [], []
         for r in (running if not limit or len(running) <= limit else []):
-            if (r.num_computed_tokens == r.num_tokens - 1 and r.params.speculative and r.grammar is None):
+            if r.num_computed_tokens == r.num_tokens - 1 and r.params.speculative:
                 # The step samples 1 + accepted tokens: they must fit max_tokens and the context.
                 n = min(k, r.max_tokens - r.num_output_tokens - 1, self.max_model_len - r.num_tokens)
                 if n > 0:
                     reqs.append(r)
                     room.append(n)
         for r, d in zip(reqs, self.proposer.propose(reqs, room)):
-            r.spec_token_ids = d
+            # A grammar keeps the drafts it would take (its masks follow them at verification).
+            r.spec_token_ids = d if r.grammar is None else d[:r.grammar.valid_drafts(d)]
 
     def _count_spec(self, drafted: int, accepted: int) -> None:
         st = self.stats

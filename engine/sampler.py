@@ -81,7 +81,13 @@ class DraftRow:
     def output_token_ids(self) -> list[int]:
         return self.req.output_token_ids + self.drafts
 
-    def __getattr__(self, name):          # prompt_array, eos / stop ids, generator_for, grammar
+    @property
+    def grammar(self):
+        """The request's grammar as it will be after the drafts (its mask)."""
+        g = self.req.grammar
+        return None if g is None else g.ahead(self.drafts)
+
+    def __getattr__(self, name):          # prompt_array, eos / stop ids, generator_for
         return getattr(self.req, name)
 
 

@@ -150,6 +150,7 @@ class Scheduler:
             self.kv.truncate(req.request_id, computed)    # raises, changing nothing, if too deep
         req.truncate(num_tokens)
         req.num_computed_tokens = computed
+        req.spec_token_ids = []          # drafted for the tokens just dropped
 
     def finish(self, req: Request) -> None:
         if req.status == Status.RUNNING:

@@ -9,8 +9,10 @@ one-hot draft distribution, since every proposer here drafts
 deterministically) and the scheduler rolls the rejected positions' KV back.
 
 Requests that speculate: running, decoding (their prompt fully computed),
-SamplingParams.speculative true and no grammar (a grammar's masks would have
-to advance through the drafts). When more than disable_by_batch_size
+SamplingParams.speculative true. A grammar keeps the drafts it would take
+and masks each verification row as it will be after the drafts before it
+(structured_output.GrammarAhead); while it waits for its start marker
+(reasoning), nothing is drafted. When more than disable_by_batch_size
 requests run, nobody drafts: a step's verification costs k + 1 tokens of
 compute per request, which a large batch no longer has for free."""
 import json

@@ -189,6 +189,24 @@ class GrammarState:
             return True
         return self.matcher.is_stopped()
 
+    def fill_mask(self, row: np.ndarray, ahead: list[int] = ()) -> None:
+        """Write the mask of the tokens allowed next into row (int32 words);
+        with `ahead`, the mask after those tokens (drafts valid_drafts kept),
+        leaving the matcher where it was."""
+        if ahead:
+            self.matcher.consume_tokens(list(ahead))
+        self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, 4 * self.words)
+        if ahead:
+            self.matcher.rollback(len(ahead))
+
+    def valid_drafts(self, drafts: list[int]) -> int:
+        """How many leading drafts the grammar would take (0 while it waits
+        for start_after: the drafts could cross the marker)."""
+        return self.matcher.validate_tokens(drafts) if self.active and drafts else 0
+
+    def ahead(self, drafts: list[int]) -> "GrammarAhead":
+        return GrammarAhead(self, drafts)
+
     def rollback(self, token_ids: list[int], num_output: int) -> None:
         """The request was cut back to token_ids (num_output of them output):
         forget what the matcher took beyond them."""
@@ -200,6 +218,24 @@ class GrammarState:
         if drop > 0:
             self.matcher.rollback(drop)
             self.consumed = keep
+
+
+@dataclass
+class GrammarAhead:
+    """A grammar as it will be after some drafts (a verification row's mask)."""
+    state: GrammarState
+    drafts: list[int]
+
+    @property
+    def active(self) -> bool:
+        return self.state.active
+
+    @property
+    def words(self) -> int:
+        return self.state.words
+
+    def fill_mask(self, row: np.ndarray) -> None:
+        self.state.fill_mask(row, self.drafts)
 
 
 def _tokens_after(ids: list[int], marker: tuple[int, ...]) -> int | None:
@@ -227,6 +263,5 @@ def fill_bitmask(reqs) -> tuple[list[int], np.ndarray] | None:
     # Rows an even count of words: the mask travels in the sampler's int64 upload.
     mask = np.zeros((len(rows), W + (W & 1)), dtype=np.int32)
     for j, i in enumerate(rows):
-        g = reqs[i].grammar
-        g.matcher.unsafe_compute_mask_ptr(mask[j].ctypes.data, 4 * g.words)
+        reqs[i].grammar.fill_mask(mask[j])
     return rows, mask

@@ -321,9 +321,64 @@ def test_real_model_lossless_with_stop_strings(name):
     assert a.finish_reason == b.finish_reason == "stop" and a.stop_reason == stop
     assert (a.text, a.token_ids) == (b.text, b.token_ids)
     assert len(b.token_ids) < len(off[0].token_ids)
+    # a JSON schema: drafts the grammar takes are verified under its masks
+    import json
+    from engine.structured_output import StructuredOutputsParams
+    record = {"name": "Romeo Montague", "city": "Verona", "friends": ["Mercutio", "Benvolio"]}
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "city": {"type": "string"},
+                                               "friends": {"type": "array", "items": {"type": "string"}}},
+              "required": ["name", "city", "friends"], "additionalProperties": False}
+    ids = llm.tokenizer.encode(_chat(llm, f"Copy this JSON exactly:\n{json.dumps(record)}"), add_special_tokens=False)
+    so = StructuredOutputsParams(json=schema)
+    d0, a0 = spec_stats(llm)
+    a = llm.generate([ids], greedy(60, speculative=False, structured_outputs=so))[0].outputs[0]
+    b = llm.generate([ids], greedy(60, structured_outputs=so))[0].outputs[0]
+    assert (a.text, a.token_ids) == (b.text, b.token_ids)
+    assert isinstance(json.loads(b.text), dict)
+    assert spec_stats(llm)[1] > a0          # drafts accepted under the grammar
 
 
 def _chat(llm, content):
     from model_zoo.chat_template import render_chat
     return render_chat(llm.chat_template, [{"role": "user", "content": content}], add_generation_prompt=True,
                        bos_token=llm.tokenizer.bos_token, eos_token=llm.tokenizer.eos_token)
+
+
+def test_server_with_speculative_config(tmp_path):
+    """`tqserve serve --speculative-config ...`: the openai client gets the same
+    greedy text streamed with drafts as without (a request that opts out via
+    extra_body), /metrics counts the drafts; a bad config is one clear line
+    and exit status 2."""
+    import json
+    import subprocess
+    import sys
+
+    import httpx
+    import openai
+    from test_server_process import REPO, ServerProcess
+
+    from fixtures_models import shakespeare_text
+    cfg = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    srv = ServerProcess(tmp_path / "server.log", "--speculative-config", json.dumps(cfg), "--max-model-len", "1024",
+                        "--kv-cache-memory", "64MiB", "--max-num-seqs", "4")
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        messages = [{"role": "user", "content": "Repeat this text exactly:\n\n" + shakespeare_text()[5000:5300]}]
+        kw = dict(model="smollm2-135m", messages=messages, max_tokens=40, temperature=0)
+        off = client.chat.completions.create(**kw, extra_body={"speculative": False}).choices[0].message.content
+        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stream=True)
+                           if c.choices)
+        assert streamed == off and len(off) > 40
+        metrics = httpx.get(srv.url + "/metrics").text
+        acc = [float(line.split()[-1]) for line in metrics.splitlines()
+               if line.startswith("tqserve:spec_decode_num_accepted_tokens_total")]
+        assert acc and acc[0] > 0, metrics
+        assert 'tqserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="smollm2-135m",position="3"}' \
+            in metrics
+    finally:
+        srv.stop()
+    bad = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--port", "0", "--speculative-config",
+                          '{"method": "eagle", "num_speculative_tokens": 2}'], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2
+    assert "speculative method must be one of ngram, mtp" in bad.stderr + bad.stdout

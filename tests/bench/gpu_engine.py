@@ -14,7 +14,12 @@ fastapi, uvicorn and pydantic are not needed). bf16 throughout. Sections:
    (bf16, the same batch, greedy) in the same run;
 3. the same with kv_cache_dtype=tq4, and how many concurrent 8K-token
    sequences the KV pool holds at the same memory budget, f16 vs tq4;
-4. the Llama-3.2-1B shape at batch 1 with and without CUDA graphs.
+4. the Llama-3.2-1B shape at batch 1 with and without CUDA graphs;
+5. n-gram speculative decoding (k = 4) on the first model at concurrency 1
+   and 8, prompts that repeat themselves (random weights: acceptance is
+   whatever the dummy model's greedy output makes it; what this measures is
+   the cost of a verification step against a decode step): output tok/s
+   with and without, mean acceptance length, greedy outputs identical.
 
 Each section is guarded: one that fails is recorded with its error and the
 others still run. Writes tests/bench/results/gpu_engine.{json,md} with the
@@ -207,7 +212,7 @@ def main():
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--tiny", action="store_true", help="tiny shapes and counts: check the script on a CPU")
     ap.add_argument("--models", default="llama-3.2-1b,qwen3-8b")
-    ap.add_argument("--only", default="1,2,3,4", help="sections to run")
+    ap.add_argument("--only", default="1,2,3,4,5", help="sections to run")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=256)
@@ -288,12 +293,51 @@ def main():
             out["step_time_ratio"] = out["cuda_graphs"]["step_ms"] / out["eager"]["step_ms"]
             return out
         section(results, f"cuda_graphs_{name}_batch1", graphs)
+    if 5 in only:
+        name = models[0]
+        path = write_config(tmp, name)
+        vocab = SHAPES[name]["vocab_size"]
+        section(results, f"ngram_speculation_{name}", lambda: speculation(path, device, vocab, args))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(results, indent=1))
     out.with_suffix(".md").write_text(markdown(results))
     log(f"wrote {out}.json / .md")
     return 0
+
+
+def speculation(path, device, vocab, args) -> dict:
+    """Section 5: ngram drafts vs none at concurrency 1 and 8."""
+    from engine import SamplingParams
+    half = args.prompt_len // 2
+    prompts = [p + p for p in random_prompts(16, half, vocab, 5)]
+    sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    out = {}
+    for c in (1, 8):
+        ref = None
+        for spec in (None, {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+                            "prompt_lookup_max": 4}):
+            llm = engine(path, device, max_num_seqs=c, speculative_config=spec)
+            llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))   # warm-up
+            sync(device)
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts[:2 * c], sp)
+            sync(device)
+            wall = time.perf_counter() - t0
+            st = llm.core.get_stats()
+            toks = [o.outputs[0].token_ids for o in outs]
+            row = {"output_tok_s": sum(map(len, toks)) / wall, "steps": st.steps_total}
+            if spec:
+                d = st.spec_decode_num_drafts_total
+                row["acceptance_length"] = 1 + st.spec_decode_num_accepted_tokens_total / d if d else None
+                row["greedy_mismatches"] = sum(a != b for a, b in zip(toks, ref))
+                row["speedup"] = row["output_tok_s"] / out[f"c{c}_off"]["output_tok_s"]
+            else:
+                ref = toks
+            out[f"c{c}_{'ngram' if spec else 'off'}"] = row
+            del llm
+            free(device)
+    return out
 
 
 def kv_capacity(llm, context: int) -> dict:
@@ -329,6 +373,13 @@ def markdown(res) -> str:
                      f"{f(q.get('batch', {}).get('output_tok_s'))} | {e.get('kv', {}).get('seqs_at_context', '-')} | "
                      f"{q.get('kv', {}).get('seqs_at_context', '-')} |")
     for key, val in res.items():
+        if key.startswith("ngram_speculation_"):
+            lines += ["", f"n-gram speculation, k=4 ({key}): " + (", ".join(
+                f"c={c}: {val[f'c{c}_off']['output_tok_s']:.1f} -> {val[f'c{c}_ngram']['output_tok_s']:.1f} tok/s "
+                f"({val[f'c{c}_ngram']['speedup']:.2f}x, acceptance length "
+                f"{val[f'c{c}_ngram']['acceptance_length'] or 0:.2f}, "
+                f"{val[f'c{c}_ngram']['greedy_mismatches']} greedy mismatches)" for c in (1, 8))
+                if "error" not in val else val["error"])]
         if key.startswith("cuda_graphs_"):
             lines += ["", f"CUDA graphs ({key}): " + (
                 f"eager {val['eager']['step_ms']:.2f} ms/step, graphs {val['cuda_graphs']['step_ms']:.2f} ms/step "
