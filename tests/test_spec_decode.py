@@ -169,6 +169,18 @@ def test_stops_limits_and_logprobs_as_without(tiny_dir):
     assert len(toks(llm.generate([ps[0]], greedy(30, **kw)))[0]) == r0.index(stop_id) + 1
 
 
+def test_disable_by_batch_size(tiny_dir):
+    """No drafts while more requests run than disable_by_batch_size; drafts
+    again at or below it."""
+    ps = repetitive(4, seed=7)
+    llm = LLM(tiny_dir, block_size=4, speculative_config={**NGRAM, "disable_by_batch_size": 3})
+    ref = toks(llm.generate(ps, greedy(speculative=False)))
+    assert toks(llm.generate(ps, greedy())) == ref             # 4 running > 3: nobody drafts
+    assert spec_stats(llm) == (0, 0)
+    assert toks(llm.generate(ps[:3], greedy())) == ref[:3]
+    assert spec_stats(llm)[0] > 0
+
+
 # ---------------------------------------------------------------- rollback
 
 @pytest.mark.parametrize("preset", ["auto", "tq4", "tq3:kv"])
