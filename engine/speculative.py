@@ -15,12 +15,12 @@ and masks each verification row as it will be after the drafts before it
 (reasoning), nothing is drafted. When more than disable_by_batch_size
 requests run, nobody drafts: a step's verification costs k + 1 tokens of
 compute per request, which a large batch no longer has for free."""
-import json
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
+from engine.engine_args import parse_json_object
 from engine.request import Request
 
 METHODS = ("ngram", "mtp")
@@ -59,10 +59,7 @@ class SpeculativeConfig:
         if value is None or isinstance(value, cls):
             return value
         if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+            value = parse_json_object(value)
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
         known = {f.name for f in fields(cls)}

@@ -137,12 +137,10 @@ class _EngineCollector:
         yield counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
                       s.get("prefix_cache_hits_total", 0))
         if s.get("spec_decode_num_accepted_tokens_per_pos"):
-            yield counter("spec_decode_num_drafts", "Number of spec decoding drafts.",
-                          s.get("spec_decode_num_drafts_total", 0))
-            yield counter("spec_decode_num_draft_tokens", "Number of draft tokens.",
-                          s.get("spec_decode_num_draft_tokens_total", 0))
-            yield counter("spec_decode_num_accepted_tokens", "Number of accepted tokens.",
-                          s.get("spec_decode_num_accepted_tokens_total", 0))
+            for metric, doc in (("spec_decode_num_drafts", "Number of spec decoding drafts."),
+                                ("spec_decode_num_draft_tokens", "Number of draft tokens."),
+                                ("spec_decode_num_accepted_tokens", "Number of accepted tokens.")):
+                yield counter(metric, doc, s.get(metric + "_total", 0))
             c = CounterMetricFamily(P + "spec_decode_num_accepted_tokens_per_pos",
                                     "Accepted tokens per draft position.", labels=["model_name", "position"])
             for pos, n in enumerate(s["spec_decode_num_accepted_tokens_per_pos"]):

@@ -4,6 +4,7 @@ and served by the engine from the directory: the MTP weights arrive
 (mtp_loaded, equal tensors, equal draft logits), greedy generation runs and
 matches the trained model's own greedy tokens, and both losses went down."""
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ BENCH = Path(__file__).resolve().parent / "bench" / "train_mtp.py"
 
 @pytest.fixture(scope="module")
 def tm():
+    sys.path.insert(0, str(BENCH.parent))           # its bench_paths, as when run as a script
     spec = importlib.util.spec_from_file_location("train_mtp", BENCH)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

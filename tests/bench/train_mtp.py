@@ -53,16 +53,7 @@ import sys
 import time
 from pathlib import Path
 
-try:
-    from bench_paths import DATA, OUT, ROOT, log   # as a script: puts the repo on sys.path
-except ImportError:                                 # imported from elsewhere (tests)
-    ROOT = Path(__file__).resolve().parents[2]
-    sys.path.insert(0, str(ROOT))
-    DATA = ROOT / "tests" / "data" / "tinyshakespeare.txt"
-    OUT = ROOT / "tests" / "bench" / "results"
-
-    def log(msg):
-        print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+from bench_paths import DATA, OUT, ROOT, log   # puts the repo on sys.path (tests put this folder there)
 
 import torch
 import torch.nn.functional as F
