@@ -129,7 +129,7 @@ class EngineCore:
         build_dtype = torch.float32 if args.quantization == "int4" else dtype
         model = create_model(self.source.config, build_dtype, self.device,
                              None if dummy else self.source.weights(), args.seed)
-        if self.spec is not None and self.spec.method == "mtp":
+        if self._mtp_drafts:
             if not getattr(model, "has_mtp", False):
                 raise ValueError("speculative method 'mtp' needs a model with an MTP head "
                                  "(DeepSeek-V4 with num_nextn_predict_layers > 0)")
@@ -169,9 +169,13 @@ class EngineCore:
             self.max_model_len = min(model_len, self.plan.capacity_tokens)
         return caches
 
+    @property
+    def _mtp_drafts(self) -> bool:
+        return self.spec is not None and self.spec.method == "mtp"
+
     def _mtp_specs(self):
         """The MTP head's cache, planned into the pool when it drafts."""
-        return self.model.mtp_cache_spec() if self.spec is not None and self.spec.method == "mtp" else None
+        return self.model.mtp_cache_spec() if self._mtp_drafts else None
 
     def _kv_budget(self) -> int:
         """Bytes for the KV pool: kv_cache_memory when given (a fraction: of the

@@ -44,7 +44,7 @@ class MtpProposer(Proposer):
         if step is None:
             return [[] for _ in reqs]
         # 1. The head over each running request's kept positions, true streams.
-        ids, rows, pos, seqs, qsl, last = [], [], [], [], [0], {}
+        ids, rows, pos, seqs, qsl, last, tables = [], [], [], [], [0], {}, {}
         for i, s in enumerate(step.sched):
             req = s.req
             kept = req.num_computed_tokens - s.start
@@ -54,7 +54,8 @@ class MtpProposer(Proposer):
             rows.extend(range(a, a + kept))
             ids.extend(req.token_ids[s.start + 1:s.start + kept + 1])
             pos.extend(range(s.start, s.start + kept))
-            seqs.append((s.start, self._tables(req)))
+            tables[req.request_id] = self._tables(req)
+            seqs.append((s.start, tables[req.request_id]))
             qsl.append(qsl[-1] + kept)
             last[req.request_id] = qsl[-1] - 1
         if not seqs:
@@ -75,7 +76,7 @@ class MtpProposer(Proposer):
             # Position c + step_j - 1 (c: computed length) gets the previous draft.
             starts = [r.num_computed_tokens + step_j - 1 for _, r, _ in todo]
             hs = self._run([out[i][-1] for i, _, _ in todo], hs, starts,
-                           [(p, self._tables(r)) for p, (_, r, _) in zip(starts, todo)],
+                           [(p, tables[r.request_id]) for p, (_, r, _) in zip(starts, todo)],
                            list(range(len(todo) + 1)))
             for (i, _, _), t in zip(todo, self._argmax(hs)):
                 out[i].append(t)

@@ -92,20 +92,23 @@ class NgramProposer(Proposer):
         self.lo, self.hi = cfg.prompt_lookup_min, cfg.prompt_lookup_max
 
     def propose(self, reqs: list[Request], max_drafts: list[int]) -> list[list[int]]:
-        return [self.lookup(r.token_ids, k) if k > 0 else [] for r, k in zip(reqs, max_drafts)]
+        # The prompt's array is built once per request; only the output is converted each step.
+        return [self.lookup(np.concatenate([r.prompt_array, np.asarray(r.output_token_ids, np.int64)]), k)
+                if k > 0 else [] for r, k in zip(reqs, max_drafts)]
 
-    def lookup(self, token_ids: list[int], k: int) -> list[int]:
-        L = len(token_ids)
+    def lookup(self, token_ids, k: int) -> list[int]:
+        """token_ids: a request's prompt + output (int64 array or list)."""
+        ids = np.asarray(token_ids, dtype=np.int64)
+        L = len(ids)
         if L <= self.lo:
             return []
-        ids = np.asarray(token_ids, dtype=np.int64)
         for n in range(min(self.hi, L - 1), self.lo - 1, -1):
             # Windows starting at 0 .. L - n - 1 (the suffix itself excluded).
             win = np.lib.stride_tricks.sliding_window_view(ids[:L - 1], n)
             hit = np.flatnonzero((win == ids[L - n:]).all(axis=1))
             if hit.size:
                 start = int(hit[-1]) + n
-                return token_ids[start:start + k]
+                return ids[start:start + k].tolist()
         return []
 
 

@@ -198,12 +198,8 @@ class DSV4PagedCache:
                            for s in _check_mtp(self.mtp_specs)]
 
     @property
-    def all_layers(self) -> list[DSV4LayerStorage]:
-        return self.layers + self.mtp_layers
-
-    @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for layer in self.all_layers
+        return sum(t.numel() * t.element_size() for layer in self.layers + self.mtp_layers
                    for t in (*layer.state.values(), *layer.entries.values()))
 
     def _view(self, layer: DSV4LayerStorage, slot: int, length: int, tables: dict[int, torch.Tensor]) -> LayerView:
