@@ -34,6 +34,9 @@ class AsyncLLM:
         self._ids = itertools.count()
         self._dead: str | None = None
         self.processor: OutputProcessor | None = None
+        self.on_dead = None     # called (in the event loop) once the engine core is gone
+        self._closing = False
+        self._ranks: list = []
 
     # -- lifecycle ------------------------------------------------------------
     async def start(self) -> None:
@@ -44,6 +47,10 @@ class AsyncLLM:
         self._proc = ctx.Process(target=run_engine_core, args=(self.args, self._in, self._out),
                                  name="tqserve-engine-core", daemon=True)
         self._proc.start()
+        # The node's other tensor-parallel ranks: children of this process,
+        # since the engine core, a daemon process, may not have any.
+        from engine.follower import start_local_ranks
+        self._ranks = start_local_ranks(self.args, self.args.topology().node_ranks[1:])
         # The tokenizer and template load here while the core loads weights.
         source = await loop.run_in_executor(None, open_model, self.args.model, self.args.load_format != "dummy")
         self.tokenizer, self.chat_template = source.tokenizer, source.chat_template
@@ -70,11 +77,16 @@ class AsyncLLM:
     async def shutdown(self) -> None:
         if getattr(self, "_proc", None) is None:
             return
+        self._closing = True
         if self._proc.is_alive():
             self._in.put(("shutdown",))
             await asyncio.get_running_loop().run_in_executor(None, self._proc.join, 10)
             if self._proc.is_alive():
                 self._proc.kill()
+        for p in self._ranks:      # they exit when the core stops them, or when it is gone
+            await asyncio.get_running_loop().run_in_executor(None, p.join, 10)
+            if p.is_alive():
+                p.kill()
         self._proc = None
 
     @property
@@ -98,9 +110,16 @@ class AsyncLLM:
 
     # -- the reader thread ----------------------------------------------------
     def _read(self) -> None:
+        proc = self._proc
         while True:
             try:
-                msg = self._out.get()
+                msg = self._out.get(timeout=1.0)
+            except queue.Empty:
+                if self._closing:
+                    return
+                if proc.is_alive():
+                    continue
+                msg = ("dead", f"the engine core process exited with code {proc.exitcode}")
             except (EOFError, OSError):
                 msg = ("dead", "engine output queue closed")
             self._loop.call_soon_threadsafe(self._dispatch, msg)
@@ -126,8 +145,11 @@ class AsyncLLM:
         elif kind == "dead":
             self._dead = msg[1]
             log.error("engine core died:\n%s", msg[1])
+            why = msg[1].strip().splitlines()[-1] if msg[1].strip() else ""
             for q in self._streams.values():
-                q.put_nowait(EngineDeadError("the engine core process died"))
+                q.put_nowait(EngineDeadError(f"the engine core process died ({why})"))
+            if self.on_dead is not None:
+                self.on_dead()
 
     # -- requests -------------------------------------------------------------
     def encode(self, prompt) -> tuple[str | None, list[int]]:

@@ -3,19 +3,32 @@ computes. Messages in: ("add", EngineRequest) | ("abort", [ids]) |
 ("shutdown",). Messages out: ("ready", ModelInfo) | ("error", text) |
 ("outputs", [EngineCoreOutput], EngineStats) | ("reject", id, text) |
 ("dead", text)."""
+import ctypes
 import logging
 import queue
+import signal
+import sys
 import traceback
 
 from engine.engine_args import EngineArgs
 from engine.errors import InvalidRequest
 
 
+def die_with_parent() -> None:
+    """Linux: this process is killed when the process that started it dies,
+    even by SIGKILL, so that no engine core or rank outlives its server (its
+    tensor-parallel peers then fail at once instead of waiting on it)."""
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 def run_engine_core(args: EngineArgs, in_q, out_q) -> None:
+    die_with_parent()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         from engine.engine_core import EngineCore
-        core = EngineCore(args)
+        core = EngineCore(args, start_local_ranks=False)    # the client started them
     except Exception as e:          # loading failed: tell the client, in one line
         out_q.put(("error", f"{type(e).__name__}: {e}"))
         return
@@ -25,7 +38,11 @@ def run_engine_core(args: EngineArgs, in_q, out_q) -> None:
         while True:
             msgs = []
             if not core.has_work():
-                msgs.append(in_q.get())
+                try:
+                    msgs.append(in_q.get(timeout=1.0))
+                except queue.Empty:
+                    core.check_alive()      # idle: a lost tensor-parallel rank still ends the engine
+                    continue
             while True:
                 try:
                     msgs.append(in_q.get_nowait())
@@ -34,6 +51,7 @@ def run_engine_core(args: EngineArgs, in_q, out_q) -> None:
             changed = False
             for m in msgs:
                 if m[0] == "shutdown":
+                    core.close()
                     return
                 if m[0] == "add":
                     try:

@@ -78,6 +78,14 @@ class EngineArgs:
     max_rollback_tokens: int = arg(0, "how far a step may roll a sequence back (speculative decoding); sizes "
                                       "ring-buffered state (DeepSeek-V4 window / carry)")
     num_threads: int | None = arg(None, "torch threads in the engine core (default: torch's)")
+    tensor_parallel_size: int = arg(1, "ranks the model is split over (attention heads, MLP features, experts, "
+                                          "vocabulary); one process per rank")
+    nnodes: int = arg(1, "nodes the ranks run on (tensor_parallel_size / nnodes ranks per node)")
+    node_rank: int = arg(0, "this node's index: 0 serves HTTP and schedules, others run with --headless")
+    master_addr: str = arg("127.0.0.1", "node 0's address on the link between the nodes (rendezvous)")
+    master_port: int = arg(29500, "node 0's rendezvous port")
+    distributed_timeout: float = arg(20.0, "seconds a rank waits on another before failing: a dead or hung "
+                                           "rank ends the others (exit non-zero) within about this long")
     speculative_config: dict | None = arg(
         None, 'speculative decoding, as vLLM spells it: {"method": "ngram" | "mtp", "num_speculative_tokens": k, '
               '"prompt_lookup_min": n, "prompt_lookup_max": n, "disable_by_batch_size": b}', type=parse_json_object)
@@ -116,7 +124,19 @@ class EngineArgs:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.kv_cache_memory is not None and not self.kv_cache_memory > 0:
             raise ValueError(f"kv_cache_memory must be > 0, got {self.kv_cache_memory}")
-        self.speculative()
+        topo = self.topology()
+        if not self.distributed_timeout > 0:
+            raise ValueError(f"distributed_timeout must be > 0, got {self.distributed_timeout}")
+        spec = self.speculative()
+        if topo.tp_size > 1 and spec is not None and spec.method == "mtp":
+            raise ValueError("speculative method 'mtp' is not supported with tensor_parallel_size > 1 yet "
+                             "(method 'ngram' is)")
+
+    def topology(self):
+        """Where the ranks run (parallel.distributed.Topology); raises ValueError on a bad layout."""
+        from parallel.distributed import Topology
+        return Topology(self.tensor_parallel_size, self.nnodes, self.node_rank, self.master_addr,
+                        self.master_port)
 
     def speculative(self):
         """The parsed speculative_config (engine.speculative.SpeculativeConfig) or None."""

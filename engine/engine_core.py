@@ -7,21 +7,17 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import torch
 
 from engine.engine_args import EngineArgs
 from engine.errors import InvalidRequest
-from engine.kv_calibration import calibrate, set_key_means
+from engine.follower import Followers
 from engine.model_runner import ModelRunner
 from engine.request import EngineRequest, Request
 from engine.scheduler import Scheduler
 from engine.speculative import make_proposer
 from engine.structured_output import GrammarCompiler, GrammarState, StructuredOutputError
-from kvcache.kv_formats import KVPolicy
+from engine.worker import Worker
 from kvcache.kv_manager import KVCacheManager
-from kvcache.pool_plan import allocate_kv_caches, device_kv_budget, kv_budget, kv_dtype, plan_kv_pool
-from model_zoo.models import create_model
-from model_zoo.resolve import open_model
 
 log = logging.getLogger("tqserve.engine")
 
@@ -89,132 +85,25 @@ def check_request(prompt_token_ids: list[int], params, max_model_len: int, vocab
         raise InvalidRequest(f"prompt token ids must be in [0, {vocab_size})")
 
 
-class EngineCore:
-    """Startup in phases (vLLM's EngineCore shape): load the model onto the
-    device, set up the KV caches (calibrate, measure the budget, plan,
-    allocate), then build the KV manager, scheduler and runner."""
+class EngineCore(Worker):
+    """Rank 0: the Worker's phases (join the ranks, load the model, set up
+    the KV caches), then the KV manager, scheduler and runner."""
 
-    def __init__(self, args: EngineArgs, source=None):
-        self.args = args = args.resolved()
-        if args.num_threads:
-            torch.set_num_threads(args.num_threads)
-        torch.manual_seed(args.seed)
-        t0 = time.monotonic()
-        self.device = torch.device(args.device)
-        self.spec = args.speculative()
-        self.model = self._load_model(source)
-        caches = self._init_kv_caches()
-        self._init_scheduler(caches)
+    def __init__(self, args: EngineArgs, source=None, start_local_ranks: bool = True):
+        super().__init__(args, source, rank=0, start_local_ranks=start_local_ranks)
+        args = self.args
+        self._init_scheduler(self.caches)
         self._init_speculation()
         per_seq = (f" + {self.plan.state_bytes_per_seq} B/sequence of window/carry state"
                    if hasattr(self.plan, "state_bytes_per_seq") else
                    f" + {self.plan.hot_bytes_per_seq} B/sequence of hot tokens" if self.plan.hot_bytes_per_seq else "")
-        log.info("engine ready in %.1fs: %s on %s, max_model_len %d, KV %d tokens x %s B/token (%s)%s, %.1f MiB",
-                 time.monotonic() - t0, args.model, self.device, self.max_model_len, self.plan.capacity_tokens,
+        log.info("engine ready in %.1fs: %s on %s%s, max_model_len %d, KV %d tokens x %s B/token (%s)%s, "
+                 "%.1f MiB", time.monotonic() - self.t0, args.model, self.device,
+                 f" x {self.tp} tensor-parallel ranks" if self.tp > 1 else "", self.max_model_len, self.plan.capacity_tokens,
                  f"{self.plan.bytes_per_token:g}", self.plan.bytes_per_token_by_kind(), per_seq,
                  self.plan.total_bytes / 2**20)
 
-    # -- startup phases ---------------------------------------------------------
-    def _load_model(self, source) -> torch.nn.Module:
-        args = self.args
-        dummy = args.load_format == "dummy"
-        self.source = source or open_model(args.model, weights=not dummy)
-        if self.device.type == "cuda":
-            # What this process has yet to allocate: the baseline of the KV budget.
-            torch.cuda.empty_cache()
-            self._cuda_free_at_start = torch.cuda.mem_get_info(self.device)[0]
-        dtype = getattr(torch, args.dtype)
-        # int4 packing must see the checkpoint's fp32 values: build in fp32,
-        # pack, then cast what stays dense.
-        build_dtype = torch.float32 if args.quantization == "int4" else dtype
-        model = create_model(self.source.config, build_dtype, self.device,
-                             None if dummy else self.source.weights(), args.seed)
-        if self._mtp_drafts:
-            if not getattr(model, "has_mtp", False):
-                raise ValueError("speculative method 'mtp' needs a model with an MTP head "
-                                 "(DeepSeek-V4 with num_nextn_predict_layers > 0)")
-            if not dummy and not model.mtp_loaded:
-                raise ValueError("speculative method 'mtp': the checkpoint has no MTP weights (mtp.0.*)")
-        if args.quantization == "int4":
-            linears = [m for m in model.modules() if hasattr(m, "pack_int4")]
-            packed = sum(m.pack_int4(dtype) for m in linears)
-            model.to(dtype)
-            log.info("int4: %d of %d linear layers hold exact 4-bit groups and run packed", packed,
-                     len(linears))
-        return model
-
-    def _init_kv_caches(self):
-        """Calibrate compressed formats, size the pool from the budget, allocate it on the device."""
-        args = self.args
-        specs = self.model.kv_cache_spec()
-        cdtype = kv_dtype(args.kv_cache_dtype, getattr(torch, args.dtype), args.kv_cache_dtype_k,
-                          args.kv_cache_dtype_v, args.kv_protect_layers, args.kv_hot)
-        cdtype, key_means = calibrate(self.model, self.source.tokenizer,
-                                      int(self.source.config.get("vocab_size", 0)), specs, cdtype)
-        model_len = int(self.source.config.get("max_position_embeddings") or 4096)
-        self.plan = plan_kv_pool(specs, self._kv_budget(), args.block_size, cdtype,
-                                 args.max_num_seqs, args.max_num_batched_tokens,
-                                 max_model_len=args.max_model_len or model_len,
-                                 max_rollback=args.max_rollback_tokens, mtp_specs=self._mtp_specs())
-        caches = allocate_kv_caches(specs, self.plan, cdtype, self.device)
-        if isinstance(cdtype, KVPolicy) and isinstance(caches, list):
-            log.info("KV formats by layer: %s", cdtype.describe(specs, self.plan.layer_bytes_per_token))
-        set_key_means(caches, key_means)
-        if args.max_model_len is not None:
-            if args.max_model_len > self.plan.capacity_tokens:
-                raise ValueError(f"max_model_len {args.max_model_len} exceeds the KV cache capacity of "
-                                 f"{self.plan.capacity_tokens} tokens; raise kv_cache_memory")
-            self.max_model_len = args.max_model_len
-        else:
-            self.max_model_len = min(model_len, self.plan.capacity_tokens)
-        return caches
-
-    @property
-    def _mtp_drafts(self) -> bool:
-        return self.spec is not None and self.spec.method == "mtp"
-
-    def _mtp_specs(self):
-        """The MTP head's cache, planned into the pool when it drafts."""
-        return self.model.mtp_cache_spec() if self._mtp_drafts else None
-
-    def _kv_budget(self) -> int:
-        """Bytes for the KV pool: kv_cache_memory when given (a fraction: of the
-        memory free now), else on CPU today's share of MemAvailable, on CUDA
-        what gpu_memory_utilization leaves after weights and activations."""
-        setting = self.args.kv_cache_memory
-        if self.device.type != "cuda":
-            return kv_budget(setting)
-        if setting is not None:
-            return kv_budget(setting, torch.cuda.mem_get_info(self.device)[0])
-        peak = self._profile_activation_peak()
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        non_kv = self._cuda_free_at_start - free
-        util = self.args.gpu_memory_utilization
-        budget = device_kv_budget(total, util, self._cuda_free_at_start, non_kv, peak)
-        log.info("KV budget %.2f GiB = %g x %.2f GiB total - %.2f GiB weights and other allocations - "
-                 "%.2f GiB activation peak (%d tokens)", budget / 2**30, util, total / 2**30, non_kv / 2**30,
-                 peak / 2**30, self.args.max_num_batched_tokens)
-        return budget
-
-    @torch.inference_mode()
-    def _profile_activation_peak(self) -> int:
-        """Device bytes one step of max_num_batched_tokens tokens allocates on
-        top of the weights: one sequence that long without a cache (the largest
-        prefill chunk a step runs), logits for max_num_seqs rows and a sort of
-        their probabilities (top-p sampling's largest temporary)."""
-        n, dev = self.args.max_num_batched_tokens, self.device
-        vocab = int(self.source.config.get("vocab_size", 0)) or 1
-        ids = torch.arange(n, device=dev) % vocab
-        torch.cuda.synchronize(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-        base = torch.cuda.memory_allocated(dev)
-        hidden = self.model(ids, torch.arange(n, device=dev), None)
-        logits = self.model.compute_logits(hidden[-min(n, self.args.max_num_seqs):])
-        torch.sort(torch.softmax(logits, dim=-1), dim=-1, descending=True)
-        torch.cuda.synchronize(dev)
-        return torch.cuda.max_memory_allocated(dev) - base
-
+    # -- startup phases (after the Worker's) -----------------------------------
     def _init_scheduler(self, caches) -> None:
         args = self.args
         caching = args.enable_prefix_caching and self.plan.prefix_caching
@@ -225,7 +114,8 @@ class EngineCore:
                                  max_rollback=self.plan.max_rollback)
         self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.max_num_batched_tokens,
                                    args.long_prefill_token_threshold)
-        self.runner = ModelRunner(self.model, self.kv, caches)
+        self.runner = ModelRunner(self.model, self.kv, caches,
+                                  followers=Followers(self.args.distributed_timeout) if self.tp > 1 else None)
         self._grammars: GrammarCompiler | None = None    # at prepare_grammars or the first constrained request
         self.stats = EngineStats()
         self.info = ModelInfo(
@@ -284,6 +174,24 @@ class EngineCore:
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
+
+    def check_alive(self) -> None:
+        """Raise if a tensor-parallel rank was lost while idle (the heartbeat's finding)."""
+        if self.runner.followers is not None:
+            self.runner.followers.check()
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (a no-op with one rank)."""
+        if self.runner.followers is None:
+            return
+        self.runner.followers.close()
+        for p in self.local_followers:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+        from parallel.distributed import shutdown_distributed
+        shutdown_distributed()
+        self.runner.followers = None
 
     def rollback(self, request_id: str, num_tokens: int) -> None:
         """Keep a running request's first num_tokens tokens; forget the rest and

@@ -50,6 +50,16 @@ class LLM:
             self.core.add_request(EngineRequest(cid, ids, child_params(params, i), arrival_time=now))
         return rid
 
+    def close(self) -> None:
+        """Stop the engine's other tensor-parallel ranks, if any."""
+        self.core.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
     def step(self) -> list[RequestOutput]:
         outs, to_abort = self.processor.process(self.core.step())
         self.core.abort(to_abort)

@@ -6,7 +6,7 @@ A step's inputs are assembled with numpy, per request at most (never per
 token in Python), into a reusable host buffer that goes to the model's
 device in one copy (pinned and non-blocking on CUDA): building a step reads
 nothing back from the device, so the step's one host sync is the sampler's."""
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate, chain
 
 import numpy as np
@@ -81,26 +81,44 @@ class StepRecord:
     streams: torch.Tensor
 
 
+@dataclass
+class StepPlan:
+    """One step's inputs, host side: everything a rank needs to run the
+    step's forward. The leader builds it (ModelRunner.prepare); under tensor
+    parallelism it is broadcast and every rank runs it (ModelRunner.forward)."""
+    buf: np.ndarray                  # the packed int64 inputs (see _pack), cut at offs
+    offs: list[int]
+    widths: list[int]                # block-table width per KV group
+    qsl: list[int]                   # query start offsets, B + 1
+    seq_lens: list[int]
+    num_decodes: int
+    max_query_len: int
+    dsv4_seqs: list | None = None    # DeepSeek-V4's pool: (start, block tables) per sequence
+    prompt_rows: list[tuple[int, int]] = field(default_factory=list)   # hidden rows scoring prompt tokens
+
+
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv: KVCacheManager, kv_caches: list):
+    def __init__(self, model: torch.nn.Module, kv: KVCacheManager | None, kv_caches: list, followers=None):
         self.model = model
-        self.kv = kv
+        self.kv = kv                   # the leader's block tables (None on a follower rank)
+        self.followers = followers     # tensor parallel: where the leader sends each step's plan
         self.kv_caches = kv_caches     # indexed by layer, or one DSV4PagedCache
         self.device = _model_device(model)
         self.buf = _StepBuffer(self.device)
         self.keep_streams = False      # set for an MTP proposer: each step's streams go to last_step
         self.last_step: StepRecord | None = None
+        self.sched: list[ScheduledRequest] = []   # the prepared step's requests, in batch order
 
-    def _pack(self, sched: list[ScheduledRequest], tables: list[list[list[int]]]):
-        """The step's integer inputs on the device.
+    def _pack(self, sched: list[ScheduledRequest], tables: list[list[list[int]]]) -> tuple[StepPlan, list]:
+        """The step's integer inputs, packed into the step buffer.
 
         tables: per KV-cache group, each sequence's block table (lists from
-        the manager; NULL_BLOCK entries -1). Returns (input_ids [T],
+        the manager; NULL_BLOCK entries -1). The buffer holds input_ids [T],
         positions [T], query_start_loc [B + 1], seq_lens [B], logits rows
-        [R], per group (slot_mapping [T], block_tables [B, W_g])) as device
-        tensors, and the host side: (qsl, seq_lens) numpy, the sampled
-        requests. Slots of tokens in a NULL block are negative (a hot group's
-        skipped blocks: not stored); block-table entries are clamped to 0."""
+        [R], then per group slot_mapping [T] and block_tables [B, W_g].
+        Slots of tokens in a NULL block are negative (a hot group's skipped
+        blocks: not stored); block-table entries are clamped to 0. Returns
+        the plan and the requests that sample, in row order."""
         B = len(sched)
         n = np.fromiter((s.num_new_tokens for s in sched), np.int64, B)
         start = np.fromiter((s.start for s in sched), np.int64, B)
@@ -145,68 +163,105 @@ class ModelRunner:
             np.add(bt[seq_of_tok, blk] * bs, off, out=slots)
             np.maximum(bt, 0, out=bt)             # NULL_BLOCK -> 0, masked by position
 
-        d = self.buf.send(offs)
-        groups = [(d[5 + 2 * g], d[6 + 2 * g].view(B, w)) for g, w in enumerate(widths)]
-        sampled = [sched[i].req for i in np.flatnonzero(samples)]
-        return d[:5], groups, (qsl, seq_lens, n), sampled
+        plan = StepPlan(host, offs, widths, qsl.tolist(), seq_lens.tolist(),
+                        num_decodes=int(np.count_nonzero(n == 1)),      # they lead (prepare sorts them first)
+                        max_query_len=int(n.max()) if B else 0)
+        return plan, [sched[i].req for i in np.flatnonzero(samples)]
 
-    def _build_dsv4(self, sched: list[ScheduledRequest]):
-        """Stateful (DeepSeek-V4) pool: the metadata is per-sequence views of
-        it, built from the manager's Python lists (DSV4PagedCache.batch)."""
-        (ids, pos, _, _, rows), _, (qsl, _, _), sampled = self._pack(sched, [])
-        qsl = qsl.tolist()
-        seqs = [(s.start, [self.kv.block_table(s.req.request_id, g) for g in range(len(self.kv.groups))])
-                for s in sched]
-        return ids, pos, self.kv_caches.batch(seqs, qsl), qsl, rows, sampled
+    def prepare(self, out: SchedulerOutput) -> tuple[StepPlan, list[Request], list[tuple[Request, int, int]]]:
+        """The leader's half of a step: the plan every rank runs, the requests
+        that sample (in logits-row order) and the prompt-logprob jobs
+        (request, first position, end) in plan.prompt_rows order."""
+        # Decodes first, as the attention metadata expects.
+        sched = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)
+        dsv4 = isinstance(self.kv_caches, DSV4PagedCache)
+        groups = range(len(self.kv.groups))
+        tables = [] if dsv4 else [[self.kv.block_table(s.req.request_id, g) for s in sched] for g in groups]
+        plan, sampled = self._pack(sched, tables)
+        if dsv4:
+            # Stateful (DeepSeek-V4) pool: its metadata is per-sequence views
+            # of it, built from the manager's lists (DSV4PagedCache.batch).
+            plan.dsv4_seqs = [(s.start, [self.kv.block_table(s.req.request_id, g) for g in groups]) for s in sched]
+        jobs = []
+        for i, s in enumerate(sched):
+            req = s.req
+            if req.prompt_logprobs is None or s.start >= req.num_prompt_tokens:
+                continue
+            # Position p predicts token p + 1; only prompt tokens are scored.
+            n = min(s.start + s.num_new_tokens, req.num_prompt_tokens - 1) - s.start
+            # Positions scored before a preemption are not scored again;
+            # scoring continues only where the list left off.
+            first = len(req.prompt_logprobs) - 1 - s.start
+            if n > 0 and 0 <= first < n:
+                plan.prompt_rows.append((plan.qsl[i] + first, plan.qsl[i] + n))
+                jobs.append((req, s.start + first, s.start + n))
+        self.sched = sched
+        return plan, sampled, jobs
 
-    def _build(self, sched: list[ScheduledRequest]):
-        """Returns (input_ids, positions, metadata, query_start_loc as a list,
-        logits rows [R] on the device, the R requests that sample)."""
-        if isinstance(self.kv_caches, DSV4PagedCache):
-            return self._build_dsv4(sched)
-        tables = [[self.kv.block_table(s.req.request_id, g) for s in sched] for g in range(len(self.kv.groups))]
-        (ids, pos, qsl_t, seq_lens_t, rows), groups, (qsl, seq_lens, n), sampled = self._pack(sched, tables)
-        B = len(sched)
-        num_decodes = int(np.count_nonzero(n == 1))      # they lead (execute sorts them first)
-        qsl_list = qsl.tolist()
-        meta = AttentionMetadata(qsl_list, seq_lens.tolist(), num_decodes,
-                                 [GroupMetadata(s, bt) for s, bt in groups], self.kv_caches,
+    def stage(self, plan: StepPlan) -> StepPlan:
+        """A plan received from the leader, moved into this rank's step buffer."""
+        host = self.buf.host(len(plan.buf))
+        host[:] = plan.buf
+        plan.buf = host
+        return plan
+
+    def inputs(self, plan: StepPlan):
+        """(input_ids, positions, attention metadata, logits rows) on the device."""
+        d = self.buf.send(plan.offs)
+        ids, pos, qsl_t, seq_lens_t, rows = d[:5]
+        if plan.dsv4_seqs is not None:
+            return ids, pos, self.kv_caches.batch(plan.dsv4_seqs, plan.qsl), rows
+        B = len(plan.seq_lens)
+        groups = [GroupMetadata(d[5 + 2 * g], d[6 + 2 * g].view(B, w)) for g, w in enumerate(plan.widths)]
+        meta = AttentionMetadata(plan.qsl, plan.seq_lens, plan.num_decodes, groups, self.kv_caches,
                                  seq_lens_t=seq_lens_t, query_start_loc_t=qsl_t,
-                                 max_seq_len=int(seq_lens.max()) if B else 0,
-                                 max_query_len=int(n.max()) if B else 0)
-        return ids, pos, meta, qsl_list, rows, sampled
+                                 max_seq_len=max(plan.seq_lens, default=0), max_query_len=plan.max_query_len)
+        return ids, pos, meta, rows
 
     @torch.inference_mode()
+    def forward(self, plan: StepPlan) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        """What every rank runs (its collectives in the same order on all):
+        the model over the step, the logits of the plan's prompt-logprob rows,
+        then of its sampling rows (None when nothing samples)."""
+        input_ids, positions, meta, rows = self.inputs(plan)
+        if self.keep_streams:
+            streams = self.model.forward_streams(input_ids, positions, meta)
+            self.last_step = StepRecord(self.sched, plan.qsl, streams)
+            hidden = self.model.collapse(streams)
+        else:
+            hidden = self.model(input_ids, positions, meta)
+        prompt = [self.model.compute_logits(hidden[a:b]) for a, b in plan.prompt_rows]
+        return (self.model.compute_logits(hidden[rows]) if len(rows) else None), prompt
+
     def execute(self, out: SchedulerOutput) -> dict[str, tuple[list[int], list[dict | None]]]:
         """Run one step. Returns {request_id: (tokens, logprobs)} for requests
         whose step reached the end of their known tokens: one token, or with
         drafts the accepted drafts and the token after them. Fills prompt
         logprobs on the request objects as a side effect."""
-        # Decodes first, as the attention metadata expects.
-        sched = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)
-        input_ids, positions, meta, qsl, rows, sampled = self._build(sched)
-        if self.keep_streams:
-            streams = self.model.forward_streams(input_ids, positions, meta)
-            self.last_step = StepRecord(sched, qsl, streams)
-            hidden = self.model.collapse(streams)
+        plan, sampled, jobs = self.prepare(out)
+        if self.followers is None:
+            logits, prompt = self.forward(plan)
         else:
-            hidden = self.model(input_ids, positions, meta)
-        for i, s in enumerate(sched):
-            req = s.req
-            if req.prompt_logprobs is not None and s.start < req.num_prompt_tokens:
-                self._prompt_logprobs(req, s, hidden[qsl[i]:qsl[i + 1]])
-        if not sampled:
-            return {}
-        logits = self.model.compute_logits(hidden[rows])
-        if not any(r.spec_token_ids for r in sampled):
-            tokens, lps = sample(logits, sampled)
-            return {r.request_id: ([t], [lp]) for r, t, lp in zip(sampled, tokens, lps)}
-        views, drafts = [], []
-        for r in sampled:
-            d = r.spec_token_ids
-            views += [DraftRow(r, d[:j]) if j else r for j in range(len(d) + 1)]
-            drafts += [*d, -1]
-        tokens, lps = sample(logits, views, drafts)
+            with self.followers.lock:      # no heartbeat between the plan and its collectives
+                self.followers.send(plan)
+                logits, prompt = self.forward(plan)
+        with torch.inference_mode():
+            for (req, a, b), lg in zip(jobs, prompt):
+                logp = torch.log_softmax(lg.float(), dim=-1)
+                # One host transfer for the chunk, not one per position.
+                req.prompt_logprobs.extend(batch_token_logprobs(logp, req.token_ids[a + 1:b + 1],
+                                                                req.params.prompt_logprobs))
+            if not sampled:
+                return {}
+            if not any(r.spec_token_ids for r in sampled):
+                tokens, lps = sample(logits, sampled)
+                return {r.request_id: ([t], [lp]) for r, t, lp in zip(sampled, tokens, lps)}
+            views, drafts = [], []
+            for r in sampled:
+                d = r.spec_token_ids
+                views += [DraftRow(r, d[:j]) if j else r for j in range(len(d) + 1)]
+                drafts += [*d, -1]
+            tokens, lps = sample(logits, views, drafts)
         res, i = {}, 0
         for r in sampled:
             # Accepted drafts are the rows whose token is their draft; the
@@ -216,19 +271,3 @@ class ModelRunner:
             res[r.request_id] = (tokens[i:i + m], lps[i:i + m])
             i += k + 1
         return res
-
-    def _prompt_logprobs(self, req: Request, s: ScheduledRequest, hidden: torch.Tensor) -> None:
-        # Position p predicts token p + 1; only prompt tokens are scored.
-        end = min(s.start + s.num_new_tokens, req.num_prompt_tokens - 1)
-        n = end - s.start
-        if n <= 0:
-            return
-        # Positions scored before a preemption are not scored again; scoring
-        # continues only where the list left off.
-        first = len(req.prompt_logprobs) - 1 - s.start
-        if not 0 <= first < n:
-            return
-        logp = torch.log_softmax(self.model.compute_logits(hidden[first:n]).float(), dim=-1)
-        targets = req.token_ids[s.start + first + 1:s.start + n + 1]
-        # One host transfer for the chunk, not one per position.
-        req.prompt_logprobs.extend(batch_token_logprobs(logp, targets, req.params.prompt_logprobs))

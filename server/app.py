@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine.errors import EngineDeadError
 from server import serving
 from server.errors import APIError, api_error_response, error_response, from_validation_error
 from server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -130,6 +131,10 @@ def create_app(state: ServerState) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError):
         return error_response(400, str(e))
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(request: Request, e: EngineDeadError):
+        return error_response(503, str(e))
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception):

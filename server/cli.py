@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest request body; larger gets 413")
     s.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
+    s.add_argument("--headless", action="store_true",
+                   help="a follower node of a multi-node tensor-parallel group (--node-rank > 0): run this "
+                        "node's ranks only, no HTTP; exits when the leader stops")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     from server.reasoning_parsers import PARSERS as reasoning_parsers
     from server.tool_parsers import PARSERS as tool_parsers
@@ -112,6 +115,8 @@ def serve(args) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model = args.model or args.model_tag or "smollm2-135m"
+    if args.headless:
+        return _serve_headless(args, model)
     keys = list(args.api_key or [])
     if os.environ.get(ENV_API_KEY):
         keys.append(os.environ[ENV_API_KEY])
@@ -138,6 +143,20 @@ def serve(args) -> int:
         sys.stderr.flush()
         os._exit(rc)
     return rc
+
+
+def _serve_headless(args, model: str) -> int:
+    from engine import EngineArgs
+    from engine.follower import run_headless
+    try:
+        engine_args = EngineArgs(model=model, **{f.name: getattr(args, f.name) for f in engine_fields()})
+        engine_args.validate()
+        if engine_args.node_rank == 0:
+            raise ValueError("--headless runs a follower node: give it --node-rank > 0 (node 0 serves HTTP)")
+    except ValueError as e:
+        log.error("bad engine settings: %s", e)
+        return 2
+    return run_headless(engine_args)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -177,6 +196,16 @@ async def _serve(args, model: str, keys: list[str], sock: socket.socket, url: st
                             log_level=args.log_level, timeout_graceful_shutdown=5,
                             timeout_keep_alive=5)
     server = _Server(config, state, args.drain_timeout)
+    died = []
+
+    def on_dead():
+        # Nothing can be served without the engine: the in-flight requests got
+        # their error (503) just now; the server stops, non-zero, so that its
+        # supervisor (systemd, docker) restarts it.
+        log.error("the engine core is gone: stopping the server")
+        died.append(True)
+        asyncio.get_running_loop().call_later(0.5, setattr, server, "should_exit", True)
+    llm.on_dead = on_dead
     serve_task = asyncio.create_task(server.serve(sockets=[sock]))
     load_task = asyncio.create_task(llm.start())
     await asyncio.wait({serve_task, load_task}, return_when=asyncio.FIRST_COMPLETED)
@@ -197,6 +226,8 @@ async def _serve(args, model: str, keys: list[str], sock: socket.socket, url: st
         await serve_task
         for t in list(server._tasks):
             t.cancel()
+        if died:
+            rc = 1
     else:
         log.info("stopped while loading")
         load_task.cancel()

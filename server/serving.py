@@ -19,7 +19,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine import CompletionOutput, RequestOutput, SamplingError, SamplingParams
-from engine.errors import InvalidRequest
+from engine.errors import EngineDeadError, InvalidRequest
 from server import structured
 from server.errors import APIError, error_body
 from server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
@@ -545,6 +545,10 @@ async def _chat_stream(state, req, rlog, gen, first, created, model, top_k, tool
         status = 400
         yield sse(error_body(400, str(e)))
         yield SSE_DONE
+    except EngineDeadError as e:
+        status = 503
+        yield sse(error_body(503, str(e)))
+        yield SSE_DONE
     except Exception as e:
         status = 500
         log.exception("stream %s failed", rlog.id)
@@ -737,6 +741,10 @@ async def _completion_stream(state, req, rlog, merged, first, ids, echo_text, cr
     except InvalidRequest as e:
         status = 400
         yield sse(error_body(400, str(e)))
+        yield SSE_DONE
+    except EngineDeadError as e:
+        status = 503
+        yield sse(error_body(503, str(e)))
         yield SSE_DONE
     except Exception as e:
         status = 500

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine.model_runner import ModelRunner
-from engine.scheduler import ScheduledRequest
+from engine.scheduler import ScheduledRequest, SchedulerOutput
 from kvcache import backends
 from kvcache.backends import AttentionBackend, backend_for, backend_names, get_backend, register_backend
 from kvcache.dense_cache import DenseLayerCache
@@ -103,7 +103,7 @@ def test_imports_do_not_need_triton():
     assert r.returncode == 0, r.stderr
 
 
-# -- the step inputs (ModelRunner._build) -------------------------------------------
+# -- the step inputs (ModelRunner.prepare / inputs) -------------------------------------------
 BS = 4
 
 
@@ -115,6 +115,13 @@ class _KV:
 
     def block_table(self, rid, g):
         return self.tables[rid][g]
+
+
+def _build(runner, sched):
+    """(input_ids, positions, metadata, query_start_loc, logits rows, sampled requests)."""
+    plan, sampled, _ = runner.prepare(SchedulerOutput(sched))
+    ids, pos, meta, rows = runner.inputs(plan)
+    return ids, pos, meta, plan.qsl, rows, sampled
 
 
 def _reference(sched, kv):
@@ -147,7 +154,7 @@ def _sched(specs, vocab=1000):
     out, tables = [], {}
     for rid, known, start, n, tbl in specs:
         req = SimpleNamespace(request_id=rid, token_ids=list(range(7 * len(rid), 7 * len(rid) + known)),
-                              num_tokens=known)
+                              num_tokens=known, prompt_logprobs=None)
         out.append(ScheduledRequest(req, n, start))
         tables[rid] = tbl
     return out, _KV(tables)
@@ -164,7 +171,7 @@ def test_step_inputs_match_the_python_construction():
     sched, kv = _sched(specs)
     runner = ModelRunner(torch.nn.Linear(1, 1), kv, [])
     assert runner.device == torch.device("cpu")
-    ids, pos, meta, qsl, rows, sampled = runner._build(sched)
+    ids, pos, meta, qsl, rows, sampled = _build(runner, sched)
     r_ids, r_pos, r_qsl, r_lens, r_rows, r_slots, r_bts = _reference(sched, kv)
     assert ids.tolist() == r_ids and pos.tolist() == r_pos and qsl == r_qsl == meta.query_start_loc
     assert meta.seq_lens == r_lens and meta.seq_lens_t.tolist() == r_lens
@@ -180,7 +187,7 @@ def test_step_inputs_match_the_python_construction():
     before = [t.clone() for t in (ids, pos, meta.groups[0].slot_mapping, meta.groups[1].block_tables)]
     sched2, kv2 = _sched([("e", 3, 0, 3, [[0], [0]])])
     runner.kv = kv2
-    runner._build(sched2)
+    _build(runner, sched2)
     after = (ids, pos, meta.groups[0].slot_mapping, meta.groups[1].block_tables)
     assert all(torch.equal(a, b) for a, b in zip(before, after))
 
@@ -190,12 +197,12 @@ def test_step_inputs_decode_only_and_growth():
     specs = [(f"r{i}", 50, 49, 1, [list(range(i, i + 13))]) for i in range(5)]
     sched, kv = _sched(specs)
     runner = ModelRunner(torch.nn.Linear(1, 1), kv, [])
-    _, pos, meta, _, rows, _ = runner._build(sched)
+    _, pos, meta, _, rows, _ = _build(runner, sched)
     assert pos.tolist() == [49] * 5 and meta.num_decodes == 5 and rows.tolist() == [0, 1, 2, 3, 4]
     big = [("x", 3000, 0, 3000, [list(range(750))])]
     sched, kv = _sched(big)
     runner.kv = kv
     for _ in range(2):
-        ids, pos, meta, _, rows, _ = runner._build(sched)
+        ids, pos, meta, _, rows, _ = _build(runner, sched)
         assert pos.tolist() == list(range(3000)) and meta.num_decodes == 0 and rows.tolist() == [2999]
         assert meta.groups[0].slot_mapping.tolist() == list(range(3000))

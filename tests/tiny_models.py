@@ -12,7 +12,21 @@ def save_tiny_llama(path):
     cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                       bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-    m = LlamaForCausalLM(cfg).float()
+    return _save_sharpened(LlamaForCausalLM(cfg), path)
+
+
+def save_tiny_qwen3(path):
+    """A 2-layer GQA Qwen3 (q/k norms, head_dim 32), sharpened as the llama; returns it."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    return _save_sharpened(Qwen3ForCausalLM(cfg), path)
+
+
+def _save_sharpened(m, path):
+    m = m.float()
     with torch.no_grad():
         for n, p in m.named_parameters():
             if "norm" in n:

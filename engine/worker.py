@@ -1,0 +1,174 @@
+"""One rank's model and KV caches: the startup phases every rank runs.
+
+vLLM's split: the engine core (engine_core.py, rank 0 only) owns the
+scheduler and the sampler; a worker owns the model shard and its KV pool.
+Under tensor parallelism (--tensor-parallel-size) every rank is a Worker;
+rank 0's is also the EngineCore, the others run engine/follower.py's loop.
+The phases run in the same order on every rank, since the model's forward
+(KV calibration, the activation profile) is collective.
+"""
+import logging
+import time
+
+import torch
+
+from engine.engine_args import EngineArgs
+from engine.kv_calibration import calibrate, set_key_means
+from kvcache.kv_formats import KVPolicy
+from kvcache.pool_plan import allocate_kv_caches, device_kv_budget, kv_budget, kv_dtype, plan_kv_pool
+from model_zoo.models import build_model, create_model
+from model_zoo.resolve import open_model
+from parallel import distributed
+from parallel.state import assume_tp
+
+log = logging.getLogger("tqserve.engine")
+
+
+class Worker:
+    """Startup in phases (vLLM's EngineCore shape): join the other ranks,
+    load the model (this rank's shard) onto the device, set up the KV caches
+    (calibrate, measure the budget, plan, allocate)."""
+
+    def __init__(self, args: EngineArgs, source=None, rank: int = 0, start_local_ranks: bool = True):
+        self.args = args = args.resolved()
+        self.rank = rank
+        self.local_followers = []     # processes of this node's other ranks, when this one started them
+        if args.num_threads:
+            torch.set_num_threads(args.num_threads)
+        torch.manual_seed(args.seed)
+        self.t0 = time.monotonic()
+        self.device = torch.device(args.device)
+        self.spec = args.speculative()
+        self.source = source or open_model(args.model, weights=args.load_format != "dummy")
+        self._init_distributed(start_local_ranks)
+        self.model = self._load_model()
+        self.caches = self._init_kv_caches()
+
+    @property
+    def tp(self) -> int:
+        return self.args.tensor_parallel_size
+
+    # -- startup phases ---------------------------------------------------------
+    def _init_distributed(self, start_local_ranks: bool) -> None:
+        if self.tp == 1:
+            return
+        # Shapes that do not shard fail here, on every rank, before any rank waits.
+        with assume_tp(self.tp), torch.device("meta"):
+            build_model(self.source.config)
+        if self.rank == 0 and start_local_ranks:
+            # One node's other ranks; a served engine core is a daemon process,
+            # which may not have children: its client starts them instead.
+            from engine.follower import start_local_ranks as start
+            self.local_followers = start(self.args, self.args.topology().node_ranks[1:])
+        distributed.init_distributed(self.args.topology(), self.rank, self.device, self.args.distributed_timeout)
+        if self.device.type == "cuda":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+
+    def _load_model(self) -> torch.nn.Module:
+        args = self.args
+        dummy = args.load_format == "dummy"
+        if self.device.type == "cuda":
+            # What this process has yet to allocate: the baseline of the KV budget.
+            torch.cuda.empty_cache()
+            self._cuda_free_at_start = torch.cuda.mem_get_info(self.device)[0]
+        dtype = getattr(torch, args.dtype)
+        # int4 packing must see the checkpoint's fp32 values: build in fp32,
+        # pack, then cast what stays dense.
+        build_dtype = torch.float32 if args.quantization == "int4" else dtype
+        model = create_model(self.source.config, build_dtype, self.device,
+                             None if dummy else self.source.weights(), args.seed)
+        if self._mtp_drafts:
+            if not getattr(model, "has_mtp", False):
+                raise ValueError("speculative method 'mtp' needs a model with an MTP head "
+                                 "(DeepSeek-V4 with num_nextn_predict_layers > 0)")
+            if not dummy and not model.mtp_loaded:
+                raise ValueError("speculative method 'mtp': the checkpoint has no MTP weights (mtp.0.*)")
+        if args.quantization == "int4":
+            linears = [m for m in model.modules() if hasattr(m, "pack_int4")]
+            packed = sum(m.pack_int4(dtype) for m in linears)
+            model.to(dtype)
+            log.info("int4: %d of %d linear layers hold exact 4-bit groups and run packed", packed,
+                     len(linears))
+        return model
+
+    def _init_kv_caches(self):
+        """Calibrate compressed formats, size the pool from the budget, allocate it on the device."""
+        args = self.args
+        specs = self.model.kv_cache_spec()
+        cdtype = kv_dtype(args.kv_cache_dtype, getattr(torch, args.dtype), args.kv_cache_dtype_k,
+                          args.kv_cache_dtype_v, args.kv_protect_layers, args.kv_hot)
+        cdtype, key_means = calibrate(self.model, self.source.tokenizer,
+                                      int(self.source.config.get("vocab_size", 0)), specs, cdtype)
+        budget = self._kv_budget()
+        if self.tp > 1:
+            # Every rank holds the same blocks (the scheduler's, on rank 0) in
+            # the same formats: rank 0's bit split, the smallest budget.
+            cdtype = distributed.agree(cdtype)
+            budget = distributed.min_over_ranks(budget)
+        model_len = int(self.source.config.get("max_position_embeddings") or 4096)
+        self.plan = plan_kv_pool(specs, budget, args.block_size, cdtype,
+                                 args.max_num_seqs, args.max_num_batched_tokens,
+                                 max_model_len=args.max_model_len or model_len,
+                                 max_rollback=args.max_rollback_tokens, mtp_specs=self._mtp_specs())
+        if self.tp > 1 and distributed.agree(list(self.plan.num_blocks)) != list(self.plan.num_blocks):
+            raise RuntimeError(f"rank {self.rank} planned {list(self.plan.num_blocks)} KV blocks, rank 0 "
+                               f"another number: the ranks' shards differ")
+        caches = allocate_kv_caches(specs, self.plan, cdtype, self.device)
+        if isinstance(cdtype, KVPolicy) and isinstance(caches, list):
+            log.info("KV formats by layer: %s", cdtype.describe(specs, self.plan.layer_bytes_per_token))
+        set_key_means(caches, key_means)
+        if args.max_model_len is not None:
+            if args.max_model_len > self.plan.capacity_tokens:
+                raise ValueError(f"max_model_len {args.max_model_len} exceeds the KV cache capacity of "
+                                 f"{self.plan.capacity_tokens} tokens; raise kv_cache_memory")
+            self.max_model_len = args.max_model_len
+        else:
+            self.max_model_len = min(model_len, self.plan.capacity_tokens)
+        return caches
+
+    @property
+    def _mtp_drafts(self) -> bool:
+        return self.spec is not None and self.spec.method == "mtp"
+
+    def _mtp_specs(self):
+        """The MTP head's cache, planned into the pool when it drafts."""
+        return self.model.mtp_cache_spec() if self._mtp_drafts else None
+
+    def _kv_budget(self) -> int:
+        """Bytes for the KV pool: kv_cache_memory when given (a fraction: of the
+        memory free now), else on CPU today's share of MemAvailable, on CUDA
+        what gpu_memory_utilization leaves after weights and activations."""
+        setting = self.args.kv_cache_memory
+        if self.device.type != "cuda":
+            return kv_budget(setting)
+        if setting is not None:
+            return kv_budget(setting, torch.cuda.mem_get_info(self.device)[0])
+        peak = self._profile_activation_peak()
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        non_kv = self._cuda_free_at_start - free
+        util = self.args.gpu_memory_utilization
+        budget = device_kv_budget(total, util, self._cuda_free_at_start, non_kv, peak)
+        log.info("KV budget %.2f GiB = %g x %.2f GiB total - %.2f GiB weights and other allocations - "
+                 "%.2f GiB activation peak (%d tokens)", budget / 2**30, util, total / 2**30, non_kv / 2**30,
+                 peak / 2**30, self.args.max_num_batched_tokens)
+        return budget
+
+    @torch.inference_mode()
+    def _profile_activation_peak(self) -> int:
+        """Device bytes one step of max_num_batched_tokens tokens allocates on
+        top of the weights: one sequence that long without a cache (the largest
+        prefill chunk a step runs), logits for max_num_seqs rows and a sort of
+        their probabilities (top-p sampling's largest temporary)."""
+        n, dev = self.args.max_num_batched_tokens, self.device
+        vocab = int(self.source.config.get("vocab_size", 0)) or 1
+        ids = torch.arange(n, device=dev) % vocab
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        hidden = self.model(ids, torch.arange(n, device=dev), None)
+        logits = self.model.compute_logits(hidden[-min(n, self.args.max_num_seqs):])
+        torch.sort(torch.softmax(logits, dim=-1), dim=-1, descending=True)
+        torch.cuda.synchronize(dev)
+        return torch.cuda.max_memory_allocated(dev) - base
+
