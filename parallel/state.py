@@ -15,28 +15,29 @@ import torch.distributed as dist
 _group: dist.ProcessGroup | None = None
 _size: int = 1
 _rank: int = 0
-_comm = None        # a parallel.communicator object for the model's collectives (NCCL on CUDA), or None
+_comm = None        # the model's collectives (parallel.communicator.Communicator) when size > 1
 
 
 def init_tp(group: dist.ProcessGroup | None = None, communicator=None) -> None:
     """Use `group` (default: the whole world) as the tensor-parallel group.
 
-    communicator: what runs the model's all-reduce / all-gather when the
-    tensors are not on the CPU (a ctypes NCCL communicator, capturable in CUDA
+    communicator: what runs the model's all-reduce / all-gather
+    (parallel.communicator: NCCL through ctypes on CUDA, capturable in CUDA
     graphs); None: torch.distributed on `group` (gloo on the CPU)."""
+    from parallel.communicator import TorchDistCommunicator
     global _group, _size, _rank, _comm
     if not dist.is_initialized():
         raise RuntimeError("init_tp needs torch.distributed.init_process_group first")
     _group = group
     _size = dist.get_world_size(group)
     _rank = dist.get_rank(group)
-    _comm = communicator
+    _comm = communicator or TorchDistCommunicator(group)
 
 
 def reset_tp() -> None:
     """Back to a single process (tests, and after destroy_process_group)."""
     global _group, _size, _rank, _comm
-    if _comm is not None and hasattr(_comm, "close"):
+    if _comm is not None:
         _comm.close()
     _group, _size, _rank, _comm = None, 1, 0, None
 
@@ -69,22 +70,12 @@ def get_tp_group() -> dist.ProcessGroup | None:
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum x over the group, in place; returns x."""
-    if _size > 1:
-        if _comm is not None and x.device.type != "cpu":
-            return _comm.all_reduce(x)
-        dist.all_reduce(x, group=_group)
-    return x
+    return _comm.all_reduce(x) if _size > 1 else x
 
 
 def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Concatenate every rank's x along dim, in rank order."""
-    if _size == 1:
-        return x
-    if _comm is not None and x.device.type != "cpu":
-        return _comm.all_gather(x, dim)
-    parts = [torch.empty_like(x) for _ in range(_size)]
-    dist.all_gather(parts, x.contiguous(), group=_group)
-    return torch.cat(parts, dim=dim)
+    return _comm.all_gather(x, dim) if _size > 1 else x
 
 
 def broadcast_object(obj=None, src: int = 0):

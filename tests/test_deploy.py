@@ -215,25 +215,18 @@ def serve_parser():
 @pytest.mark.parametrize("role", ["leader", "follower"])
 def test_launcher_example_env_parses(tmp_path, fake_bin, role):
     """deploy/systemd/tqserve.env through the launcher gives flags that
-    `tqserve serve` accepts (the two-node flags are set aside while the CLI
-    does not have them yet)."""
+    `tqserve serve` accepts, the two-node ones included."""
     key = tmp_path / "api-key"
     key.write_text("x" * 64)
     env = {**EXAMPLE, "TQSERVE_BIN": str(fake_bin / "tqserve"), "TQSERVE_API_KEY_FILE": str(key)}
     argv, _ = argv_of(launch(env, role))
-    parser, known = serve_parser()
-    rest, i = [], 0
-    while i < len(argv):
-        a = argv[i]
-        if a not in known and (a in TP_FLAGS or a == "--headless"):
-            i += 1 if a == "--headless" else 2
-            continue
-        rest.append(a)
-        i += 1
-    ns = parser.parse_args(rest)
+    parser, _ = serve_parser()
+    ns = parser.parse_args(argv)
     assert ns.model == EXAMPLE["TQSERVE_MODEL"] and ns.model_tag is None
     assert ns.kv_cache_dtype == EXAMPLE["TQSERVE_KV_CACHE_DTYPE"]
     assert ns.drain_timeout == (DRAIN if role == "leader" else 30.0)
+    assert (ns.tensor_parallel_size, ns.nnodes, ns.master_addr) == (2, 2, EXAMPLE["TQSERVE_MASTER_ADDR"])
+    assert (ns.node_rank, ns.headless) == ((0, False) if role == "leader" else (1, True))
 
 
 def test_launcher_reads_every_documented_setting():
