@@ -35,6 +35,7 @@ class Followers:
     so a heartbeat from the timer thread never lands between them."""
 
     def __init__(self, timeout_s: float):
+        distributed.startup_done()
         self.lock = threading.Lock()
         self.interval = timeout_s / 4
         self.last = time.monotonic()
@@ -86,6 +87,7 @@ def run_follower(args: EngineArgs, rank: int) -> None:
     from engine.worker import Worker
     worker = Worker(args, rank=rank)
     runner = ModelRunner(worker.model, None, worker.caches)
+    distributed.startup_done()
     log.info("rank %d ready: %d KV blocks per group, waiting for the leader's steps", rank,
              worker.plan.num_blocks[0])
     steps = 0

@@ -87,6 +87,12 @@ def agree(value, src: int = 0):
     return box[0]
 
 
+def startup_done() -> None:
+    """Every rank is built (a barrier with the startup timeout): from here on
+    the short timeout applies, so no rank may still be loading."""
+    dist.barrier()
+
+
 def min_over_ranks(x: int) -> int:
     t = torch.tensor([x], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
