@@ -73,7 +73,11 @@ class EngineArgs:
                            choices=list(LOAD_FORMATS))
     enforce_eager: bool = arg(False, "CUDA: never capture CUDA graphs")
     quantization: str | None = arg(None, "int4: run the checkpoint's 4-bit weights (GGUF Q4_1) with torch's "
-                                         "int4 CPU kernel; needs dtype bfloat16", choices=["int4"])
+                                         "int4 CPU kernel, needs dtype bfloat16; gguf: keep a .gguf file's "
+                                         "quantized linear weights as stored (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, "
+                                         "Q6_K; CPU: dequantized layer by layer, CUDA: Triton kernels); fp8: "
+                                         "keep a DeepSeek-V4 checkpoint's FP8 and FP4 weights as stored",
+                                   choices=["int4", "gguf", "fp8"])
     seed: int = arg(0, "random seed of the engine (requests without a seed)")
     max_rollback_tokens: int = arg(0, "how far a step may roll a sequence back (speculative decoding); sizes "
                                       "ring-buffered state (DeepSeek-V4 window / carry)")
@@ -105,8 +109,13 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
-        if self.quantization not in (None, "int4"):
-            raise ValueError(f"unknown quantization {self.quantization!r}; supported: int4")
+        if self.quantization not in (None, "int4", "gguf", "fp8"):
+            raise ValueError(f"unknown quantization {self.quantization!r}; supported: int4, gguf, fp8")
+        if self.quantization in ("gguf", "fp8") and self.load_format == "dummy":
+            raise ValueError(f"quantization {self.quantization} keeps the checkpoint's weights as stored; "
+                             f"load_format dummy has none")
+        if self.quantization == "gguf" and self.tensor_parallel_size > 1:
+            raise ValueError("quantization gguf is not supported with tensor_parallel_size > 1 yet")
         if self.quantization == "int4" and self.resolved_device() == "cuda":
             raise ValueError("quantization int4 is not supported on CUDA yet (it runs torch's int4 CPU "
                              "kernel): add device cpu, or drop quantization")

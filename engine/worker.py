@@ -16,12 +16,29 @@ from engine.engine_args import EngineArgs
 from engine.kv_calibration import calibrate, set_key_means
 from kvcache.kv_formats import KVPolicy
 from kvcache.pool_plan import allocate_kv_caches, device_kv_budget, kv_budget, kv_dtype, plan_kv_pool
-from model_zoo.models import build_model, create_model
+from model_zoo.models import build_model, create_model, resident_bytes
 from model_zoo.resolve import open_model
 from parallel import distributed
+from parallel.quant.gguf import QTYPES
 from parallel.state import assume_tp
 
 log = logging.getLogger("tqserve.engine")
+
+
+# --quantization values that keep the checkpoint's own format resident, and the formats each takes.
+STORED = {"gguf": tuple(QTYPES), "fp8": ("fp8", "mxfp4")}
+
+
+def stored_weights(source, quantization: str | None) -> dict[str, str]:
+    """{checkpoint tensor: format} that stay in their stored format."""
+    if quantization not in STORED:
+        return {}
+    fmts = STORED[quantization]
+    kept = {n: f for n, f in source.stored.items() if f in fmts}
+    if not kept:
+        raise ValueError(f"quantization {quantization} keeps the checkpoint's {' / '.join(fmts)} weights as "
+                         f"stored; {source.path} has none")
+    return kept
 
 
 class Worker:
@@ -75,8 +92,10 @@ class Worker:
         # int4 packing must see the checkpoint's fp32 values: build in fp32,
         # pack, then cast what stays dense.
         build_dtype = torch.float32 if args.quantization == "int4" else dtype
+        blocks = stored_weights(self.source, args.quantization)
         model = create_model(self.source.config, build_dtype, self.device,
-                             None if dummy else self.source.weights(), args.seed)
+                             None if dummy else self.source.weights(stored=bool(blocks)), args.seed,
+                             stored=blocks)
         if self._mtp_drafts:
             if not getattr(model, "has_mtp", False):
                 raise ValueError("speculative method 'mtp' needs a model with an MTP head "
@@ -89,6 +108,10 @@ class Worker:
             model.to(dtype)
             log.info("int4: %d of %d linear layers hold exact 4-bit groups and run packed", packed,
                      len(linears))
+        self.resident_bytes = resident_bytes(model)
+        log.info("weights: %.1f MiB resident on %s%s", self.resident_bytes / 2**20, self.device,
+                 f" ({len(blocks)} weights in their stored format: {', '.join(sorted(set(blocks.values())))})"
+                 if blocks else "")
         return model
 
     def _init_kv_caches(self):

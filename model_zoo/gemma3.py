@@ -19,7 +19,8 @@ from torch import nn
 
 from kvcache.attention import Attention
 from kvcache.spec import LayerSpec
-from model_zoo.layers import PACKED, GeluAndMul, GemmaRMSNorm, RotaryEmbedding, load_packed_weights
+from model_zoo.layers import (PACKED, GeluAndMul, GemmaRMSNorm, RotaryEmbedding, load_packed_weights,
+                              use_gguf_blocks)
 from parallel.linear import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                              RowParallelLinear, VocabParallelEmbedding)
 
@@ -163,6 +164,13 @@ class Gemma3ForCausalLM(nn.Module):
         # lm_head.weight with tied embeddings: the same tensor as embed_tokens.
         ignore = ("lm_head.weight",) if self.tie_word_embeddings else ()
         load_packed_weights(self, weights, PACKED, ignore)
+
+    def use_stored(self, fmts: dict[str, str]) -> int:
+        """Layers fed by these checkpoint tensors keep their GGUF rows (call on the meta-built model)."""
+        n = use_gguf_blocks(self, fmts, PACKED)
+        if self.tie_word_embeddings:       # the head reads the embedding's storage
+            self.lm_head.weight, self.lm_head.quant = self.model.embed_tokens.weight, self.model.embed_tokens.quant
+        return n
 
     def kv_cache_spec(self) -> list[LayerSpec]:
         return [LayerSpec(layer.self_attn.attn.layer_idx, layer.self_attn.attn.num_kv_heads,

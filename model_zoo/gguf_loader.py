@@ -293,8 +293,35 @@ def open_gguf(path: str | Path) -> ModelSource:
     permute = arch == "llama"
     norm_offset = arch == "gemma3"
 
-    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+    from parallel.quant.base import QuantizedTensor
+    from parallel.quant.gguf import qtype_name
+    # Linear weights in a type the GGUF kernels take: kept as stored with --quantization gguf.
+    blocks = {hf: qtype_name(int(t.tensor_type)) for t, hf in plan
+              if hf.endswith(("proj.weight", "embed_tokens.weight", "lm_head.weight"))
+              and qtype_name(int(t.tensor_type))}
+
+    def permuted(arr: np.ndarray, name: str) -> np.ndarray:
+        # Rows are output features, dense or blocks alike.
+        if permute and name.endswith("attn_q.weight"):
+            return reverse_llama_permute(arr, heads)
+        if permute and name.endswith("attn_k.weight"):
+            return reverse_llama_permute(arr, kv_heads)
+        return arr
+
+    def gguf_blocks() -> Iterator[tuple[str, object]]:
+        dense = weights(skip=blocks)
         for t, hf in plan:
+            if hf not in blocks:
+                yield next(dense)
+                continue
+            raw = np.ascontiguousarray(permuted(np.asarray(t.data).reshape(int(t.shape[1]), -1), t.name))
+            yield hf, QuantizedTensor(blocks[hf], torch.from_numpy(raw.copy()),
+                                      (int(t.shape[1]), int(t.shape[0])))
+
+    def weights(skip=()) -> Iterator[tuple[str, torch.Tensor]]:
+        for t, hf in plan:
+            if hf in skip:
+                continue
             try:
                 arr = gguf.quants.dequantize(t.data, t.tensor_type)
                 arr = arr.reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
@@ -302,10 +329,7 @@ def open_gguf(path: str | Path) -> ModelSource:
                 raise ModelLoadError(
                     f"{path}: cannot dequantize tensor {t.name} ({t.tensor_type.name}): {type(e).__name__}: {e}"
                 ) from e
-            if permute and t.name.endswith("attn_q.weight"):
-                arr = reverse_llama_permute(arr, heads)
-            elif permute and t.name.endswith("attn_k.weight"):
-                arr = reverse_llama_permute(arr, kv_heads)
+            arr = permuted(arr, t.name)
             if norm_offset and t.name.endswith("norm.weight"):
                 arr = arr - np.float32(1.0)
             if arr.dtype != np.float32 or not arr.flags.writeable or not arr.flags.c_contiguous:
@@ -322,4 +346,6 @@ def open_gguf(path: str | Path) -> ModelSource:
         eos_token_ids=eos_ids(meta, tokenizer),
         _weights_fn=weights,
         num_tensors=len(plan),
+        stored=blocks,
+        _stored_fn=gguf_blocks,
     )

@@ -156,6 +156,33 @@ PACKED = {
 }
 
 
+def packed_target(hf_name: str, packed: dict[str, tuple[str, object]]) -> tuple[str, object]:
+    """(our parameter name, shard id or None) of an HF tensor name."""
+    module, _, leaf = hf_name.rpartition(".")
+    parent, _, last = module.rpartition(".")
+    if last in packed:
+        dst, shard = packed[last]
+        return f"{parent}.{dst}.{leaf}", shard
+    return hf_name, None
+
+
+def use_gguf_blocks(model: nn.Module, names, packed: dict[str, tuple[str, object]]) -> int:
+    """Before materialising a meta-built model: the linear layers that the
+    checkpoint tensors `names` feed keep those tensors' GGUF rows
+    (LinearBase.use_gguf). Returns how many layers do."""
+    modules = dict(model.named_modules())
+    layers = set()
+    for hf_name in names:
+        name, _ = packed_target(hf_name, packed)
+        layer = modules.get(name.rpartition(".")[0])
+        if layer is None or not hasattr(layer, "use_gguf"):
+            raise ValueError(f"checkpoint tensor {hf_name!r} feeds no linear layer of {type(model).__name__}")
+        layers.add(layer)
+    for layer in layers:
+        layer.use_gguf()
+    return len(layers)
+
+
 def load_packed_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                         packed: dict[str, tuple[str, object]], ignore: tuple[str, ...] = ()) -> None:
     """Load HF-named tensors into `model`, whose module names mirror the HF ones
@@ -184,12 +211,7 @@ def load_packed_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Ten
     for hf_name, tensor in weights:
         if hf_name.endswith(ignore):
             continue
-        module, _, leaf = hf_name.rpartition(".")
-        parent, _, last = module.rpartition(".")
-        name, shard = hf_name, None
-        if last in packed:
-            dst, shard = packed[last]
-            name = f"{parent}.{dst}.{leaf}"
+        name, shard = packed_target(hf_name, packed)
         param = params.get(name)
         if param is None:
             raise ValueError(f"unknown checkpoint tensor {hf_name!r} for {type(model).__name__}")

@@ -48,14 +48,17 @@ def build_model(config: dict) -> nn.Module:
 
 
 def create_model(config: dict, dtype: torch.dtype, device: str | torch.device,
-                 weights: Iterable[tuple[str, torch.Tensor]] | None = None, seed: int = 0) -> nn.Module:
+                 weights: Iterable[tuple[str, torch.Tensor]] | None = None, seed: int = 0,
+                 stored: dict[str, str] | None = None) -> nn.Module:
     """The model for a config with its weights on `device`, in eval mode.
 
     Built on the meta device (no memory), given uninitialised storage on
     `device` (materialize), then filled from `weights`, HF-named tensors the
     model's load_weights copies in one at a time (the host never holds a
     second copy of the model; a missing tensor raises, naming it), or,
-    weights None, with dummy values (init_dummy_weights)."""
+    weights None, with dummy values (init_dummy_weights). stored: {checkpoint
+    tensor: format} of the tensors the layers keep in their stored format
+    (they come as parallel.quant.base.QuantizedTensor in `weights`)."""
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -63,6 +66,10 @@ def create_model(config: dict, dtype: torch.dtype, device: str | torch.device,
             model = build_model(config)
     finally:
         torch.set_default_dtype(prev)
+    if stored:
+        if not hasattr(model, "use_stored"):
+            raise ValueError(f"{type(model).__name__} cannot keep weights in their stored format")
+        model.use_stored(stored)
     materialize(model, device)
     with torch.no_grad():
         if weights is None:
@@ -134,3 +141,19 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, low: float = -1e-3, high
                 raise ValueError(f"load_format dummy: no dummy values for {mname}.{n} ({t.dtype}); "
                                  f"{type(module).__name__} needs an init_dummy method")
             t.uniform_(low, high, generator=g)
+
+
+def resident_bytes(model: nn.Module) -> int:
+    """Bytes the model's weights hold, measured from its tensors: parameters,
+    buffers, and what quantized layers store (parallel/quant/base.py)."""
+    seen, n = set(), 0
+    for t in (*model.parameters(), *model.buffers()):
+        if id(t) not in seen:
+            seen.add(id(t))
+            n += t.numel() * t.element_size()
+    for m in model.modules():
+        quant = getattr(m, "quant", None)
+        if quant is not None and quant.name != "dense" and id(quant) not in seen:   # tied: counted once
+            seen.add(id(quant))
+            n += quant.nbytes(m)
+    return n

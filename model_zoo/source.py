@@ -35,13 +35,21 @@ class ModelSource:
     # plain callable so that ModelSource stays a dataclass with no loader state.
     _weights_fn: Callable[[], Iterator[tuple[str, torch.Tensor]]] | None = field(default=None, repr=False)
     num_tensors: int = 0
+    # {hf_name: format} of the weights that can stay in their stored format
+    # (GGUF blocks, FP8 / FP4: --quantization), and the stream that yields
+    # those as parallel.quant.base.QuantizedTensor (the others as floats).
+    stored: dict[str, str] = field(default_factory=dict)
+    _stored_fn: Callable[[], Iterator[tuple[str, object]]] | None = field(default=None, repr=False)
 
-    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF-named float32 tensors, read and converted lazily, with progress on stderr."""
-        if self._weights_fn is None:
-            raise ModelLoadError(f"{self.path}: this ModelSource has no weights to load")
+    def weights(self, stored: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF-named float32 tensors, read and converted lazily, with progress
+        on stderr; stored: the tensors of self.stored in their stored format."""
+        fn = self._stored_fn if stored else self._weights_fn
+        if fn is None:
+            raise ModelLoadError(f"{self.path}: this ModelSource has no weights to load"
+                                 + (" in their stored format" if stored else ""))
         progress = Progress(f"loading {self.path.name}", self.num_tensors)
-        for name, tensor in self._weights_fn():
+        for name, tensor in fn():
             yield name, tensor
             progress.step()
         progress.done()

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.int4 import Int4Weight, int4_linear, pack_int4
+from parallel.int4 import pack_int4
+from parallel.quant.base import DENSE, GGUFBlocks, Int4Cpu, QuantMethod
 from parallel.state import all_gather, all_reduce, get_tp_rank, get_tp_size
 
 
@@ -32,8 +33,40 @@ def _check(loaded: torch.Tensor, *full_shape: int) -> torch.Tensor:
     return loaded
 
 
-class LinearBase(nn.Module):
-    """y = x W^T + b with W [output_size, input_size] of this rank's shard."""
+class QuantStorage:
+    """What lets a layer hand its weight to a quant method that stores it in
+    the checkpoint's own format (parallel/quant/base.py): the dense weight
+    becomes an empty placeholder that still routes checkpoint tensors here."""
+
+    def use_quant(self, method: QuantMethod) -> None:
+        """Call on the meta-built model, before it is materialised: the dense
+        weight is never allocated."""
+        if self.tp_size > 1 and not method.shards_across_ranks:
+            raise ValueError(f"quantization {method.name} is not supported with tensor parallelism yet")
+        self.quant = method
+        loader = self.weight.weight_loader
+        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype, device=self.weight.device),
+                                   requires_grad=False)
+        self.weight.weight_loader = loader
+
+    def use_gguf(self) -> None:
+        self.use_quant(GGUFBlocks(*self.weight.shape))
+
+    def load_quantized(self, param: nn.Parameter, loaded, shard_id) -> bool:
+        """Take a checkpoint shard into the quant method's storage, if it has one."""
+        if self.quant is DENSE or param is not self.weight:
+            return False
+        self.quant.load(shard_id, self.shard_offset(shard_id), loaded, param.device, param.dtype)
+        return True
+
+    def shard_offset(self, shard_id) -> int:
+        """First output row of checkpoint shard shard_id in this layer (one rank)."""
+        return 0
+
+
+class LinearBase(QuantStorage, nn.Module):
+    """y = x W^T + b with W [output_size, input_size] of this rank's shard;
+    `quant` (parallel/quant/base.py) holds W and multiplies by it."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool):
         super().__init__()
@@ -46,7 +79,7 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
-        self.int4: Int4Weight | None = None
+        self.quant: QuantMethod = DENSE
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
         raise NotImplementedError
@@ -54,15 +87,17 @@ class LinearBase(nn.Module):
     def pack_int4(self, dtype: torch.dtype) -> bool:
         """Switch to the int4 kernel (activations in dtype) if the loaded
         weight, still in fp32, is exactly 4-bit."""
-        self.int4 = pack_int4(self.weight, dtype)
-        if self.int4 is not None:
-            self.weight = None
-        return self.int4 is not None
+        if self.quant is not DENSE:
+            return False
+        w = pack_int4(self.weight, dtype)
+        if w is not None:
+            self.quant, self.weight = Int4Cpu(w), None
+        return w is not None
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.int4 is None:
+        if self.quant is DENSE:
             return F.linear(x, self.weight, bias)
-        y = int4_linear(x, self.int4)
+        y = self.quant.matmul(self, x)
         return y if bias is None else y + bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -73,6 +108,8 @@ class ReplicatedLinear(LinearBase):
     """Every rank holds the whole matrix."""
 
     def weight_loader(self, param, loaded_weight, shard_id=None):
+        if self.load_quantized(param, loaded_weight, shard_id):
+            return
         param.data.copy_(_check(loaded_weight, *param.shape))
 
 
@@ -83,6 +120,8 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(input_size, _divide(output_size, get_tp_size(), "output size"), bias)
 
     def weight_loader(self, param, loaded_weight, shard_id=None):
+        if self.load_quantized(param, loaded_weight, shard_id):
+            return
         n = param.shape[0]
         _check(loaded_weight, n * self.tp_size, *param.shape[1:])
         param.data.copy_(loaded_weight.narrow(0, self.tp_rank * n, n))
@@ -101,7 +140,12 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias)
 
+    def shard_offset(self, shard_id) -> int:
+        return sum(self.output_sizes[:shard_id]) // self.tp_size
+
     def weight_loader(self, param, loaded_weight, shard_id=None):
+        if self.load_quantized(param, loaded_weight, shard_id):
+            return
         tp = self.tp_size
         _check(loaded_weight, self.output_sizes[shard_id], *param.shape[1:])
         offset = sum(self.output_sizes[:shard_id]) // tp
@@ -134,7 +178,12 @@ class QKVParallelLinear(LinearBase):
         self.kv_size = self.num_kv_heads * head_dim
         super().__init__(hidden_size, self.q_size + 2 * self.kv_size, bias)
 
+    def shard_offset(self, shard_id) -> int:
+        return {"q": 0, "k": self.q_size, "v": self.q_size + self.kv_size}[shard_id]
+
     def weight_loader(self, param, loaded_weight, shard_id=None):
+        if self.load_quantized(param, loaded_weight, shard_id):
+            return
         if shard_id == "q":
             offset, size, start = 0, self.q_size, self.tp_rank * self.q_size
             heads = self.total_num_heads
@@ -159,6 +208,8 @@ class RowParallelLinear(LinearBase):
         super().__init__(_divide(input_size, get_tp_size(), "input size"), output_size, bias)
 
     def weight_loader(self, param, loaded_weight, shard_id=None):
+        if self.load_quantized(param, loaded_weight, shard_id):
+            return
         if param.dim() == 1:        # bias: whole, added once (on rank 0) after the sum
             param.data.copy_(_check(loaded_weight, *param.shape))
             return
@@ -171,7 +222,7 @@ class RowParallelLinear(LinearBase):
         return all_reduce(y)
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(QuantStorage, nn.Module):
     """Embedding table split into contiguous vocabulary ranges.
 
     Each rank holds ceil(vocab / tp) rows; the last rank's tail rows are zero
@@ -188,14 +239,19 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_end = min(self.vocab_start + self.rows_per_rank, num_embeddings)
         self.weight = nn.Parameter(torch.empty(self.rows_per_rank, embedding_dim), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        self.quant: QuantMethod = DENSE
 
     def weight_loader(self, param, loaded_weight, shard_id=None):
+        if self.load_quantized(param, loaded_weight, shard_id):
+            return
         _check(loaded_weight, self.num_embeddings, param.shape[1])
         n = self.vocab_end - self.vocab_start
         param.data[:n].copy_(loaded_weight[self.vocab_start:self.vocab_end])
         param.data[n:].zero_()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.quant is not DENSE:
+            return self.quant.embed(input_ids, self.weight.dtype)
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
@@ -211,7 +267,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = F.linear(hidden, self.weight) if self.quant is DENSE else self.quant.matmul(self, hidden)
         if self.tp_size > 1:
             logits = all_gather(logits, dim=-1)[..., :self.num_embeddings]
         return logits

@@ -38,7 +38,7 @@ def smol_pair():
 def test_smollm2_int4_runs_packed_and_agrees(smol_pair):
     dense, packed = smol_pair
     linears = [m for m in packed.core.model.modules() if hasattr(m, "pack_int4")]
-    assert linears and all(m.int4 is not None for m in linears)      # every Q4_1 layer
+    assert linears and all(m.quant.name == "int4" for m in linears)      # every Q4_1 layer
     tok = dense.tokenizer
     ids = tok.encode("The quick brown fox jumps over the lazy dog. " * 6, add_special_tokens=False)[:64]
     with torch.no_grad():

@@ -1,0 +1,135 @@
+"""How a linear layer holds its weight and multiplies by it (vLLM's
+QuantizeMethodBase shape): one object per layer, `LinearBase.quant`.
+
+- Dense: the layer's `weight` Parameter, F.linear.
+- Int4Cpu: torch's int4 CPU kernel on weights repacked from exact 4-bit
+  groups (GGUF Q4_1), `--quantization int4`.
+- GGUFBlocks: the GGUF file's quantized rows kept as they are stored
+  (`--quantization gguf`): per shard of the layer (q / k / v, gate / up) its
+  own type. CPU: the layer is dequantized into one buffer shared by all
+  layers, then F.linear (the host never holds a dense model); CUDA: the
+  Triton kernels of parallel/quant/gguf.py, dequantizing in registers.
+
+A checkpoint tensor kept in its stored format travels from the loader to the
+layer as a QuantizedTensor.
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class QuantizedTensor:
+    """A weight as stored, for a logical [rows, cols] matrix (or [experts,
+    rows, cols]) in format `fmt`: a GGUF type name (data: uint8 rows of
+    blocks), "fp8" (data: float8_e4m3fn, scale: 128x128 block scales) or
+    "mxfp4" (data: e2m1 codes two per byte, scale: E8M0 per 32)."""
+    fmt: str
+    data: torch.Tensor
+    shape: tuple[int, ...]
+    scale: torch.Tensor | None = None
+
+
+class QuantMethod:
+    name = "dense"
+    shards_across_ranks = False    # can split its storage by tensor-parallel rank
+
+    def matmul(self, layer, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, layer.weight)
+
+    def load(self, shard_id, offset: int, loaded, device: torch.device, dtype: torch.dtype) -> None:
+        """Store checkpoint shard shard_id (a QuantizedTensor, or a dense
+        tensor) at output row `offset`; methods that keep the layer's dense
+        weight (Dense, Int4Cpu) never get here."""
+        raise NotImplementedError
+
+    def nbytes(self, layer) -> int:
+        """Bytes of weight this layer holds (what is resident)."""
+        w = layer.weight
+        return w.numel() * w.element_size()
+
+
+DENSE = QuantMethod()
+
+
+class Int4Cpu(QuantMethod):
+    name = "int4"
+
+    def __init__(self, w):
+        self.w = w          # parallel.int4.Int4Weight
+
+    def matmul(self, layer, x):
+        from parallel.int4 import int4_linear
+        return int4_linear(x, self.w)
+
+    def nbytes(self, layer):
+        return self.w.nbytes
+
+
+_SCRATCH: dict[tuple, torch.Tensor] = {}
+
+
+def scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """One buffer per (dtype, device), grown to the largest layer: where CPU
+    layers dequantize their weight just before their matmul."""
+    key = (dtype, device)
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = _SCRATCH[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buf[:numel]
+
+
+@dataclass
+class Shard:
+    offset: int                       # first output row of the layer's weight
+    rows: int
+    fmt: str | None                   # GGUF type, or None: dense rows
+    data: torch.Tensor | None = None  # uint8 [rows, row_bytes], or float [rows, cols]
+
+
+class GGUFBlocks(QuantMethod):
+    """Per shard of the layer, its GGUF rows (or dense rows for a shard the
+    file stores in another type)."""
+    name = "gguf"
+
+    def __init__(self, out_features: int, in_features: int):
+        self.n, self.k = out_features, in_features
+        self.shards: dict[object, Shard] = {}
+
+    def load(self, shard_id, offset: int, loaded, device, dtype) -> None:
+        if isinstance(loaded, QuantizedTensor):
+            rows, cols = loaded.shape
+            data, fmt = loaded.data, loaded.fmt
+        else:
+            (rows, cols), fmt, data = loaded.shape, None, loaded.to(dtype)
+        if cols != self.k or offset + rows > self.n:
+            raise ValueError(f"shape mismatch: rows {offset}..{offset + rows} x {cols} do not fit "
+                             f"[{self.n}, {self.k}]")
+        self.shards[shard_id] = Shard(offset, rows, fmt, data.to(device).contiguous())
+
+    def matmul(self, layer, x):
+        from parallel.quant import gguf
+        shards = sorted(self.shards.values(), key=lambda s: s.offset)
+        if x.device.type == "cuda":
+            return torch.cat([gguf.matmul(x, s.data, s.fmt, self.k) if s.fmt else F.linear(x, s.data.to(x.dtype))
+                              for s in shards], dim=-1)
+        w = scratch(self.n * self.k, x.dtype, x.device).view(self.n, self.k)
+        for s in shards:
+            rows = w[s.offset:s.offset + s.rows]
+            if s.fmt:
+                gguf.dequantize(s.data, s.fmt, self.k, x.dtype, out=rows)
+            else:
+                rows.copy_(s.data)
+        return F.linear(x, w)
+
+    def embed(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` of the weight, dequantized (an embedding held as GGUF blocks)."""
+        from parallel.quant import gguf
+        (s,) = self.shards.values()
+        rows = s.data[ids.reshape(-1)]
+        out = gguf.dequantize(rows, s.fmt, self.k, dtype) if s.fmt else rows.to(dtype)
+        return out.view(*ids.shape, self.k)
+
+    def nbytes(self, layer):
+        return sum(s.data.numel() * s.data.element_size() for s in self.shards.values())

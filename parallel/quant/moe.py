@@ -1,0 +1,268 @@
+"""DeepSeek-V4's routed experts for a whole batch at once, weights kept in
+their stored format: "bf16" (dense float tensors), "fp8" (fp8_block) or
+"mxfp4" (mxfp4). No Python loop over tokens.
+
+The expert MLP (model_zoo.deepseek_v4.Experts): g, u = (x @ w13[e]^T).chunk(2);
+h = silu(g.clamp(max=limit)) * u.clamp(-limit, limit); out += (h @ w2[e]^T) * weight.
+
+1. Route: the T*k (token, slot) pairs are sorted by expert with torch ops
+   (stable argsort of the flattened ids, -1 / ids off this rank last;
+   bincount + cumsum give each expert's row range). Within an expert the
+   pairs stay in token order, as torch.where(idx == e) gives them.
+2. CPU (and backend="torch"): a loop over the experts that have tokens;
+   a quantized expert is dequantized into one reused scratch buffer (w13,
+   then w2 into the same buffer), then F.linear; one index_add_ of the
+   weighted rows at the end. Bit for bit the per-expert math of
+   Experts.forward (same rows, same order, same additions per token).
+3. CUDA (backend="triton"): two grouped-GEMM launches over all experts, no
+   host sync. A tile map built on the device (each expert's rows cut into
+   BLOCK_M tiles; the grid is an upper bound, cdiv(T*k, BLOCK_M) +
+   min(E, T*k) tiles, idle tiles return at once) gives each program one
+   expert's tile of rows and a BLOCK_N slice of outputs.
+   `_moe_up_kernel` gathers the tokens' rows of x, dequantizes the matching
+   gate and up rows of w13[e] in registers, multiplies (tl.dot, fp32
+   accumulation) and applies the clamped SwiGLU in its epilogue -> h in
+   sorted order [T*k, I]. `_moe_down_kernel` multiplies h by w2[e], scales
+   by the pair's routing weight and stores the row at the pair's own place
+   in a zeroed [T*k, H] buffer; out is its sum over the k slots (fixed
+   order: deterministic, no atomics).
+   Block sizes are first guesses (BLOCK_M from the mean rows per active
+   expert), untuned on a GPU.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from parallel.quant import fp8_block, mxfp4
+from parallel.quant.fp8_block import _jit, fp8_tile, kernel_scale, mac, pick_backend, tl, triton
+from parallel.quant.mxfp4 import mxfp4_tile
+
+FORMATS = {"bf16": 0, "fp8": 1, "mxfp4": 2}
+
+
+def moe_forward(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w13, w2, fmt: str, limit: float, *,
+                scratch: torch.Tensor | None = None, backend: str | None = None) -> torch.Tensor:
+    """x [T, H], idx [T, k] local expert ids (-1: not on this rank), w [T, k]
+    routing weights -> [T, H] in x.dtype.
+    fmt "bf16": w13 [E, 2I, H], w2 [E, H, I] (any float dtype);
+        "fp8": w13 = (w8 [E, 2I, H], scale [E, ceil(2I/128), ceil(H/128)]), w2 likewise;
+        "mxfp4": w13 = (packed [E, 2I, H/2], scales [E, 2I, H/32]), w2 = (packed [E, H, I/2], scales [E, H, I/32]).
+    scratch: a buffer (x.dtype, >= 2*I*H elements) for the CPU path's dequantized expert."""
+    if fmt not in FORMATS:
+        raise ValueError(f"moe format {fmt!r}: one of {sorted(FORMATS)}")
+    E, I2, H = _dims(w13, fmt)
+    if x.shape[-1] != H or idx.shape != w.shape or idx.shape[0] != x.shape[0]:
+        raise ValueError(f"moe: x {tuple(x.shape)}, idx {tuple(idx.shape)}, w {tuple(w.shape)} for H = {H}")
+    if x.shape[0] == 0 or idx.shape[1] == 0:
+        return torch.zeros_like(x)
+    order, counts, starts, ends = route(idx, E)
+    if pick_backend(backend, x) == "triton":
+        return _moe_triton(x, idx, w, w13, w2, fmt, float(limit), E, I2 // 2, H, order, counts, starts, ends)
+    return _moe_torch(x, idx, w, w13, w2, fmt, float(limit), order, counts, scratch)
+
+
+def _dims(w13, fmt: str) -> tuple[int, int, int]:
+    if fmt == "bf16":
+        return tuple(w13.shape)
+    t = w13[0]
+    E, I2, Hs = t.shape
+    return E, I2, (2 * Hs if fmt == "mxfp4" else Hs)
+
+
+def route(idx: torch.Tensor, E: int):
+    """(order, counts, starts, ends): order [T*k] the flat pair positions
+    sorted by expert (stable: token order within an expert; pairs off this
+    rank last), counts / starts / ends [E] each expert's range in it."""
+    flat = idx.reshape(-1)
+    key = torch.where((flat >= 0) & (flat < E), flat, E)
+    order = torch.argsort(key, stable=True)
+    counts = torch.bincount(key, minlength=E + 1)[:E]
+    ends = counts.cumsum(0)
+    return order, counts, ends - counts, ends
+
+
+def _expert_weights(w13, w2, fmt: str, e: int, dtype, scratch: torch.Tensor | None):
+    """(w13[e], w2[e]) as dense dtype matrices; quantized ones dequantized into
+    scratch one after the other (callers finish with the first before asking
+    for the second: this is a generator)."""
+    if fmt == "bf16":
+        yield w13[e].to(dtype)
+        yield w2[e].to(dtype)
+        return
+    deq = fp8_block.dequantize if fmt == "fp8" else mxfp4.dequantize
+    yield deq(w13[0][e], w13[1][e], dtype, out=scratch)
+    yield deq(w2[0][e], w2[1][e], dtype, out=scratch)
+
+
+def _moe_torch(x, idx, w, w13, w2, fmt, limit, order, counts, scratch):
+    k = idx.shape[1]
+    if fmt != "bf16" and scratch is None:
+        _, I2, H = _dims(w13, fmt)
+        scratch = torch.empty(I2 * H, dtype=x.dtype, device=x.device)
+    ys, start = [], 0
+    for e, c in enumerate(counts.tolist()):
+        if not c:
+            continue
+        rows = order[start:start + c]
+        start += c
+        ws = _expert_weights(w13, w2, fmt, e, x.dtype, scratch)
+        g, u = F.linear(x[rows // k], next(ws)).chunk(2, dim=-1)
+        h = F.silu(g.clamp(max=limit)) * u.clamp(min=-limit, max=limit)
+        ys.append(F.linear(h, next(ws)))
+    out = torch.zeros_like(x)
+    if ys:
+        pairs = order[:start]
+        out.index_add_(0, pairs // k, torch.cat(ys) * w.reshape(-1)[pairs, None])
+    return out
+
+
+# ---------------------------------------------------------------- CUDA: grouped GEMMs
+
+
+def _tile_map(counts, starts, ends, P: int, E: int, BM: int):
+    """Per program row tile: (expert or -1, first row, end of the expert's rows), int32 on the device."""
+    tiles = (counts + BM - 1) // BM
+    tile_end = tiles.cumsum(0)
+    n = triton.cdiv(P, BM) + min(E, P)
+    t = torch.arange(n, device=counts.device)
+    te = torch.searchsorted(tile_end, t, right=True)
+    tc = te.clamp(max=E - 1)
+    r0 = starts[tc] + (t - (tile_end - tiles)[tc]) * BM
+    return (torch.where(te < E, tc, -1).to(torch.int32), r0.to(torch.int32), ends[tc].to(torch.int32))
+
+
+def _weight_args(wt, fmt: str):
+    """(data, scale, data strides (e, n, k), scale strides (e, n, k), E8M0) for the kernels."""
+    if fmt == "bf16":
+        return wt, wt, wt.stride(), (0, 0, 0), False
+    data, scale = wt
+    if fmt == "mxfp4" and data.dtype != torch.uint8:
+        data = data.view(torch.uint8)
+    s, e8m0 = kernel_scale(scale)
+    return data, s, data.stride(), s.stride(), e8m0
+
+
+def _check(wt, fmt: str, E: int, N: int, K: int, what: str):
+    if fmt == "bf16":
+        shapes = [((E, N, K), tuple(wt.shape))]
+    elif fmt == "fp8":
+        shapes = [((E, N, K), tuple(wt[0].shape)), ((E, -(-N // 128), -(-K // 128)), tuple(wt[1].shape))]
+    else:
+        if K % 32:
+            raise ValueError(f"mxfp4 {what}: K = {K} must be a multiple of 32")
+        shapes = [((E, N, K // 2), tuple(wt[0].shape)), ((E, N, K // 32), tuple(wt[1].shape))]
+    for want, got in shapes:
+        if want != got:
+            raise ValueError(f"{fmt} {what}: expected {want}, got {got}")
+
+
+def _moe_triton(x, idx, w, w13, w2, fmt, limit, E, I, H, order, counts, starts, ends,
+                block_m: int | None = None, block_n: int = 64, block_k: int = 64, num_warps: int = 4):
+    _check(w13, fmt, E, 2 * I, H, "w13")
+    _check(w2, fmt, E, H, I, "w2")
+    T, k = idx.shape
+    P = T * k
+    if block_m is None:
+        mean = P / min(E, P)
+        block_m = 16 if mean <= 16 else 32 if mean <= 32 else 64
+    tile_e, tile_r0, tile_r1 = _tile_map(counts, starts, ends, P, E, block_m)
+    order32 = order.to(torch.int32)
+    tok = torch.div(order32, k, rounding_mode="floor")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    rw = w.reshape(-1).contiguous()
+    code = FORMATS[fmt]
+    F32 = x.dtype == torch.float32
+    stages = 2 if F32 else 3
+    h = torch.empty(P, I, dtype=x.dtype, device=x.device)
+    d, s, dst, sst, e8 = _weight_args(w13, fmt)
+    _moe_up_kernel[(tile_e.numel(), triton.cdiv(I, block_n))](
+        x, d, s, h, tile_e, tile_r0, tile_r1, tok, I, H, x.stride(0), *dst, *sst, h.stride(0), limit,
+        FMT=code, BM=block_m, BN=block_n, BK=block_k, SCALE_E8M0=e8, F32=F32,
+        num_warps=num_warps, num_stages=stages)
+    y = torch.zeros(P, H, dtype=x.dtype, device=x.device)
+    d, s, dst, sst, e8 = _weight_args(w2, fmt)
+    _moe_down_kernel[(tile_e.numel(), triton.cdiv(H, block_n))](
+        h, d, s, y, tile_e, tile_r0, tile_r1, order32, rw, H, I, h.stride(0), *dst, *sst, y.stride(0),
+        FMT=code, BM=block_m, BN=block_n, BK=block_k, SCALE_E8M0=e8, F32=F32,
+        num_warps=num_warps, num_stages=stages)
+    return y.view(T, k, H).sum(1, dtype=torch.float32).to(x.dtype)
+
+
+@_jit
+def _w_tile(w_ptr, s_ptr, offs_n, k0, N, K, s_wn, s_wk, s_sn, s_sk,
+            FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SCALE_E8M0: tl.constexpr):
+    """One expert's W[offs_n, k0 : k0 + BK] as fp32 [BN, BK], zero outside N and K."""
+    if FMT == 0:
+        offs_k = k0 + tl.arange(0, BK)
+        m = (offs_n < N)[:, None] & (offs_k < K)[None, :]
+        w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * s_wn + offs_k[None, :] * s_wk, mask=m,
+                    other=0.0).to(tl.float32)
+    elif FMT == 1:
+        w = fp8_tile(w_ptr, s_ptr, offs_n, k0, N, K, s_wn, s_wk, s_sn, s_sk, BK, SCALE_E8M0)
+    else:
+        w = mxfp4_tile(w_ptr, s_ptr, offs_n, k0, N, K, s_wn, s_wk, s_sn, s_sk, BN, BK, SCALE_E8M0)
+    return w
+
+
+@_jit
+def _moe_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, tok_ptr, I, H,
+                   stride_xt, s_we, s_wn, s_wk, s_se, s_sn, s_sk, stride_hm, limit,
+                   FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                   SCALE_E8M0: tl.constexpr, F32: tl.constexpr):
+    """Grid (row tiles, I / BN). h[rows, n] = swiglu(x[tok] @ w13[e, n]^T, x[tok] @ w13[e, I + n]^T)."""
+    t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(tile_e_ptr + t)
+    if e >= 0:
+        rows = tl.load(tile_r0_ptr + t) + tl.arange(0, BM)
+        mask_m = rows < tl.load(tile_r1_ptr + t)
+        tok = tl.load(tok_ptr + rows, mask=mask_m, other=0)
+        x_rows = x_ptr + tok.to(tl.int64)[:, None] * stride_xt
+        we = w_ptr + e.to(tl.int64) * s_we
+        se = s_ptr + e.to(tl.int64) * s_se
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+        acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, H, BK):
+            offs_k = k0 + tl.arange(0, BK)
+            xt = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & (offs_k < H)[None, :], other=0.0)
+            wg = _w_tile(we, se, offs_n, k0, I, H, s_wn, s_wk, s_sn, s_sk, FMT, BN, BK, SCALE_E8M0)
+            acc_g = mac(acc_g, xt, wg, F32)
+            wu = _w_tile(we, se, I + offs_n, k0, 2 * I, H, s_wn, s_wk, s_sn, s_sk, FMT, BN, BK, SCALE_E8M0)
+            acc_u = mac(acc_u, xt, wu, F32)
+        g = tl.minimum(acc_g, limit)
+        u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+        hv = g / (1.0 + tl.exp(-g)) * u
+        tl.store(h_ptr + rows.to(tl.int64)[:, None] * stride_hm + offs_n[None, :], hv.to(h_ptr.dtype.element_ty),
+                 mask=mask_m[:, None] & (offs_n < I)[None, :])
+
+
+@_jit
+def _moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, pair_ptr, rw_ptr, H, I,
+                     stride_hm, s_we, s_wn, s_wk, s_se, s_sn, s_sk, stride_ym,
+                     FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                     SCALE_E8M0: tl.constexpr, F32: tl.constexpr):
+    """Grid (row tiles, H / BN). y[pair, n] = weight[pair] * (h[rows] @ w2[e, n]^T)."""
+    t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(tile_e_ptr + t)
+    if e >= 0:
+        rows = tl.load(tile_r0_ptr + t) + tl.arange(0, BM)
+        mask_m = rows < tl.load(tile_r1_ptr + t)
+        pair = tl.load(pair_ptr + rows, mask=mask_m, other=0)
+        rw = tl.load(rw_ptr + pair, mask=mask_m, other=0.0).to(tl.float32)
+        h_rows = h_ptr + rows.to(tl.int64)[:, None] * stride_hm
+        we = w_ptr + e.to(tl.int64) * s_we
+        se = s_ptr + e.to(tl.int64) * s_se
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, I, BK):
+            offs_k = k0 + tl.arange(0, BK)
+            a = tl.load(h_rows + offs_k[None, :], mask=mask_m[:, None] & (offs_k < I)[None, :], other=0.0)
+            wt = _w_tile(we, se, offs_n, k0, H, I, s_wn, s_wk, s_sn, s_sk, FMT, BN, BK, SCALE_E8M0)
+            acc = mac(acc, a, wt, F32)
+        acc = acc * rw[:, None]
+        tl.store(y_ptr + pair.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=mask_m[:, None] & (offs_n < H)[None, :])
