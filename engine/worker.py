@@ -69,9 +69,13 @@ class Worker:
     def _init_distributed(self, start_local_ranks: bool) -> None:
         if self.tp == 1:
             return
-        # Shapes that do not shard fail here, on every rank, before any rank waits.
+        # Shapes that do not shard (heads, quantized blocks) fail here, on every
+        # rank, before any rank waits.
         with assume_tp(self.tp), torch.device("meta"):
-            build_model(self.source.config)
+            model = build_model(self.source.config)
+            stored = stored_weights(self.source, self.args.quantization)
+            if stored:
+                model.use_stored(stored)
         if self.rank == 0 and start_local_ranks:
             # One node's other ranks; a served engine core is a daemon process,
             # which may not have children: its client starts them instead.

@@ -14,6 +14,12 @@ into t contiguous ranges and the shared expert column/row split, with one
 all-reduce for the whole MoE; embedding and head split by vocabulary. q_a,
 the shared K=V projection, compressors, indexer, router, norms and
 hyper-connections are replicated, and so is the cache (one K=V head).
+
+`--quantization fp8` (use_stored): the FP8 projections keep their e4m3
+weights and 128x128 block scales (parallel.quant.fp_methods.Fp8Block), the
+routed experts their FP4 codes and E8M0 scales (ExpertWeights); both run
+through parallel.quant's kernels. The routed experts of every format run
+parallel.quant.moe.moe_forward: one grouped pass for the whole batch.
 """
 import math
 from collections.abc import Iterable
@@ -24,7 +30,11 @@ from torch import nn
 
 from kvcache.dsv4_state import DSV4Batch, DSV4SequenceState
 from kvcache.spec import DSV4LayerSpec
-from parallel.linear import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+from parallel.linear import (ColumnParallelLinear, ParallelLMHead, ReplicatedLinear, RowParallelLinear,
+                             VocabParallelEmbedding)
+from parallel.quant import fp_methods
+from parallel.quant.base import DENSE
+from parallel.quant.moe import moe_forward
 from parallel.state import all_reduce, get_tp_rank, get_tp_size
 
 CSA, HCA, SWA = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
@@ -150,10 +160,9 @@ def unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
-def linear(i: int, o: int) -> nn.Linear:
-    layer = nn.Linear(i, o, bias=False)
-    layer.weight.requires_grad_(False)
-    return layer
+def linear(i: int, o: int) -> ReplicatedLinear:
+    """A projection every rank holds whole (it can keep FP8 weights as stored)."""
+    return ReplicatedLinear(i, o, bias=False)
 
 
 def param(*shape) -> nn.Parameter:
@@ -233,10 +242,14 @@ class SharedMLP(nn.Module):
     def forward(self, x):
         g = self.gate_proj(x).clamp(max=self.limit)
         u = self.up_proj(x).clamp(min=-self.limit, max=self.limit)
-        return F.linear(F.silu(g) * u, self.down_proj.weight)
+        return self.down_proj.partial(F.silu(g) * u)     # no all-reduce: the MoE sums once
 
 
 class Experts(nn.Module):
+    """This rank's routed experts (tensor parallel: whole experts, a contiguous
+    range of ids), dense gate_up_proj [E, 2I, H] / down_proj [E, H, I], or as
+    stored (use_stored: `quant` holds them). Both run moe_forward."""
+
     def __init__(self, c: dict):
         super().__init__()
         E, H, I = c["n_routed_experts"], c["hidden_size"], c["moe_intermediate_size"]
@@ -244,30 +257,41 @@ class Experts(nn.Module):
         if E % tp:
             raise ValueError(f"n_routed_experts ({E}) is not divisible by the tensor-parallel size ({tp})")
         self.num_experts, self.limit = E, c["swiglu_limit"]
+        self.hidden, self.inter = H, I
         self.num_local = E // tp
         self.first = get_tp_rank() * self.num_local     # global id of this rank's first expert
         self.gate_up_proj = param(self.num_local, 2 * I, H)
         self.down_proj = param(self.num_local, H, I)
         for p in (self.gate_up_proj, self.down_proj):
             p.weight_loader = self.weight_loader
+        self.quant = DENSE
+
+    def use_stored(self, fmt: str) -> None:
+        """Keep the checkpoint's per-expert tensors in fmt ("mxfp4" | "fp8");
+        on the meta-built model: the dense tensors become empty placeholders."""
+        self.quant = fp_methods.ExpertWeights(fmt, self.num_local, self.hidden, self.inter)
+        for name in ("gate_up_proj", "down_proj"):
+            old = getattr(self, name)
+            p = nn.Parameter(torch.empty(0, dtype=old.dtype, device=old.device), requires_grad=False)
+            p.weight_loader = self.weight_loader
+            setattr(self, name, p)
 
     def weight_loader(self, param, loaded, shard_id=None):
         """The full [E, ...] tensor (transformers' fused layout) -> this rank's range."""
+        if self.quant is not DENSE:
+            raise ValueError(f"these experts keep their {self.quant.fmt} weights as stored; the checkpoint gives "
+                             f"the fused dense tensor")
         if loaded.shape[0] != self.num_experts or loaded.shape[1:] != param.shape[1:]:
             raise ValueError(f"shape mismatch: expected {(self.num_experts, *param.shape[1:])}, "
                              f"got {tuple(loaded.shape)}")
         param.data.copy_(loaded[self.first:self.first + self.num_local])
 
     def forward(self, x, idx, w):   # x [T, H], idx/w [T, k] (global expert ids)
-        out = torch.zeros_like(x)
-        for e in idx.unique().tolist():
-            if not self.first <= e < self.first + self.num_local:
-                continue
-            tok, slot = torch.where(idx == e)
-            g, u = F.linear(x[tok], self.gate_up_proj[e - self.first]).chunk(2, dim=-1)
-            h = F.silu(g.clamp(max=self.limit)) * u.clamp(min=-self.limit, max=self.limit)
-            out.index_add_(0, tok, F.linear(h, self.down_proj[e - self.first]) * w[tok, slot, None])
-        return out
+        local = idx - self.first    # ids of other ranks fall outside [0, num_local): skipped
+        if self.quant is not DENSE:
+            return self.quant.forward(x, local, w, self.limit)
+        return moe_forward(x, local, w, self.gate_up_proj, self.down_proj, "bf16", self.limit,
+                           backend=fp_methods.BACKEND)
 
 
 class Router(nn.Module):
@@ -447,9 +471,12 @@ class Attention(nn.Module):
         o = torch.cat(outs, dim=0)   # [T, nh, D]
         o = apply_rope(o, positions, self.inv_freq, inverse=True)
         g = o.reshape(T, self.groups, -1)
-        w = self.o_a_proj.weight.view(self.groups, -1, g.shape[-1])
-        g = torch.einsum("tgi,goi->tgo", g, w).flatten(1)
-        return self.o_b_proj(g)
+        if self.o_a_proj.quant is DENSE:
+            w = self.o_a_proj.weight.view(self.groups, -1, g.shape[-1])
+            g = torch.einsum("tgi,goi->tgo", g, w)
+        else:
+            g = self.o_a_proj.quant.grouped_matmul(g, self.groups)
+        return self.o_b_proj(g.flatten(1))
 
     def _compress(self, comp: Compressor, cstate, raw, start: int, n: int):
         """All entries visible after writing n new tokens at positions [start, start + n)."""
@@ -627,6 +654,13 @@ class DeepseekV4ForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         from model_zoo.dsv4_checkpoint import load_into
         load_into(self, weights)
+
+    def use_stored(self, fmts: dict[str, str]) -> int:
+        """Call on the meta-built model: the layers fed by these checkpoint
+        tensors ({name: "fp8" | "mxfp4"}) keep them as stored
+        (model_zoo.dsv4_checkpoint.use_stored). Returns how many layers do."""
+        from model_zoo.dsv4_checkpoint import use_stored
+        return use_stored(self, fmts)
 
     # -------------------------------------------------------------- cache
 

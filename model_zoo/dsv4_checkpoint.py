@@ -21,6 +21,8 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from parallel.quant.base import DENSE, QuantizedTensor
+
 # transformers/conversion_mapping.py "deepseek_v4", in order.
 RENAMES = [(re.compile(a), b) for a, b in [
     (r"\.attn\.", ".self_attn."),
@@ -89,6 +91,12 @@ def hf_name(name: str) -> str:
     return "model." + out
 
 
+def model_name(name: str) -> str:
+    """Our parameter name for a checkpoint tensor name (hf_name, and the
+    indexer's weights_proj, which transformers keeps under a `scorer`)."""
+    return hf_name(name).replace(".compressor.indexer.scorer.weights_proj.", ".compressor.indexer.weights_proj.")
+
+
 # ---------------------------------------------------------------- dequantisation
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
@@ -139,11 +147,14 @@ def _dequant(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def dequantised(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """Pair each quantised weight with its scale (in any order) and yield the
-    fp32 weight under its original name; other tensors pass through."""
+    fp32 weight under its original name; other tensors pass through (and so
+    do weights the loader already paired: parallel.quant.base.QuantizedTensor)."""
     held_w: dict[str, torch.Tensor] = {}
     held_s: dict[str, torch.Tensor] = {}
     for name, t in weights:
-        if name.endswith((".scale", ".weight_scale_inv")) and t.dim() == 2:
+        if isinstance(t, QuantizedTensor):
+            yield name, t
+        elif name.endswith((".scale", ".weight_scale_inv")) and t.dim() == 2:
             base = name.rsplit(".", 1)[0]
             if base + ".weight" in held_w:
                 yield base + ".weight", _dequant(held_w.pop(base + ".weight"), t)
@@ -165,54 +176,116 @@ def dequantised(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[s
 # ---------------------------------------------------------------- loading
 
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+# expert tensor kind -> (fused tensor, first row in it as a fraction of its halves: 0 gate / down, 1 up)
+_KIND = {"w1": ("gate_up_proj", 0), "gate_proj": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1),
+         "up_proj": ("gate_up_proj", 1), "w2": ("down_proj", 0), "down_proj": ("down_proj", 0)}
+
+
+def use_stored(model: torch.nn.Module, fmts: dict[str, str]) -> int:
+    """On the meta-built model: the layers fed by the checkpoint tensors
+    `fmts` ({checkpoint name: "fp8" | "mxfp4"}) keep them as stored. FP8
+    linear layers (parallel.linear) get parallel.quant.fp_methods.Fp8Block;
+    an MoE layer whose routed experts all come in one stored format gets
+    ExpertWeights. A stored tensor no layer takes (a router, an expert set
+    the kernels cannot hold) is dequantized at load, as without
+    --quantization. Returns how many layers keep their weights as stored."""
+    from parallel.linear import LinearBase
+    from parallel.quant.fp_methods import ExpertWeights, Fp8Block
+    modules = dict(model.named_modules())
+    linears: dict[str, torch.nn.Module] = {}
+    experts: dict[str, dict[tuple[int, str], str]] = {}
+    for name, fmt in fmts.items():
+        ours = model_name(name)
+        m = _EXPERT.match(ours)
+        if m:
+            experts.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = fmt
+            continue
+        mod, _, leaf = ours.rpartition(".")
+        layer = modules.get(mod)
+        if fmt == "fp8" and leaf == "weight" and isinstance(layer, LinearBase):
+            linears[mod] = layer
+    for mod, layer in linears.items():
+        layer.use_quant(Fp8Block.for_layer(layer, mod))
+    n = len(linears)
+    for prefix, got in experts.items():
+        ex = modules.get(prefix)
+        if ex is None or not hasattr(ex, "use_stored"):
+            continue            # load_weights names the unknown tensor
+        kinds = {(e, _KIND[k][0], _KIND[k][1]) for e, k in got}
+        kinds_fmts = set(got.values())
+        if len(kinds) != 3 * ex.num_experts or len(kinds_fmts) != 1:
+            continue            # not every expert stored, or in two formats: dequantized
+        (fmt,) = kinds_fmts
+        if ExpertWeights.unsupported(fmt, ex.hidden, ex.inter) is None:
+            ex.use_stored(fmt)
+            n += 1
+    return n
+
+
+def dense(t):
+    """A checkpoint tensor as a float tensor: a QuantizedTensor dequantized to fp32."""
+    return _dequant(t.data, t.scale) if isinstance(t, QuantizedTensor) else t
 
 
 def load_into(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Load official- or transformers-named tensors (quantised or not) into a
     model_zoo DeepseekV4ForCausalLM. Unknown names and wrong shapes raise; a
     missing tensor raises, except that a checkpoint without any `mtp.*` leaves
-    the MTP head unloaded (zeros, model.mtp_loaded False)."""
+    the MTP head unloaded (zeros, model.mtp_loaded False). Tensors that come
+    paired with their scale (QuantizedTensor: `--quantization fp8`) go to the
+    layers that keep them as stored (use_stored), or are dequantized here."""
     targets = dict(model.named_parameters())
     targets.update(dict(model.named_buffers()))
     seen: set[str] = set()
     parts: dict[str, set] = {}   # fused expert tensor -> the (expert, half) pieces loaded
     for name, t in dequantised(weights):
-        hf = hf_name(name)
-        hf = hf.replace(".compressor.indexer.scorer.weights_proj.", ".compressor.indexer.weights_proj.")
+        hf = model_name(name)
         m = _EXPERT.match(hf)
         with torch.no_grad():
             if m:
                 prefix, e, kind = m.group(1), int(m.group(2)), m.group(3)
-                fused = prefix + (".down_proj" if kind in ("w2", "down_proj") else ".gate_up_proj")
+                fused_leaf, half_id = _KIND[kind]
+                fused = f"{prefix}.{fused_leaf}"
                 if fused not in targets:
                     raise ValueError(f"unknown checkpoint tensor {name!r} (as {hf!r}) for DeepseekV4ForCausalLM")
                 experts = model.get_submodule(prefix)
-                half_id = 0 if kind in ("w1", "gate_proj", "w2", "down_proj") else 1
                 if not 0 <= e < experts.num_experts:
                     raise ValueError(f"{name}: expert {e} out of range ({experts.num_experts})")
                 local = e - experts.first
                 if 0 <= local < experts.num_local:      # another rank's expert otherwise
-                    full = targets[fused][local]
-                    if fused.endswith("gate_up_proj"):
-                        half = full.shape[0] // 2
-                        dst = full[:half] if half_id == 0 else full[half:]
+                    if experts.quant is not DENSE:
+                        which = "w13" if fused_leaf == "gate_up_proj" else "w2"
+                        try:
+                            experts.quant.load((local, which), half_id * experts.inter, t,
+                                               targets[fused].device, targets[fused].dtype)
+                        except ValueError as err:
+                            raise ValueError(f"{name}: {err}") from err
                     else:
-                        dst = full
-                    _copy(dst, t, name)
+                        full = targets[fused][local]
+                        if fused_leaf == "gate_up_proj":
+                            half = full.shape[0] // 2
+                            dst = full[:half] if half_id == 0 else full[half:]
+                        else:
+                            dst = full
+                        _copy(dst, dense(t), name)
                 got = parts.setdefault(fused, set())
                 got.add((e, half_id))
-                if len(got) == experts.num_experts * (2 if fused.endswith("gate_up_proj") else 1):
+                if len(got) == experts.num_experts * (2 if fused_leaf == "gate_up_proj" else 1):
                     seen.add(fused)
                 continue
             if hf not in targets:
                 raise ValueError(f"unknown checkpoint tensor {name!r} (as {hf!r}) for DeepseekV4ForCausalLM")
             param = targets[hf]
+            if isinstance(t, QuantizedTensor):
+                owner = model.get_submodule(hf.rpartition(".")[0]) if "." in hf else model
+                if getattr(owner, "quant", DENSE) is DENSE or param is not getattr(owner, "weight", None):
+                    t = dense(t)        # no layer keeps this one as stored
             loader = getattr(param, "weight_loader", None)
             if loader is None:
-                _copy(param, t, name)
+                _copy(param, dense(t), name)
             else:
                 try:
-                    loader(param, t.to(param.dtype))
+                    loader(param, t if isinstance(t, QuantizedTensor) else t.to(param.dtype))
                 except ValueError as err:
                     raise ValueError(f"{name}: {err}") from err
             seen.add(hf)

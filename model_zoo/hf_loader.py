@@ -11,12 +11,14 @@ dummy) one with no weight files loads too.
 from __future__ import annotations
 
 import json
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
 from model_zoo.source import ModelLoadError, ModelSource
+from parallel.quant.base import QuantizedTensor
 from model_zoo.tokenizer import Tokenizer, load_tokenizer_config
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -77,6 +79,50 @@ def _tensor_names(files: list[Path]) -> list[tuple[Path, str]]:
     return out
 
 
+def _header(files: list[Path]) -> dict[str, tuple[Path, str, list[int]]]:
+    """{tensor name: (file, safetensors dtype, shape)}, from the headers only."""
+    out = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for k in st.keys():
+                    sl = st.get_slice(k)
+                    out[k] = (f, sl.get_dtype(), list(sl.get_shape()))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ModelLoadError(f"safetensors file {f} is unreadable (truncated or corrupt?): {e}") from e
+    return out
+
+
+_E8M0_OR_FLOAT = ("U8", "F8_E8M0", "F32", "BF16", "F16")
+
+
+def stored_formats(header: dict[str, tuple[Path, str, list[int]]]) -> dict[str, tuple[str, str]]:
+    """{weight name: (format, its scale's name)} of the weights a layer can keep
+    as stored, told by the dtypes and shapes in the headers (DeepSeek-V4):
+      "fp8"    float8_e4m3fn [N, K] + scale [ceil(N/128), ceil(K/128)]
+      "mxfp4"  e2m1 codes two per byte (int8 / uint8 [N, K/2], or F4 [N, K]) + scale [N, K/32]
+    the scale named `<module>.scale` or `<module>.weight_scale_inv`."""
+    out = {}
+    for name, (_, dtype, shape) in header.items():
+        if not name.endswith(".weight") or len(shape) != 2:
+            continue
+        base = name[:-len(".weight")]
+        sname = next((n for n in (base + ".scale", base + ".weight_scale_inv") if n in header), None)
+        if sname is None:
+            continue
+        _, sdtype, sshape = header[sname]
+        if len(sshape) != 2 or sdtype not in _E8M0_OR_FLOAT:
+            continue
+        n, k = shape
+        if dtype == "F8_E4M3" and sshape == [-(-n // 128), -(-k // 128)]:
+            out[name] = ("fp8", sname)
+        elif dtype in ("I8", "U8", "F4"):
+            cols = k if dtype == "F4" else 2 * k
+            if sshape == [n, cols // 32] and cols % 32 == 0:
+                out[name] = ("mxfp4", sname)
+    return out
+
+
 def _chat_template(folder: Path, tokenizer_config: dict) -> str | None:
     jinja = folder / "chat_template.jinja"
     if jinja.exists():
@@ -128,7 +174,10 @@ def open_hf_dir(folder: str | Path, weights: bool = True) -> ModelSource:
     if not folder.is_dir():
         raise ModelLoadError(f"model directory {folder} does not exist")
     config = fill_derived_config(_read_json(folder / "config.json", "model config"))
-    entries = _tensor_names(weight_files(folder)) if weights else []
+    files = weight_files(folder) if weights else []
+    entries = _tensor_names(files)
+    header = _header(files)
+    stored = stored_formats(header)
 
     tokenizer = None
     tokenizer_config: dict = {}
@@ -169,6 +218,36 @@ def open_hf_dir(folder: str | Path, weights: bool = True) -> ModelSource:
                     # the model's own dequantization.
                     yield name, tensor.to(torch.float32) if tensor.dtype in _FLOATS else tensor
 
+    scales = {sname for _, sname in stored.values()}
+
+    def read_stored() -> Iterator[tuple[str, object]]:
+        """As read_weights, except that the weights of `stored` come as
+        QuantizedTensor (their scale, from whichever file holds it, paired)."""
+        with ExitStack() as stack:
+            handles = {}
+
+            def get(f: Path, name: str) -> torch.Tensor:
+                if f not in handles:
+                    handles[f] = stack.enter_context(safe_open(str(f), framework="pt"))
+                try:
+                    return handles[f].get_tensor(name)
+                except (SafetensorError, OSError, ValueError) as e:
+                    raise ModelLoadError(f"cannot read tensor {name} from {f}: {e}") from e
+
+            for f, names in by_file.items():
+                for name in names:
+                    if name in scales:
+                        continue
+                    t = get(f, name)
+                    if name in stored:
+                        fmt, sname = stored[name]
+                        n, k = header[name][2]
+                        if fmt == "mxfp4" and header[name][1] != "F4":
+                            k *= 2
+                        yield name, QuantizedTensor(fmt, t, (n, k), get(header[sname][0], sname))
+                    else:
+                        yield name, t.to(torch.float32) if t.dtype in _FLOATS else t
+
     return ModelSource(
         path=folder,
         format="hf",
@@ -178,4 +257,6 @@ def open_hf_dir(folder: str | Path, weights: bool = True) -> ModelSource:
         eos_token_ids=eos,
         _weights_fn=read_weights if weights else None,
         num_tensors=len(entries),
+        stored={name: fmt for name, (fmt, _) in stored.items()},
+        _stored_fn=read_stored if stored else None,
     )

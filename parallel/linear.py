@@ -217,6 +217,11 @@ class RowParallelLinear(LinearBase):
         _check(loaded_weight, param.shape[0], n * self.tp_size)
         param.data.copy_(loaded_weight.narrow(1, self.tp_rank * n, n))
 
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum, not yet all-reduced (for a caller that sums
+        several of them at once, as an MoE block does)."""
+        return self._matmul(x, None)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._matmul(x, self.bias if self.tp_rank == 0 else None)
         return all_reduce(y)
