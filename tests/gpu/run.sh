@@ -16,3 +16,7 @@ python -m pytest -q -ra tests/gpu tests/test_sampler.py tests/test_engine_device
 python tests/bench/gpu_engine.py --out "$OUT/gpu_engine" 2>&1 | tee "$OUT/gpu_engine.log"
 python tests/bench/tq_triton_gpu.py --hot off,k 2>&1 | tee "$OUT/tq_triton_gpu.log"
 cp tests/bench/results/tq_triton_gpu.* "$OUT/" 2>/dev/null || true
+# Quantized-weight kernels (issue 15): GGUF / FP8 / MXFP4 / grouped MoE vs bf16 cuBLAS and the
+# copy-bandwidth roofline, ~2-3 min on an H200 (mostly Triton compiles); the script skips what is
+# left past --budget-s 240 (default), timeout is the hard stop. Results: $OUT/quant_gpu.{json,md}.
+timeout 360 python tests/bench/quant_gpu.py --out "$OUT/quant_gpu" 2>&1 | tee "$OUT/quant_gpu.log"
