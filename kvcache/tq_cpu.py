@@ -14,11 +14,7 @@ keyed by the source, flags and host CPU. A failed build raises with the
 compiler's output; TQSERVE_TQ_CPU=torch selects the torch path instead.
 """
 import ctypes
-import hashlib
 import os
-import platform
-import subprocess
-import tempfile
 from functools import lru_cache
 from pathlib import Path
 
@@ -26,6 +22,7 @@ import torch
 
 from kvcache.backends import register_backend
 from kvcache.tq_cache import TQTorchBackend
+from parallel.cpp_kernel import build_shared_library
 
 SRC = Path(__file__).resolve().parent / "csrc" / "tq_cpu_attn.cpp"
 CXX = os.environ.get("CXX", "g++")
@@ -55,38 +52,9 @@ def enabled(head_dim: int) -> bool:
     return os.environ.get("TQSERVE_TQ_CPU", "kernel").lower() != "torch" and head_dim in HEAD_DIMS
 
 
-def _cpu_id() -> str:
-    try:
-        flags = next((ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    return platform.machine() + flags
-
-
 @lru_cache(maxsize=None)
 def _lib() -> ctypes.CDLL:
-    src = SRC.read_bytes()
-    try:
-        ver = subprocess.run([CXX, "--version"], capture_output=True, text=True).stdout
-    except OSError as e:
-        raise RuntimeError(f"TurboQuant CPU kernel: no C++ compiler ({CXX}: {e}); install g++ "
-                           f"or set TQSERVE_TQ_CPU=torch to use the slower torch path") from None
-    key = hashlib.sha256(src + " ".join([CXX] + FLAGS).encode() + ver.encode() + _cpu_id().encode())
-    cache = Path(os.environ.get("TQSERVE_KERNEL_CACHE", Path.home() / ".cache" / "tqserve" / "kernels"))
-    so = cache / f"tq_cpu_attn-{key.hexdigest()[:16]}.so"
-    if not so.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        # Build beside the target and rename: concurrent first uses never load a partial file.
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
-        os.close(fd)
-        r = subprocess.run([CXX, *FLAGS, str(SRC), "-o", tmp], capture_output=True, text=True)
-        if r.returncode != 0:
-            os.unlink(tmp)
-            raise RuntimeError(f"building the TurboQuant CPU attention kernel failed ({CXX} {' '.join(FLAGS)} "
-                               f"{SRC}):\n{r.stderr[-4000:]}\nInstall g++ with OpenMP, or set "
-                               f"TQSERVE_TQ_CPU=torch to use the slower torch path.")
-        os.replace(tmp, so)
-    lib = ctypes.CDLL(str(so))
+    lib = build_shared_library(SRC, CXX, FLAGS, "TurboQuant CPU attention kernel", "TQSERVE_TQ_CPU=torch")
     lib.tq_cpu_attend.restype = ctypes.c_int
     lib.tq_cpu_attend.argtypes = ([ctypes.POINTER(_Pass), ctypes.c_int] + [ctypes.c_void_p] * 3
                                   + [ctypes.c_int] * 6 + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]

@@ -6,7 +6,8 @@ QuantizeMethodBase shape): one object per layer, `LinearBase.quant`.
   groups (GGUF Q4_1), `--quantization int4`.
 - GGUFBlocks: the GGUF file's quantized rows kept as they are stored
   (`--quantization gguf`): per shard of the layer (q / k / v, gate / up) its
-  own type. CPU: the layer is dequantized into one buffer shared by all
+  own type. CPU: a fused C++ GEMV for up to 16 rows (parallel/quant/
+  gguf_cpu.py), else the layer dequantized into one buffer shared by all
   layers, then F.linear (the host never holds a dense model); CUDA: the
   Triton kernels of parallel/quant/gguf.py, dequantizing in registers.
 
@@ -109,11 +110,24 @@ class GGUFBlocks(QuantMethod):
         self.shards[shard_id] = Shard(offset, rows, fmt, data.to(device).contiguous())
 
     def matmul(self, layer, x):
-        from parallel.quant import gguf
+        from parallel.quant import gguf, gguf_cpu
         shards = sorted(self.shards.values(), key=lambda s: s.offset)
         if x.device.type == "cuda":
             return torch.cat([gguf.matmul(x, s.data, s.fmt, self.k) if s.fmt else F.linear(x, s.data.to(x.dtype))
                               for s in shards], dim=-1)
+        x2 = x.reshape(-1, self.k)
+        if x2.shape[0] <= gguf_cpu.GEMV_MAX_M and x.device.type == "cpu" and gguf_cpu.reason(x.dtype) is None:
+            # A few rows (decode): the compiled fused GEMV per shard, into its columns of y.
+            y = torch.empty(x2.shape[0], self.n, dtype=x.dtype)
+            for s in shards:
+                cols = y[:, s.offset:s.offset + s.rows]
+                if s.fmt:
+                    gguf_cpu.gemv(x2, s.data, s.fmt, self.k, out=cols)
+                else:
+                    cols.copy_(F.linear(x2, s.data.to(x.dtype)))
+            return y.view(*x.shape[:-1], self.n)
+        # More rows: the layer dequantized (compiled kernel when built, else
+        # the torch reference) into the shared buffer, then F.linear.
         w = scratch(self.n * self.k, x.dtype, x.device).view(self.n, self.k)
         for s in shards:
             rows = w[s.offset:s.offset + s.rows]

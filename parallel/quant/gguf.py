@@ -5,8 +5,9 @@ row of k // block blocks per output feature. `dequantize` rebuilds W (torch,
 vectorised, any device: bit-exact against gguf-py's numpy dequantizer in
 fp32, same operations in the same order); `matmul` computes x @ W^T: on CUDA
 with the Triton kernels of gguf_triton.py (dequantisation in registers, no
-[N, k] temporary), on CPU by dequantizing into a reusable buffer, then
-F.linear.
+[N, k] temporary); on CPU with the compiled kernels of gguf_cpu.py (a fused
+GEMV for a few rows of x, else dequantisation into a reusable buffer, then
+F.linear), or the torch reference where they are unavailable.
 
 Block layouts (llama.cpp ggml-common.h; gguf-py's gguf.quants reads them the
 same way). fp16 scalars little-endian; "q[i]" is element i of the block;
@@ -37,11 +38,15 @@ tensors).
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -190,12 +195,34 @@ _DEQUANT = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0,
             "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
 
 
+_FALLBACK_LOGGED: set = set()
+
+
+def _cpu_kernel(dtype: torch.dtype):
+    """gguf_cpu when its compiled kernel serves CPU tensors of dtype (built at
+    first call), else None, logging why at the first fallback for each reason."""
+    from parallel.quant import gguf_cpu
+    why = gguf_cpu.reason(dtype)
+    if why is None:
+        return gguf_cpu
+    kind = why.splitlines()[0]
+    if kind not in _FALLBACK_LOGGED:
+        _FALLBACK_LOGGED.add(kind)
+        log.warning("GGUF blocks on CPU: the torch reference path (slower) instead of the compiled kernel: %s",
+                    why)
+    return None
+
+
 def dequantize(raw: torch.Tensor, qtype: str, k: int, dtype: torch.dtype = torch.float32,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, *, backend: str | None = None) -> torch.Tensor:
     """raw uint8 [N, row_bytes(qtype, k)] -> W [N, k] in dtype (written into
     `out`, an [N, k] tensor of that dtype, when given). Computed in fp32 (as
-    gguf-py: bit-exact), then rounded once to dtype. Whole row ranges at a
-    time, _CHUNK elements per pass."""
+    gguf-py: bit-exact), then rounded once to dtype.
+
+    backend None: "cpu" for CPU tensors when gguf_cpu's kernel serves dtype
+    (fp32 / bf16, built), else "torch". "cpu": the compiled kernel (same
+    values, bit for bit). "torch": the reference, whole row ranges at a time,
+    _CHUNK elements per pass."""
     t = _check_raw(raw, qtype, k)
     n = raw.shape[0]
     if out is None:
@@ -203,6 +230,16 @@ def dequantize(raw: torch.Tensor, qtype: str, k: int, dtype: torch.dtype = torch
     elif tuple(out.shape) != (n, k) or out.dtype != dtype or out.device != raw.device:
         raise ValueError(f"out must be {dtype} [{n}, {k}] on {raw.device}, got "
                          f"{out.dtype} {tuple(out.shape)} on {out.device}")
+    if backend is None:
+        backend = "cpu" if raw.device.type == "cpu" and _cpu_kernel(dtype) is not None else "torch"
+    if backend == "cpu":
+        from parallel.quant import gguf_cpu
+        if out.stride(1) == 1 and raw.stride(1) == 1:
+            return gguf_cpu.dequantize_into(raw, qtype, k, out)
+        tmp = gguf_cpu.dequantize_into(raw.contiguous(), qtype, k, torch.empty(n, k, dtype=dtype))
+        return out.copy_(tmp)
+    if backend != "torch":
+        raise ValueError(f"backend must be 'cpu', 'torch' or None, got {backend!r}")
     fn, nb = _DEQUANT[qtype], k // t.block
     step = max(1, _CHUNK // k)
     for r0 in range(0, n, step):
@@ -226,24 +263,37 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: str, k: int,
     """y = x @ W^T for W stored as GGUF rows raw [N, row_bytes]: x [..., k] ->
     [..., N] in x.dtype.
 
-    backend None: "triton" on CUDA, "torch" elsewhere. "torch": W
-    dequantized into `scratch` (an [N, k] buffer of x.dtype, or any
-    contiguous one of at least N*k elements: its first N*k are used;
-    allocated when None), then F.linear. "triton": the kernels of
-    gguf_triton (M <= GEMV_MAX_M rows: GEMV-shaped, split along N and K; more:
-    tl.dot tiles), fp32 accumulation; on CPU tensors only under
-    TRITON_INTERPRET=1 (tests)."""
+    backend None: "triton" on CUDA; on CPU "cpu" when gguf_cpu's kernel
+    serves x.dtype (fp32 / bf16, built), else "torch". "torch": W
+    dequantized by the torch reference into `scratch` (an [N, k] buffer of
+    x.dtype, or any contiguous one of at least N*k elements: its first N*k
+    are used; allocated when None), then F.linear. "cpu": the same with the
+    compiled dequantisation (same W, bit for bit), except that with no
+    scratch given and at most gguf_cpu.GEMV_MAX_M rows of x it runs the
+    fused GEMV (W never written out; fp32 accumulation in another order).
+    "triton": the kernels of gguf_triton (M <= GEMV_MAX_M rows: GEMV-shaped,
+    split along N and K; more: tl.dot tiles), fp32 accumulation; on CPU
+    tensors only under TRITON_INTERPRET=1 (tests)."""
     t = _check_raw(raw, qtype, k)
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features, the weight {k}")
     n = raw.shape[0]
     if backend is None:
-        backend = "triton" if x.is_cuda else "torch"
+        backend = "triton" if x.is_cuda else \
+            "cpu" if x.device.type == "cpu" and raw.device.type == "cpu" and _cpu_kernel(x.dtype) is not None \
+            else "torch"
+    if backend == "cpu":
+        from parallel.quant import gguf_cpu
+        x2 = x.reshape(-1, k)
+        if scratch is None and x2.shape[0] <= gguf_cpu.GEMV_MAX_M:
+            return gguf_cpu.gemv(x2, raw, qtype, k).view(*x.shape[:-1], n)
+        w = dequantize(raw, qtype, k, x.dtype, out=_scratch_view(scratch, n, k, x), backend="cpu")
+        return F.linear(x, w)
     if backend == "torch":
-        w = dequantize(raw, qtype, k, x.dtype, out=_scratch_view(scratch, n, k, x))
+        w = dequantize(raw, qtype, k, x.dtype, out=_scratch_view(scratch, n, k, x), backend="torch")
         return F.linear(x, w)
     if backend != "triton":
-        raise ValueError(f"backend must be 'triton', 'torch' or None, got {backend!r}")
+        raise ValueError(f"backend must be 'triton', 'cpu', 'torch' or None, got {backend!r}")
     if not x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True"):
         raise RuntimeError("the Triton GGUF kernels need CUDA tensors (or TRITON_INTERPRET=1)")
     if raw.device != x.device:
