@@ -249,3 +249,13 @@ def test_fp16_takes_the_torch_path():
     assert gguf_cpu.reason(torch.float16) is not None
     assert torch.equal(dequantize(raw, "Q4_K", k, torch.float16),
                        dequantize(raw, "Q4_K", k, backend="torch").to(torch.float16))
+
+
+def test_scratch_made_under_inference_mode_is_writable_outside():
+    """The engine first makes the shared buffer inside inference mode; layers
+    called outside it (tests, calibration) still write into it."""
+    from parallel.quant import base
+    base._SCRATCH.clear()
+    with torch.inference_mode():
+        base.scratch(64, torch.float32, torch.device("cpu")).zero_()
+    base.scratch(32, torch.float32, torch.device("cpu")).fill_(1.0)

@@ -4,9 +4,10 @@ the tokens of one rank, for Gemma3-270M (real weights), a tiny Qwen3 and a
 tiny DeepSeek-V4:
 
   (a) two ranks on one machine (the server starts its second rank);
-  (b) two "nodes": network namespaces joined by a veth pair, each with its own
-      address; the leader in one serves HTTP, `tqserve serve --headless
-      --node-rank 1` in the other, rendezvous and collectives over the link.
+  (b) two "nodes" (tiny Qwen3, tiny DeepSeek-V4): network namespaces joined
+      by a veth pair, each with its own address; the leader in one serves
+      HTTP, `tqserve serve --headless --node-rank 1` in the other, rendezvous
+      and collectives over the link.
 
 Faults (two nodes): the follower killed mid-stream ends the open streams with
 an error event and the leader with a non-zero exit within 30 s; the leader
@@ -200,7 +201,9 @@ def nodes():
 
 def test_two_nodes_over_a_link_match_one_rank(models, references, nodes, tmp_path):
     a, b = nodes
-    for name in ["qwen3", "dsv4", "gemma3"]:
+    # Gemma3 over the link passed too (one run, 2026-12-01); CI time keeps it to
+    # the one-node test: the link's path does not depend on the model.
+    for name in ["qwen3", "dsv4"]:
         pair = Pair(a, b, models[name], tmp_path, name)
         try:
             check_against_reference(name, pair.client(PROMPTS[name], N), references[name])

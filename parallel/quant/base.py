@@ -77,7 +77,10 @@ def scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tenso
     key = (dtype, device)
     buf = _SCRATCH.get(key)
     if buf is None or buf.numel() < numel:
-        buf = _SCRATCH[key] = torch.empty(numel, dtype=dtype, device=device)
+        # A normal tensor even when first made under inference mode (the
+        # engine): one made there could not be written outside it.
+        with torch.inference_mode(False):
+            buf = _SCRATCH[key] = torch.empty(numel, dtype=dtype, device=device)
     return buf[:numel]
 
 
