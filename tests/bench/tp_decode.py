@@ -46,6 +46,7 @@ the gguf reader parsing the vocabulary's metadata).
 Writes tests/bench/results/tp_decode.md.
 """
 import argparse
+import functools
 import json
 import os
 import pickle
@@ -143,6 +144,22 @@ def wait_quiet(max_s: float, own_cores: float = 0.05, quiet: float = 0.15, windo
         busy = (_busy_seconds() - a) / window - own_cores
         calm = calm + 1 if busy < quiet else 0
     return time.monotonic() - t0
+
+
+def kernel_line() -> str:
+    """The kernel, its timer tick and preemption model (/proc/config.gz when there is one)."""
+    import gzip
+    import platform
+    line = f"Linux {platform.release()}"
+    try:
+        cfg = gzip.decompress(Path("/proc/config.gz").read_bytes()).decode(errors="replace").splitlines()
+    except OSError:
+        return line
+    hz = next((ln.split("=")[1] for ln in cfg if ln.startswith("CONFIG_HZ=")), None)
+    pre = next((ln[len("CONFIG_"):-2] for ln in cfg if ln in ("CONFIG_PREEMPT_NONE=y", "CONFIG_PREEMPT_VOLUNTARY=y",
+                                                             "CONFIG_PREEMPT=y", "CONFIG_PREEMPT_RT=y",
+                                                             "CONFIG_PREEMPT_LAZY=y")), None)
+    return line + (f", CONFIG_HZ={hz} ({1000 / int(hz):g} ms tick)" if hz else "") + (f", {pre}" if pre else "")
 
 
 def busy_now() -> list[str]:
@@ -243,7 +260,8 @@ def run_batch(llm, prompts, out_len, probe) -> dict:
     for op in CommProbe.OPS:
         per_step = [[c for c in s["comm"] if c[0] == op] for s in dec]
         counts = sorted({len(x) for x in per_step})
-        comm[op] = dict(calls_per_step=counts, median_ms=statistics.median(sum(c[1] for c in x) for x in per_step) * 1e3,
+        comm[op] = dict(calls_per_step=counts,
+                        median_ms=statistics.median(sum(c[1] for c in x) for x in per_step) * 1e3,
                         bytes_per_call=sorted({c[2] for x in per_step for c in x}))
     return dict(batch=len(prompts), decode_tok_s=n_tok / span, decode_tokens=n_tok, decode_s=span,
                 decode_steps=len(dec), prefill_steps=k + 1,
@@ -331,9 +349,7 @@ def time_case(case: dict, budget: float, max_iters: int) -> dict:
     if case.get("compute"):
         k, n = case["compute"]
         a, w = torch.randn(case["batch"], k, dtype=dtype), torch.randn(k, n, dtype=dtype) / k ** 0.5
-
-        def work():
-            torch.mm(a, w)
+        work = functools.partial(torch.mm, a, w)
     dist.barrier()
     t0 = time.perf_counter()
     for _ in range(10):
@@ -443,7 +459,8 @@ def report(args, results, gloo, gloo_load, started, cfg, load0, load1, busy0, bu
     base = {r["dtype"]: r for r in results if r["tp"] == 1 and r["threads"] == 2}
     out = [f"# Tensor-parallel decode: {MODEL}, TP=1 vs TP=2 on this CPU ({started})", "",
            f"Command: `{cmd}`", "", f"Code: {code_state()}.", "",
-           f"Machine: {machine_line(machine_info())}; torch {torch.__version__}; both ranks on this machine, "
+           f"Machine: {machine_line(machine_info())}; {kernel_line()}; torch {torch.__version__}; "
+           "both ranks on this machine, "
            f"gloo over loopback (rendezvous 127.0.0.1, GLOO_SOCKET_IFNAME="
            f"{os.environ.get('GLOO_SOCKET_IFNAME') or 'unset'}).",
            f"Model: {MODEL} (the GGUF package's Q4_K_M weights dequantized to the run's dtype): {L} layers, hidden "
@@ -498,7 +515,8 @@ def report(args, results, gloo, gloo_load, started, cfg, load0, load1, busy0, bu
             b0, b1 = min(runs), max(runs)
             x, y = runs[b0]["tokens"][0], runs[b1]["tokens"][0]
             j = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), None)
-            out.append(f"Batch invariance at TP=1 ({dtype}, 2 threads): request 0's tokens at batch {b1} vs batch {b0}: "
+            out.append(f"Batch invariance at TP=1 ({dtype}, 2 threads): request 0's tokens at batch {b1} vs "
+                       f"batch {b0}: "
                        + ("identical." if j is None else f"first differ at token {j}."))
     out += ["", "Startup (s) is `LLM(...)` to ready: mostly the gguf package's reader parsing the 262k-token "
             "vocabulary's metadata (both ranks do it, concurrently at TP=2), not measured in tok/s.", ""]
@@ -593,6 +611,13 @@ def predicted(run, gloo, dtype, b) -> tuple[float | None, float | None]:
 def reading(results, base, gloo) -> list[str]:
     """The numbers above in sentences: why TP=2 is as fast as it is here."""
     out = ["## Reading", ""]
+    for dtype in sorted({g["dtype"] for g in gloo if g["op"] == "all_reduce"}):
+        g = gloo_case(gloo, "all_reduce", dtype, 1)
+        if g:
+            out.append(f"- gloo alone, {dtype}: an all-reduce of one {g['numel']}-value row takes "
+                       f"{g['median_us']:.0f} us "
+                       f"(median) but {g['p90_us']:.0f} us at p90, {g['mean_us']:.0f} us on average (the slower "
+                       "rank's time): a decode step's all-reduces cost their count x that mean, not x the median.")
     for dtype, ref in base.items():
         one = next((r for r in results if r["dtype"] == dtype and r["tp"] == 1 and r["threads"] == 1), None)
         for b, rr in ref["runs"].items():
