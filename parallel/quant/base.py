@@ -19,6 +19,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from parallel.int4 import int4_linear
+from parallel.quant import gguf, gguf_cpu
+
 
 @dataclass
 class QuantizedTensor:
@@ -61,7 +64,6 @@ class Int4Cpu(QuantMethod):
         self.w = w          # parallel.int4.Int4Weight
 
     def matmul(self, layer, x):
-        from parallel.int4 import int4_linear
         return int4_linear(x, self.w)
 
     def nbytes(self, layer):
@@ -111,10 +113,11 @@ class GGUFBlocks(QuantMethod):
             raise ValueError(f"shape mismatch: rows {offset}..{offset + rows} x {cols} do not fit "
                              f"[{self.n}, {self.k}]")
         self.shards[shard_id] = Shard(offset, rows, fmt, data.to(device).contiguous())
+        # Kept in row order, so a forward walks them as they are.
+        self.shards = dict(sorted(self.shards.items(), key=lambda kv: kv[1].offset))
 
     def matmul(self, layer, x):
-        from parallel.quant import gguf, gguf_cpu
-        shards = sorted(self.shards.values(), key=lambda s: s.offset)
+        shards = self.shards.values()
         if x.device.type == "cuda":
             return torch.cat([gguf.matmul(x, s.data, s.fmt, self.k) if s.fmt else F.linear(x, s.data.to(x.dtype))
                               for s in shards], dim=-1)
@@ -142,7 +145,6 @@ class GGUFBlocks(QuantMethod):
 
     def embed(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` of the weight, dequantized (an embedding held as GGUF blocks)."""
-        from parallel.quant import gguf
         (s,) = self.shards.values()
         rows = s.data[ids.reshape(-1)]
         out = gguf.dequantize(rows, s.fmt, self.k, dtype) if s.fmt else rows.to(dtype)
