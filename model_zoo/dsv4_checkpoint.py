@@ -222,18 +222,62 @@ def use_stored(model: torch.nn.Module, fmts: dict[str, str]) -> int:
     return n
 
 
+def official_formats(model: torch.nn.Module) -> dict[str, str]:
+    """{tensor: format} of what the official DeepSeek-V4 checkpoints store
+    quantized, for a built model_zoo model (names in our form, which
+    model_name passes through): every expert's w1 / w2 / w3 in "mxfp4", the
+    other linear projections in "fp8", except the compressors' own kv / gate
+    and the indexer's weights projections (bf16). For `tqserve plan`, which
+    has a config but no checkpoint."""
+    from parallel.linear import LinearBase
+    fmts = {}
+    for name, m in model.named_modules():
+        if isinstance(m, LinearBase):
+            if ".compressor." not in name or name.endswith(".indexer.q_b_proj"):
+                fmts[name + ".weight"] = "fp8"
+        elif hasattr(m, "use_stored") and hasattr(m, "num_experts"):
+            fmts.update({f"{name}.{e}.{k}.weight": "mxfp4" for e in range(m.num_experts) for k in ("w1", "w2", "w3")})
+    return fmts
+
+
+def meta_checkpoint(model: torch.nn.Module, fmts: dict[str, str]) -> Iterator[tuple[str, QuantizedTensor]]:
+    """The stored tensors `fmts` names, at their checkpoint shapes, as empty
+    meta-device QuantizedTensors (scales: fp32 for fp8, E8M0 bytes for
+    mxfp4): load_into(..., partial=True) then allocates on the meta device
+    what a real load would, so the plan counts the layers' own storage."""
+    modules = dict(model.named_modules())
+    meta = dict(device="meta")
+    for name, fmt in fmts.items():
+        ours = model_name(name)
+        m = _EXPERT.match(ours)
+        if m:
+            ex = modules[m.group(1)]
+            rows, cols = (ex.hidden, ex.inter) if _KIND[m.group(3)][0] == "down_proj" else (ex.inter, ex.hidden)
+        else:
+            layer = modules[ours.rpartition(".")[0]]
+            rows, cols = layer.quant.full_shape if layer.quant is not DENSE else tuple(layer.weight.shape)
+        if fmt == "mxfp4":
+            data = torch.empty(rows, cols // 2, dtype=torch.uint8, **meta)
+            scale = torch.empty(rows, cols // 32, dtype=torch.uint8, **meta)
+        else:
+            data = torch.empty(rows, cols, dtype=torch.float8_e4m3fn, **meta)
+            scale = torch.empty(-(-rows // 128), -(-cols // 128), dtype=torch.float32, **meta)
+        yield name, QuantizedTensor(fmt, data, (rows, cols), scale)
+
+
 def dense(t):
     """A checkpoint tensor as a float tensor: a QuantizedTensor dequantized to fp32."""
     return _dequant(t.data, t.scale) if isinstance(t, QuantizedTensor) else t
 
 
-def load_into(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+def load_into(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> None:
     """Load official- or transformers-named tensors (quantised or not) into a
     model_zoo DeepseekV4ForCausalLM. Unknown names and wrong shapes raise; a
     missing tensor raises, except that a checkpoint without any `mtp.*` leaves
     the MTP head unloaded (zeros, model.mtp_loaded False). Tensors that come
     paired with their scale (QuantizedTensor: `--quantization fp8`) go to the
-    layers that keep them as stored (use_stored), or are dequantized here."""
+    layers that keep them as stored (use_stored), or are dequantized here.
+    partial: load what comes and allow the rest missing (meta_checkpoint)."""
     targets = dict(model.named_parameters())
     targets.update(dict(model.named_buffers()))
     seen: set[str] = set()
@@ -289,6 +333,8 @@ def load_into(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]
                 except ValueError as err:
                     raise ValueError(f"{name}: {err}") from err
             seen.add(hf)
+    if partial:
+        return
     expected = {n for n in targets if not n.endswith("inv_freq")}
     missing = sorted(expected - seen)
     mtp_expected = [n for n in expected if n.startswith("mtp.")]

@@ -4,7 +4,9 @@ For a model config (a config.json path, or a built-in name) at a tensor-parallel
 size and a KV cache format, it prints weight bytes per rank, KV bytes per token
 per rank (per layer kind), and how many sequences of each context length fit
 in the memory left on each rank. Every number comes from the formulas printed
-with it (FORMULAS below); nothing is allocated.
+with it (FORMULAS below); the weight bytes are also measured from the
+engine's model built on the meta device (measure_weights), and that count,
+which is what the engine would hold, sizes the KV budget. Nothing is allocated.
 
     python -m server.plan --model DeepSeek-V4-Flash --tp 2 --kv-cache-dtype f16 tq3 \
         --max-model-len 32768 131072 1048576
@@ -135,13 +137,20 @@ class Plan:
     per_sequence_by_kind: dict = field(default_factory=dict)
     sliding_tokens: dict = field(default_factory=dict)   # dense sliding layers: bytes per token, up to window
     notes: list = field(default_factory=list)
+    measured_weight_bytes: float | None = None       # per rank, from the engine's model built on the meta device
+    measured_how: str = ""
+
+    @property
+    def resident_weights(self) -> float:
+        """What the engine holds per rank: measured when the build ran, else the formula."""
+        return self.weight_bytes if self.measured_weight_bytes is None else self.measured_weight_bytes
 
     def seq_bytes(self, L: int) -> float:
         extra = sum(b * min(L, w) for w, b in self.sliding_tokens.items())
         return L * self.kv_per_token + self.per_sequence + extra
 
     def max_seqs(self, L: int, memory: float, reserve: float) -> int:
-        free = memory - reserve - self.weight_bytes
+        free = memory - reserve - self.resident_weights
         return max(0, int(free // self.seq_bytes(L))) if free > 0 else 0
 
 
@@ -252,12 +261,56 @@ def plan_dense(name: str, cfg: dict, tp: int, kv: str) -> Plan:
     return p
 
 
-def make_plan(model: str, tp: int = 2, kv_cache_dtype: str = "f16", rollback: int = 3) -> Plan:
+def is_deepseek_v4(cfg: dict) -> bool:
+    return cfg.get("model_type") == "deepseek_v4" or (cfg.get("architectures") or [""])[0] == "DeepseekV4ForCausalLM"
+
+
+def measure_weights(cfg: dict, tp: int, dtype: str = "bfloat16", quantization: str | None = None,
+                    fmts: dict[str, str] | None = None, rank: int = 0) -> int:
+    """Bytes of weights one rank of the engine holds for cfg, measured from
+    the tensors of its model built on the meta device (no memory) under
+    TP=tp (rank `rank`), as model_zoo.models.resident_bytes counts them at startup.
+    quantization "fp8" (DeepSeek-V4): the layers keep the official
+    checkpoint's FP8 / FP4 tensors (fmts, {tensor: format}; default
+    dsv4_checkpoint.official_formats), loaded as empty meta tensors so each
+    layer allocates its own storage."""
+    import torch
+
+    from model_zoo.models import build_model, resident_bytes
+    from parallel.state import assume_tp
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, dtype))
+    try:
+        with assume_tp(tp, rank), torch.device("meta"):
+            model = build_model(cfg)
+            if quantization == "fp8":
+                if not is_deepseek_v4(cfg):
+                    raise SystemExit("--quantization fp8: only DeepSeek-V4 configs have FP8 / FP4 checkpoints")
+                from model_zoo.dsv4_checkpoint import load_into, meta_checkpoint, official_formats
+                fmts = fmts or official_formats(model)
+                model.use_stored(fmts)
+                load_into(model, meta_checkpoint(model, fmts), partial=True)
+            elif quantization:
+                raise SystemExit(f"--quantization {quantization}: the planner measures none or fp8 "
+                                 f"(a GGUF's bytes are its file's: the startup log reports them)")
+    finally:
+        torch.set_default_dtype(prev)
+    return resident_bytes(model)
+
+
+def make_plan(model: str, tp: int = 2, kv_cache_dtype: str = "f16", rollback: int = 3,
+              dtype: str | None = None, quantization: str | None = "auto") -> Plan:
+    """The formulas' plan; with dtype, also the weights measured from a meta
+    build (quantization "auto": fp8 for DeepSeek-V4, what it is served with)."""
     name, cfg = load_config(model)
-    arch = (cfg.get("architectures") or [""])[0]
-    if cfg.get("model_type") == "deepseek_v4" or arch == "DeepseekV4ForCausalLM":
-        return plan_deepseek_v4(name, cfg, tp, kv_cache_dtype, rollback)
-    return plan_dense(name, cfg, tp, kv_cache_dtype)
+    v4 = is_deepseek_v4(cfg)
+    p = plan_deepseek_v4(name, cfg, tp, kv_cache_dtype, rollback) if v4 else plan_dense(name, cfg, tp, kv_cache_dtype)
+    if dtype:
+        quant = ("fp8" if v4 else None) if quantization == "auto" else quantization
+        p.measured_weight_bytes = measure_weights(cfg, tp, dtype, quant)
+        p.measured_how = f"the engine's model built on the meta device, TP={tp}, {dtype}" + \
+            (f", --quantization {quant}" if quant else "")
+    return p
 
 
 # ---------------------------------------------------------------- CLI
@@ -276,7 +329,11 @@ def report(plans: list[Plan], lens: list[int], memory: float, reserve: float, ou
           f"({p0.tp} x {memory / GB:.0f} GB), reserve {reserve / GB:.0f} GB per rank", file=out)
     for n in p0.notes:
         print("  " + n, file=out)
-    print(f"weights per rank: {_fmt(p0.weight_bytes)}", file=out)
+    if p0.measured_weight_bytes is not None:
+        print(f"weights per rank: {_fmt(p0.measured_weight_bytes)} measured ({p0.measured_how}); "
+              f"the formula: {_fmt(p0.weight_bytes)}", file=out)
+    else:
+        print(f"weights per rank: {_fmt(p0.weight_bytes)} (formula)", file=out)
     for k, v in p0.weight_parts.items():
         print(f"  {k:<40} {_fmt(v)}", file=out)
     for p in plans:
@@ -307,14 +364,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reserve-gb", type=float, default=12.0,
                    help="per rank, kept for the OS, runtime and activations")
     p.add_argument("--rollback", type=int, default=3, help="speculative tokens the DeepSeek-V4 state can roll back")
+    p.add_argument("--dtype", default="bfloat16",
+                   help="dtype of the weights that stay dense, for the measured count ('none': formula only)")
+    p.add_argument("--quantization", default="auto",
+                   help="fp8 (DeepSeek-V4's FP8 / FP4 kept as stored) or none; auto: fp8 for DeepSeek-V4")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
 
 
 def run(args: argparse.Namespace) -> int:
-    plans = [make_plan(args.model, args.tp, kv, args.rollback) for kv in args.kv_cache_dtype]
+    dtype = None if args.dtype.lower() == "none" else args.dtype
+    quant = None if args.quantization.lower() == "none" else args.quantization
+    plans = [make_plan(args.model, args.tp, kv, args.rollback, dtype if i == 0 else None, quant)
+             for i, kv in enumerate(args.kv_cache_dtype)]
+    for p in plans[1:]:
+        p.measured_weight_bytes, p.measured_how = plans[0].measured_weight_bytes, plans[0].measured_how
     memory, reserve = args.memory_gb * GB, args.reserve_gb * GB
     if args.json:
-        json.dump([dict(model=p.name, tp=p.tp, kv_cache_dtype=p.kv_cache_dtype, weight_bytes_per_rank=p.weight_bytes,
+        json.dump([dict(model=p.name, tp=p.tp, kv_cache_dtype=p.kv_cache_dtype, weight_bytes_per_rank=p.resident_weights,
+                        weight_bytes_per_rank_formula=p.weight_bytes,
                         kv_bytes_per_token_per_rank=p.kv_per_token, kv_bytes_per_token_by_kind=p.kv_per_token_by_kind,
                         per_sequence_bytes=p.per_sequence,
                         max_seqs={L: p.max_seqs(L, memory, reserve) for L in args.max_model_len})

@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from test_deepseek_v4 import CONFIG, quantise_checkpoint, randomise
 
+import model_zoo.dsv4_checkpoint as ckpt
+
 from engine import LLM, SamplingParams
 from model_zoo.deepseek_v4 import DeepseekV4ForCausalLM, Experts
 from model_zoo.hf_loader import open_hf_dir
@@ -34,6 +36,7 @@ from parallel.quant import fp8_block, fp_methods, mxfp4
 from parallel.quant.base import QuantizedTensor
 from parallel.quant.fp_methods import ExpertWeights, Fp8Block
 from parallel.state import assume_tp
+from server import plan
 
 V = CONFIG["vocab_size"]
 
@@ -129,6 +132,27 @@ def test_engine_fp8_equals_dequantized_model(tiny_fp):
     print(f"resident: {dense.core.resident_bytes} B dequantized (fp32) -> {quant.core.resident_bytes} B; "
           f"experts {ex} B = 0.53125 B/param; fp8 layers {sum(m.quant.nbytes(m) for m in fp8) / fp8_params:.4f} "
           f"B/param (tiny matrices: one fp32 scale per <= 128x128)")
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_plan_measures_what_a_load_allocates(tiny_fp, tp):
+    """`tqserve plan`'s weight bytes (server.plan.measure_weights: a meta-device
+    build fed empty meta tensors) equal what loading the real checkpoint
+    allocates, per rank; and the fp8 default is the official checkpoints'
+    layout (compressor kv / gate projections stay dense)."""
+    path, _ = tiny_fp
+    src = open_hf_dir(path)
+    for rank in range(tp):
+        loaded = resident_bytes(load(path, stored=True, tp=tp, rank=rank))
+        measured = plan.measure_weights(src.config, tp, "float32", "fp8", fmts=src.stored, rank=rank)
+        assert measured == loaded, (tp, rank)
+    with torch.device("meta"):
+        official = ckpt.official_formats(build_model(CONFIG))
+    stored = {ckpt.model_name(k): f for k, f in src.stored.items()}
+    assert official.items() < stored.items()
+    assert set(stored) - set(official) == {
+        k for k in stored if ".compressor." in k and not k.endswith("indexer.q_b_proj.weight")}
+    assert plan.measure_weights(CONFIG, 1, "float32", "fp8") < 0.5 * plan.measure_weights(CONFIG, 1, "float32")
 
 
 def test_bf16_model_equals_dequantized(tiny_fp):

@@ -2,6 +2,8 @@
 model and its cache state actually hold."""
 import json
 
+import pytest
+
 from server import plan
 from test_deepseek_v4 import CONFIG, Case
 
@@ -62,15 +64,32 @@ def test_dense_models():
     assert g.seq_bytes(100_000) - g.seq_bytes(50_000) == 50_000 * g.kv_per_token
 
 
+@pytest.mark.parametrize("model,quant,within", [("deepseek-v4-flash", "auto", 2e-4), ("qwen3", "auto", 1e-5),
+                                                 ("gemma3", "auto", 1e-4), ("deepseek-v4-flash", None, 0)])
+def test_measured_weights_agree_with_the_formulas(model, quant, within):
+    """The engine's model built on the meta device (its layers' own storage,
+    FP8 / FP4 for DeepSeek-V4 as its checkpoints store them) against the
+    formulas, at the real sizes: DeepSeek-V4-Flash 80.5 GB per rank at TP=2,
+    ~3.6x that with the experts dequantized to bf16."""
+    p = plan.make_plan(model, 2, "f16", dtype="bfloat16", quantization=quant)
+    if quant is None:
+        assert 3.5 < p.measured_weight_bytes / p.weight_bytes < 3.7
+        return
+    assert abs(p.measured_weight_bytes / p.weight_bytes - 1) <= within, (p.measured_weight_bytes, p.weight_bytes)
+    assert p.resident_weights == p.measured_weight_bytes
+
+
 def test_config_json_path_and_cli(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(plan.BUILTIN["deepseek-v4-flash"]()))
     assert plan.main(["--model", str(tmp_path), "--kv-cache-dtype", "f16", "tq3",
                       "--max-model-len", "1048576"]) == 0
     out = capsys.readouterr().out
     assert "formulas" in out and "1048576" in out and "tq3" in out
-    assert plan.main(["--model", "DeepSeek-V4-Flash", "--json", "--max-model-len", "1048576"]) == 0
+    assert "measured (the engine's model built on the meta device, TP=2, bfloat16, --quantization fp8)" in out
+    assert plan.main(["--model", "DeepSeek-V4-Flash", "--json", "--max-model-len", "1048576", "--dtype", "none"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data[0]["kv_bytes_per_token_per_rank"] == 6880
+    assert data[0]["weight_bytes_per_rank"] == data[0]["weight_bytes_per_rank_formula"]
     import argparse
     sub = argparse.ArgumentParser().add_subparsers()
     plan.add_parser(sub)
