@@ -34,3 +34,22 @@ def make_prompts(tok, n, lo, hi, seed):
         s = rng.randrange(0, len(ids) - L)
         out.append(ids[s:s + L])
     return out
+
+
+def machine() -> dict:
+    """What a result ran on: the CPU's model and flags (engine.cpu_features),
+    torch, the commit, and the load average (another process on a 2-core
+    machine distorts a run)."""
+    import os
+    import subprocess
+
+    import torch
+
+    from engine.cpu_features import cpu_info
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {"cpu": cpu_info().as_dict(), "cpu_line": cpu_info().line(), "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(), "commit": commit, "loadavg": list(os.getloadavg())}
