@@ -3,6 +3,9 @@ dtype is fast on it (engine/auto_defaults.py), recorded by every benchmark.
 
 torch's own probes (torch.cpu._is_*_supported, what its kernels dispatch on)
 where it has them; /proc/cpuinfo for the model name and the aarch64 features.
+TQSERVE_CPU_FEATURES (a comma list of CpuInfo's flags, or "none") replaces the
+probes: another machine's defaults reproduced here, and the test suite's
+defaults the same on every CI machine (tests/conftest.py).
 """
 from __future__ import annotations
 
@@ -13,6 +16,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
+
+
+FLAGS = ("avx2", "avx512", "avx512_bf16", "amx", "vnni", "arm_bf16")
 
 
 @dataclass(frozen=True)
@@ -36,7 +42,7 @@ class CpuInfo:
         return self.avx512_bf16 or self.amx or self.arm_bf16
 
     def flags(self) -> list[str]:
-        return [f for f in ("avx2", "avx512", "avx512_bf16", "amx", "vnni", "arm_bf16") if getattr(self, f)]
+        return [f for f in FLAGS if getattr(self, f)]
 
     def line(self) -> str:
         return (f"{self.model} ({self.arch}; {', '.join(self.flags()) or 'no avx2 / avx512 / amx / bf16'}; "
@@ -72,8 +78,17 @@ def cpu_info() -> CpuInfo:
         capability = torch.backends.cpu.get_cpu_capability()
     except Exception:
         capability = "unknown"
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    forced = os.environ.get("TQSERVE_CPU_FEATURES")
+    if forced is not None:
+        names = {f.strip() for f in forced.split(",") if f.strip() and f.strip() != "none"}
+        known = set(FLAGS)
+        if names - known:
+            raise ValueError(f"TQSERVE_CPU_FEATURES: unknown {', '.join(sorted(names - known))}; "
+                             f"known: {', '.join(FLAGS)}, none")
+        return CpuInfo(model=model + " [features from TQSERVE_CPU_FEATURES]", arch=arch, capability=capability,
+                       cpus=cpus, **{f: f in names for f in FLAGS})
     return CpuInfo(model=model, arch=arch, capability=capability,
                    avx2=_probe("avx2"), avx512=_probe("avx512"), avx512_bf16=_probe("avx512_bf16"),
                    amx=_probe("amx_tile"), vnni=_probe("vnni") or "avx512_vnni" in flags,
-                   arm_bf16=arch in ("aarch64", "arm64") and "bf16" in flags,
-                   cpus=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+                   arm_bf16=arch in ("aarch64", "arm64") and "bf16" in flags, cpus=cpus)

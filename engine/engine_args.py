@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field, replace
 DEVICES = ("auto", "cuda", "cpu")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
+QUANTIZATIONS = ("auto", "none", "int4", "gguf", "fp8")
 
 
 def parse_memory(s: str) -> int | float:
@@ -65,19 +66,22 @@ class EngineArgs:
     kv_protect_layers: int = arg(0, "keep the first and last N layers' KV in f16")
     kv_hot: str = arg("k", "TurboQuant layers: also hold each sequence's first and newest block int8 "
                            "(keys, or keys and values) and read those from there", choices=["off", "k", "kv"])
-    dtype: str = arg("auto", "weights and activations; auto: bfloat16 on CUDA, float32 on CPU "
-                             "(bfloat16 is ~2.5-4x faster on CPUs with AVX512-BF16/AMX)", choices=list(DTYPES))
+    dtype: str = arg("auto", "weights and activations; auto: bfloat16 on CUDA and on CPUs that compute in bf16 "
+                             "(AVX512-BF16, AMX, aarch64 BF16), else float32 (engine/auto_defaults.py)",
+                     choices=list(DTYPES))
     device: str = arg("auto", "auto: cuda when torch.cuda.is_available(), else cpu", choices=list(DEVICES))
     load_format: str = arg("auto", "auto: the checkpoint's weights; dummy: small random weights on the device, "
                                    "nothing read but config.json (benchmark shapes without weights)",
                            choices=list(LOAD_FORMATS))
     enforce_eager: bool = arg(False, "CUDA: never capture CUDA graphs")
-    quantization: str | None = arg(None, "int4: run the checkpoint's 4-bit weights (GGUF Q4_1) with torch's "
-                                         "int4 CPU kernel, needs dtype bfloat16; gguf: keep a .gguf file's "
-                                         "quantized linear weights as stored (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, "
-                                         "Q6_K; CPU: dequantized layer by layer, CUDA: Triton kernels); fp8: "
-                                         "keep a DeepSeek-V4 checkpoint's FP8 and FP4 weights as stored",
-                                   choices=["int4", "gguf", "fp8"])
+    quantization: str | None = arg("auto", "auto: gguf for a .gguf file's quantized weights on the CPU, else "
+                                           "none (engine/auto_defaults.py); none: weights dequantized to dtype at "
+                                           "load; int4: run the checkpoint's 4-bit weights (GGUF Q4_1) with "
+                                           "torch's int4 CPU kernel, needs dtype bfloat16; gguf: keep a .gguf "
+                                           "file's quantized linear weights as stored (Q8_0, Q4_0, Q4_1, Q4_K, "
+                                           "Q5_K, Q6_K; CPU: compiled kernels, CUDA: Triton kernels); fp8: keep "
+                                           "a DeepSeek-V4 checkpoint's FP8 and FP4 weights as stored",
+                                   choices=list(QUANTIZATIONS))
     seed: int = arg(0, "random seed of the engine (requests without a seed)")
     max_rollback_tokens: int = arg(0, "how far a step may roll a sequence back (speculative decoding); sizes "
                                       "ring-buffered state (DeepSeek-V4 window / carry)")
@@ -94,6 +98,9 @@ class EngineArgs:
         None, 'speculative decoding, as vLLM spells it: {"method": "ngram" | "mtp", "num_speculative_tokens": k, '
               '"prompt_lookup_min": n, "prompt_lookup_max": n, "disable_by_batch_size": b}', type=parse_json_object)
 
+    # Why each "auto" resolved as it did (resolved() fills it; not a flag).
+    auto_reasons: dict = field(default_factory=dict, repr=False, compare=False)
+
     def validate(self) -> None:
         import torch     # here, not at import: the protocol layer imports this module
         if self.device not in DEVICES:
@@ -109,8 +116,8 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
-        if self.quantization not in (None, "int4", "gguf", "fp8"):
-            raise ValueError(f"unknown quantization {self.quantization!r}; supported: int4, gguf, fp8")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"unknown quantization {self.quantization!r}; supported: {', '.join(QUANTIZATIONS)}")
         if self.quantization in ("gguf", "fp8") and self.load_format == "dummy":
             raise ValueError(f"quantization {self.quantization} keeps the checkpoint's weights as stored; "
                              f"load_format dummy has none")
@@ -121,7 +128,7 @@ class EngineArgs:
                              "kernel): add device cpu, or drop quantization")
         if self.quantization == "int4" and self.load_format == "dummy":
             raise ValueError("quantization int4 packs the checkpoint's 4-bit weights; load_format dummy has none")
-        if self.quantization == "int4" and self.dtype != "bfloat16":
+        if self.quantization == "int4" and self.dtype not in ("bfloat16", "auto"):
             raise ValueError("quantization int4 runs with bf16 activations: add dtype bfloat16")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
@@ -158,16 +165,35 @@ class EngineArgs:
             return "cuda" if torch.cuda.is_available() else "cpu"
         return self.device
 
-    def resolved(self) -> "EngineArgs":
-        """A validated copy with every "auto" that depends on the machine made
-        concrete (device, dtype), so that nothing downstream decides again."""
+    def resolved(self, stored: dict[str, str] | None = None) -> "EngineArgs":
+        """A validated copy with every "auto" that depends on the machine or
+        the checkpoint made concrete (device, dtype, quantization: see
+        engine/auto_defaults.py), so that nothing downstream decides again;
+        `auto_reasons` says why, per setting. stored: the opened checkpoint's
+        {tensor: format} kept-as-stored candidates (ModelSource.stored); None:
+        not known, quantization auto is none."""
+        from engine import auto_defaults
+        from parallel.quant.gguf import QTYPES
         self.validate()
         device = self.resolved_device()
-        dtype = self.dtype if self.dtype != "auto" else "bfloat16" if device == "cuda" else "float32"
+        reasons = {}
+        dtype = self.dtype
+        if dtype == "auto":
+            c = auto_defaults.choose_dtype(device)
+            dtype, reasons["dtype"] = c.value, c.reason
+        quant = None if self.quantization == "none" else self.quantization
+        if quant == "auto":
+            c = auto_defaults.choose_quantization(device, stored or {}, QTYPES, self.tensor_parallel_size,
+                                                  self.load_format) \
+                if stored is not None else auto_defaults.Choice(None, "checkpoint not opened")
+            quant, reasons["quantization"] = c.value, c.reason
+        if quant == "int4" and dtype != "bfloat16":
+            raise ValueError("quantization int4 runs with bf16 activations: add dtype bfloat16")
         spec = self.speculative()
         # Rejected drafts are rolled back: ring-buffered state must keep that many positions.
         rollback = max(self.max_rollback_tokens, spec.num_speculative_tokens if spec else 0)
-        return replace(self, device=device, dtype=dtype, max_rollback_tokens=rollback)
+        return replace(self, device=device, dtype=dtype, quantization=quant, max_rollback_tokens=rollback,
+                       auto_reasons=reasons)
 
     def to_dict(self) -> dict:
         return asdict(self)

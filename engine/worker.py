@@ -47,7 +47,12 @@ class Worker:
     (calibrate, measure the budget, plan, allocate)."""
 
     def __init__(self, args: EngineArgs, source=None, rank: int = 0, start_local_ranks: bool = True):
-        self.args = args = args.resolved()
+        args.validate()
+        self.source = source or open_model(args.model, weights=args.load_format != "dummy")
+        self.args = args = args.resolved(self.source.stored)
+        if args.auto_reasons and rank == 0:
+            log.info("auto settings: %s", "; ".join(f"{k} {getattr(args, k) or 'none'} ({why})"
+                                                    for k, why in args.auto_reasons.items()))
         self.rank = rank
         self.local_followers = []     # processes of this node's other ranks, when this one started them
         if args.num_threads:
@@ -56,7 +61,6 @@ class Worker:
         self.t0 = time.monotonic()
         self.device = torch.device(args.device)
         self.spec = args.speculative()
-        self.source = source or open_model(args.model, weights=args.load_format != "dummy")
         self._init_distributed(start_local_ranks)
         self.model = self._load_model()
         self.caches = self._init_kv_caches()

@@ -165,7 +165,8 @@ def pair_env(tmp_path, fake_dir) -> dict:
             "TQSERVE_MASTER_ADDR": "192.168.100.10", "TQSERVE_MASTER_PORT": "29501",
             "TQSERVE_DISTRIBUTED_TIMEOUT": "120", "TQSERVE_HOST": "0.0.0.0", "TQSERVE_PORT": "8000",
             "TQSERVE_API_KEY_FILE": str(key), "TQSERVE_SERVED_MODEL_NAME": "a b",
-            "TQSERVE_DEVICE": "cuda", "TQSERVE_DTYPE": "bfloat16", "TQSERVE_KV_CACHE_DTYPE": "tq4",
+            "TQSERVE_DEVICE": "cuda", "TQSERVE_DTYPE": "bfloat16", "TQSERVE_QUANTIZATION": "fp8",
+            "TQSERVE_KV_CACHE_DTYPE": "tq4",
             "TQSERVE_MAX_MODEL_LEN": "4096", "TQSERVE_GPU_MEMORY_UTILIZATION": "0.85",
             "TQSERVE_DRAIN_TIMEOUT": "30", "TQSERVE_LOG_LEVEL": "info",
             "TQSERVE_EXTRA_ARGS": "--max-num-seqs 8  --enforce-eager"}
@@ -178,7 +179,7 @@ def test_launcher_leader(tmp_path, fake_bin):
                     "--master-port", "29501", "--distributed-timeout", "120",
                     "--host", "0.0.0.0", "--port", "8000", "--served-model-name", "a", "b",
                     "--drain-timeout", "30", "--device", "cuda", "--dtype", "bfloat16",
-                    "--kv-cache-dtype", "tq4", "--max-model-len", "4096", "--gpu-memory-utilization", "0.85",
+                    "--quantization", "fp8", "--kv-cache-dtype", "tq4", "--max-model-len", "4096", "--gpu-memory-utilization", "0.85",
                     "--log-level", "info", "--max-num-seqs", "8", "--enforce-eager", "--seed", "7"]
     assert key == "k3y-0123"                          # in the environment, never in argv
     assert not any("k3y" in a for a in argv)
@@ -190,7 +191,7 @@ def test_launcher_follower(tmp_path, fake_bin):
     assert argv == ["serve", "--model", "/srv/models/m", "--tensor-parallel-size", "2",
                     "--nnodes", "2", "--node-rank", "1", "--master-addr", "192.168.100.10",
                     "--master-port", "29501", "--distributed-timeout", "120", "--headless",
-                    "--device", "cuda", "--dtype", "bfloat16", "--kv-cache-dtype", "tq4",
+                    "--device", "cuda", "--dtype", "bfloat16", "--quantization", "fp8", "--kv-cache-dtype", "tq4",
                     "--max-model-len", "4096", "--gpu-memory-utilization", "0.85",
                     "--log-level", "info", "--max-num-seqs", "8", "--enforce-eager"]
     assert key == "<unset>"

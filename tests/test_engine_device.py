@@ -45,7 +45,7 @@ def test_auto_resolves_in_one_place(monkeypatch, cuda):
     r = EngineArgs().resolved()
     assert (r.device, r.dtype) == (("cuda", "bfloat16") if cuda else ("cpu", "float32"))
     assert EngineArgs(dtype="float16").resolved().dtype == "float16"
-    assert EngineArgs(device="cpu").resolved() == EngineArgs(device="cpu", dtype="float32")
+    assert EngineArgs(device="cpu").resolved() == EngineArgs(device="cpu", dtype="float32", quantization=None)
     assert EngineArgs().device == "auto"       # the caller's args are not changed
 
 
@@ -60,7 +60,8 @@ def test_auto_resolves_in_one_place(monkeypatch, cuda):
     (dict(quantization="int4", dtype="bfloat16", device="cuda"), True, "int4 is not supported on CUDA"),
     (dict(quantization="int4", dtype="bfloat16"), True, "int4 is not supported on CUDA"),   # auto -> cuda
     (dict(quantization="int4", dtype="bfloat16", load_format="dummy"), False, "dummy"),
-    (dict(quantization="int4"), False, "bfloat16"),
+    (dict(quantization="int4", dtype="float32"), False, "bfloat16"),
+    (dict(quantization="int4"), False, "bfloat16"),          # dtype auto: float32 on conftest's AVX2 CPU
 ])
 def test_engine_args_reject_clearly(monkeypatch, kw, cuda, match):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)

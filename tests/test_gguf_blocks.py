@@ -26,12 +26,12 @@ from parallel.quant.gguf import QTYPES, row_bytes
 
 # Two prompts in one batch: a CPU step dequantizes every layer once whatever the batch.
 PROMPTS = ["The capital of France is", "def add(a, b):\n    return"]
-ARGS = dict(kv_cache_memory=32 << 20, max_model_len=256)
+ARGS = dict(kv_cache_memory=32 << 20, max_model_len=256, dtype="float32")
 
 
 @pytest.fixture(scope="module", params=REAL_MODELS)
 def pair(request):
-    dense = LLM(request.param, **ARGS)
+    dense = LLM(request.param, quantization="none", **ARGS)
     blocks = LLM(request.param, quantization="gguf", **ARGS)
     return request.param, dense, blocks
 

@@ -22,7 +22,7 @@ def pair(request):
     hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     hf.eval()
     hf.generation_config.eos_token_id = None     # both sides run exactly max_tokens (ignore_eos)
-    llm = LLM(request.param, kv_cache_memory=256 << 20, max_model_len=2048)
+    llm = LLM(request.param, kv_cache_memory=256 << 20, max_model_len=2048, dtype="float32", quantization="none")
     return request.param, hf, llm
 
 

@@ -145,6 +145,7 @@ if [[ -n ${TQSERVE_DEVICE:-} ]]; then
     esac
 fi
 [[ -z ${TQSERVE_DTYPE:-} ]] || args+=(--dtype "$TQSERVE_DTYPE")
+[[ -z ${TQSERVE_QUANTIZATION:-} ]] || args+=(--quantization "$TQSERVE_QUANTIZATION")
 [[ -z ${TQSERVE_KV_CACHE_DTYPE:-} ]] || args+=(--kv-cache-dtype "$TQSERVE_KV_CACHE_DTYPE")
 [[ -z ${TQSERVE_KV_CACHE_MEMORY:-} ]] || args+=(--kv-cache-memory "$TQSERVE_KV_CACHE_MEMORY")
 if [[ -n ${TQSERVE_MAX_MODEL_LEN:-} ]]; then
