@@ -53,10 +53,10 @@ def profile(model, config, batch, steps, prompt_len):
     from torch.profiler import profile as tprofile
 
     from engine import LLM, SamplingParams
-    llm = LLM(model, kv_cache_memory=512 << 20, max_model_len=prompt_len + steps + 64, enable_prefix_caching=False,
+    llm = LLM(model, kv_cache_memory=512 << 20, max_model_len=prompt_len + 2 * steps + 64, enable_prefix_caching=False,
               **engine_kwargs(config))
     prompts = make_prompts(llm.tokenizer, batch, prompt_len, prompt_len, seed=1)
-    sp = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_tokens=2 * steps + 8, ignore_eos=True)
     for p in prompts:
         llm.add_request(p, sp)
     while llm.core.scheduler.waiting or any(r.num_computed_tokens < len(r.prompt_token_ids)
@@ -64,6 +64,11 @@ def profile(model, config, batch, steps, prompt_len):
         llm.step()                                  # prefill, outside the profile
     for _ in range(3):
         llm.step()                                  # warm decode steps
+    clean = []
+    for _ in range(steps):                          # the same steps without the profiler's own cost
+        t0 = time.perf_counter()
+        llm.step()
+        clean.append(time.perf_counter() - t0)
     walls = []
     with tprofile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
@@ -75,17 +80,19 @@ def profile(model, config, batch, steps, prompt_len):
     llm.close()
     # Self time of the leaf ops: what the CPU spent computing (and in op
     # dispatch below Python); the rest of the wall time is host overhead.
-    by_op, count = defaultdict(float), 0
+    by_op, calls, count = defaultdict(float), defaultdict(int), 0
     for e in prof.events():
         by_op[e.name] += e.self_cpu_time_total / 1e3
+        calls[e.name] += 1
         count += 1
     wall_ms = 1e3 * sum(walls) / steps
     ops_ms = sum(v for k, v in by_op.items() if not k.startswith("ProfilerStep")) / steps
     top = sorted(by_op.items(), key=lambda kv: -kv[1])[:10]
     return {"config": config, "resolved": resolved, "batch": batch, "steps": steps,
-            "wall_ms": wall_ms, "op_self_ms": ops_ms, "host_ms": wall_ms - ops_ms,
+            "unprofiled_wall_ms": 1e3 * sum(clean) / steps, "wall_ms": wall_ms, "op_self_ms": ops_ms, "host_ms": wall_ms - ops_ms,
             "host_share": (wall_ms - ops_ms) / wall_ms, "ops_per_step": count / steps,
-            "top_ops_ms_per_step": [(k, v / steps) for k, v in top]}
+            "top_ops_ms_per_step": [(k, v / steps) for k, v in top],
+            "most_called_per_step": [(k, v / steps) for k, v in sorted(calls.items(), key=lambda kv: -kv[1])[:10]]}
 
 
 def main():
@@ -108,14 +115,17 @@ def main():
             res["runs"].append(r)
     m = res["machine"]
     lines = [f"Decode step profile, {args.model}, prompts of {args.prompt_len} tokens, {args.steps} profiled steps "
-             f"after 3 warm ones (torch.profiler, CPU). host = wall - the ops' summed self time (ops: aten ops and the compiled GGUF / TurboQuant kernels). Machine: "
+             f"after 3 warm ones (torch.profiler, CPU; recording ~10k events per step costs time of its own, so the profiled wall is above the unprofiled one). host = profiled wall - the ops' summed self time (ops: aten ops and the compiled GGUF / TurboQuant kernels). Machine: "
              f"{m['cpu_line']}; torch {m['torch']}, {m['torch_threads']} threads; commit {m['commit']}.", "",
-             "| config | resolves to | batch | wall ms/step | ops ms/step | host ms/step | host share | ops/step | "
-             "top ops (ms/step) |", "|---|---|---|---|---|---|---|---|---|"]
+             "| config | resolves to | batch | wall ms/step (no profiler) | wall ms/step (profiled) | ops ms/step | "
+             "host ms/step | host share | ops/step | top ops (ms/step) | most called (per step) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["runs"]:
         top = ", ".join(f"{k} {v:.2f}" for k, v in r["top_ops_ms_per_step"][:4])
-        lines.append(f"| {r['config']} | {r['resolved']} | {r['batch']} | {r['wall_ms']:.1f} | {r['op_self_ms']:.1f} | "
-                     f"{r['host_ms']:.1f} | {100 * r['host_share']:.0f}% | {r['ops_per_step']:.0f} | {top} |")
+        most = ", ".join(f"{k} {v:.0f}" for k, v in r["most_called_per_step"][:4])
+        lines.append(f"| {r['config']} | {r['resolved']} | {r['batch']} | {r['unprofiled_wall_ms']:.1f} | "
+                     f"{r['wall_ms']:.1f} | {r['op_self_ms']:.1f} | {r['host_ms']:.1f} | {100 * r['host_share']:.0f}% | "
+                     f"{r['ops_per_step']:.0f} | {top} | {most} |")
     stem = args.out or f"step_profile_{args.model}"
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / f"{stem}.json").write_text(json.dumps(res, indent=1))
