@@ -114,10 +114,13 @@ def test_gemv(name):
         for m in (1, 3, 8, 11, 20):        # 11, 20: two and three passes of 8 rows
             x = torch.randn(m, k, generator=g)
             check_gemv(gguf_cpu.gemv(x, raw, name, k), x, w)
-        xb = torch.randn(3, k, generator=g).to(torch.bfloat16)
-        y = gguf_cpu.gemv(xb, raw, name, k)
-        assert y.dtype == torch.bfloat16
-        check_gemv(y, xb, w)
+        for m in (1, 3, 11):
+            xb = torch.randn(m, k, generator=g).to(torch.bfloat16)
+            y = gguf_cpu.gemv(xb, raw, name, k)
+            assert y.dtype == torch.bfloat16
+            check_gemv(y, xb, w)
+            # bf16 in and out (gguf_gemv_bf16): the fp32 product rounded once, bit for bit
+            assert same_bits(y, gguf_cpu.gemv(xb.float(), raw, name, k).to(torch.bfloat16)), (name, n, m)
 
 
 def test_gemv_into_columns_and_strided_x():
@@ -129,6 +132,10 @@ def test_gemv_into_columns_and_strided_x():
     check_gemv(y[:, 4:44], x, w)
     assert (y[:, :4] == 7).all() and (y[:, 44:] == 7).all()
     assert gguf_cpu.gemv(torch.empty(0, k), raw, "Q4_1", k).shape == (0, 40)
+    xb, yb = x.to(torch.bfloat16), torch.full((3, 50), 7.0, dtype=torch.bfloat16)     # bf16: the same
+    gguf_cpu.gemv(xb, raw, "Q4_1", k, out=yb[:, 4:44])
+    assert same_bits(yb[:, 4:44], gguf_cpu.gemv(xb.float(), raw, "Q4_1", k).to(torch.bfloat16))
+    assert (yb[:, :4] == 7).all() and (yb[:, 44:] == 7).all()
 
 
 def test_matmul_backends():

@@ -124,6 +124,8 @@ class GGUFBlocks(QuantMethod):
         x2 = x.reshape(-1, self.k)
         if x2.shape[0] <= gguf_cpu.GEMV_MAX_M and x.device.type == "cpu" and gguf_cpu.reason(x.dtype) is None:
             # A few rows (decode): the compiled fused GEMV per shard, into its columns of y.
+            if len(self.shards) == 1 and (s := next(iter(shards))).fmt and s.rows == self.n:
+                return gguf_cpu.gemv(x2, s.data, s.fmt, self.k).view(*x.shape[:-1], self.n)
             y = torch.empty(x2.shape[0], self.n, dtype=x.dtype)
             for s in shards:
                 cols = y[:, s.offset:s.offset + s.rows]

@@ -57,6 +57,8 @@ def _lib() -> ctypes.CDLL:
     lib.gguf_dequant.argtypes = [ptr, i64, i64, i32, i64, ptr, i64, i32, i32]
     lib.gguf_gemv.restype = i32
     lib.gguf_gemv.argtypes = [ptr, i64, i64, ptr, i64, i64, i32, i64, ptr, i64, i32]
+    lib.gguf_gemv_bf16.restype = i32
+    lib.gguf_gemv_bf16.argtypes = [ptr, i64, i64, ptr, i64, i64, i32, i64, ptr, i64, i32]
     return lib
 
 
@@ -133,6 +135,12 @@ def gemv(x: torch.Tensor, raw: torch.Tensor, qtype: str, k: int, out: torch.Tens
         raise ValueError(f"out must be a CPU [{m}, {n}] tensor with unit column stride, got "
                          f"{out.dtype} {tuple(out.shape)} strides {out.stride()}")
     if m == 0 or n == 0:
+        return out
+    if x.dtype == out.dtype == torch.bfloat16:
+        xb = x if x.stride(1) == 1 else x.contiguous()
+        rc = _lib().gguf_gemv_bf16(xb.data_ptr(), xb.stride(0), m, raw.data_ptr(), raw.stride(0), n, g, k,
+                                   out.data_ptr(), out.stride(0), torch.get_num_threads())
+        assert rc == 0, rc
         return out
     xf = x.to(torch.float32)
     if xf.stride(1) != 1:
