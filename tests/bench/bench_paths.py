@@ -23,6 +23,17 @@ def kv_args(preset: str) -> dict:
     return {"kv_cache_dtype": name, **({"kv_hot": hot} if hot else {})}
 
 
+def variant_args(config: str) -> dict:
+    """Engine arguments for a variant "DTYPE[:QUANTIZATION][/KV]" ("float32",
+    "bfloat16:gguf", "bfloat16:gguf/f16"); no quantization is "none" (dense),
+    and "auto" is the engine's defaults on this machine."""
+    if config == "auto":
+        return {}
+    head, _, kv = config.partition("/")
+    dtype, _, quant = head.partition(":")
+    return {"dtype": dtype, "quantization": quant or "none", **({"kv_cache_dtype": kv} if kv else {})}
+
+
 def make_prompts(tok, n, lo, hi, seed):
     """n token-id prompts of lo..hi tokens, random slices of the data text."""
     text = DATA.read_text()

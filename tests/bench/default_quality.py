@@ -19,7 +19,7 @@ import json
 import math
 import time
 
-from bench_paths import DATA, OUT, log, machine  # puts the repo on sys.path
+from bench_paths import DATA, OUT, log, machine, variant_args  # puts the repo on sys.path
 
 CHATS = ["What is the capital of France?", "Write a haiku about the sea.",
          "Explain in two sentences why the sky is blue.", "List three uses of a paperclip.",
@@ -28,19 +28,11 @@ CHATS = ["What is the capital of France?", "Write a haiku about the sea.",
 REFERENCE = "float32"
 
 
-def engine_kwargs(config: str) -> dict:
-    if config == "auto":
-        return {}
-    head, _, kv = config.partition("/")
-    dtype, _, quant = head.partition(":")
-    return {"dtype": dtype, "quantization": quant or None, **({"kv_cache_dtype": kv} if kv else {})}
-
-
 def measure(model, config, num_seqs, seq_len):
     from engine import LLM, SamplingParams
     t0 = time.time()
     llm = LLM(model, kv_cache_memory=512 << 20, max_model_len=seq_len + 64, enable_prefix_caching=False,
-              **engine_kwargs(config))
+              **variant_args(config))
     _, ids = llm.encode(DATA.read_text()[: num_seqs * seq_len * 8])
     seqs = [ids[i * seq_len:(i + 1) * seq_len] for i in range(num_seqs)]
     outs = llm.generate(seqs, SamplingParams(max_tokens=0, prompt_logprobs=0))

@@ -18,14 +18,7 @@ import json
 import time
 from collections import defaultdict
 
-from bench_paths import OUT, log, machine, make_prompts  # puts the repo on sys.path
-
-
-def engine_kwargs(config):
-    if config == "auto":
-        return {}
-    dtype, _, quant = config.partition(":")
-    return {"dtype": dtype, "quantization": quant or "none"}
+from bench_paths import OUT, log, machine, make_prompts, variant_args  # puts the repo on sys.path
 
 
 # The compiled CPU kernels are called through ctypes, not as torch ops: the
@@ -54,7 +47,7 @@ def profile(model, config, batch, steps, prompt_len):
 
     from engine import LLM, SamplingParams
     llm = LLM(model, kv_cache_memory=512 << 20, max_model_len=prompt_len + 2 * steps + 64, enable_prefix_caching=False,
-              **engine_kwargs(config))
+              **variant_args(config))
     prompts = make_prompts(llm.tokenizer, batch, prompt_len, prompt_len, seed=1)
     sp = SamplingParams(temperature=0, max_tokens=2 * steps + 8, ignore_eos=True)
     for p in prompts:
