@@ -79,6 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest request body; larger gets 413")
     s.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
+    # Longer than the clients' own idle-connection expiry (httpx 5 s, aiohttp 15 s): with
+    # uvicorn's 5 s a pooled connection can be closed by the server just as the client
+    # reuses it, and the request fails with "Server disconnected without sending a response".
+    s.add_argument("--timeout-keep-alive", type=int, default=30,
+                   help="seconds an idle HTTP keep-alive connection stays open")
     s.add_argument("--headless", action="store_true",
                    help="a follower node of a multi-node tensor-parallel group (--node-rank > 0): run this "
                         "node's ranks only, no HTTP; exits when the leader stops")
@@ -194,7 +199,7 @@ async def _serve(args, model: str, keys: list[str], sock: socket.socket, url: st
     # ended (finish_reason "abort" and [DONE] after --drain-timeout).
     config = uvicorn.Config(create_app(state), lifespan="off", access_log=False, log_config=None,
                             log_level=args.log_level, timeout_graceful_shutdown=5,
-                            timeout_keep_alive=5)
+                            timeout_keep_alive=args.timeout_keep_alive)
     server = _Server(config, state, args.drain_timeout)
     died = []
 

@@ -2,6 +2,7 @@
 TQSERVE_API_KEY), 429 with Retry-After when the waiting queue is full, and
 SIGTERM draining (in-flight work finishes or is cut at the grace period; exit 0)."""
 import asyncio
+import http.client
 import json
 import threading
 import time
@@ -75,6 +76,20 @@ def test_429_when_queue_full(server):
     assert err["type"] == "rate_limit_error" and err["code"] == "rate_limit_exceeded"
     # The official client sees a RateLimitError (no retries here).
     assert issubclass(openai.RateLimitError, openai.APIStatusError)
+
+
+def test_idle_connection_outlives_the_clients_pool(server):
+    # httpx (the openai client) reuses a pooled connection for up to 5 s idle; a server
+    # that closes idle connections at 5 s too races it, and the request that reuses
+    # the closing socket fails with "Server disconnected without sending a response".
+    conn = http.client.HTTPConnection(server.url.removeprefix("http://"), timeout=30)
+    for pause in (0, 6.0):
+        time.sleep(pause)
+        conn.request("GET", "/health")
+        r = conn.getresponse()
+        assert r.status == 200 and not r.will_close
+        r.read()
+    conn.close()
 
 
 def test_sigterm_drains_and_exits_0(server):
