@@ -30,11 +30,10 @@ from torch import nn
 
 from kvcache.dsv4_state import DSV4Batch, DSV4SequenceState
 from kvcache.spec import DSV4LayerSpec
+from model_zoo.fused_moe import RoutedExperts
 from parallel.linear import (ColumnParallelLinear, ParallelLMHead, ReplicatedLinear, RowParallelLinear,
                              VocabParallelEmbedding)
-from parallel.quant import fp_methods
 from parallel.quant.base import DENSE
-from parallel.quant.moe import moe_forward
 from parallel.state import all_reduce, get_tp_rank, get_tp_size
 
 CSA, HCA, SWA = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
@@ -245,53 +244,9 @@ class SharedMLP(nn.Module):
         return self.down_proj.partial(F.silu(g) * u)     # no all-reduce: the MoE sums once
 
 
-class Experts(nn.Module):
-    """This rank's routed experts (tensor parallel: whole experts, a contiguous
-    range of ids), dense gate_up_proj [E, 2I, H] / down_proj [E, H, I], or as
-    stored (use_stored: `quant` holds them). Both run moe_forward."""
-
-    def __init__(self, c: dict):
-        super().__init__()
-        E, H, I = c["n_routed_experts"], c["hidden_size"], c["moe_intermediate_size"]
-        tp = get_tp_size()
-        if E % tp:
-            raise ValueError(f"n_routed_experts ({E}) is not divisible by the tensor-parallel size ({tp})")
-        self.num_experts, self.limit = E, c["swiglu_limit"]
-        self.hidden, self.inter = H, I
-        self.num_local = E // tp
-        self.first = get_tp_rank() * self.num_local     # global id of this rank's first expert
-        self.gate_up_proj = param(self.num_local, 2 * I, H)
-        self.down_proj = param(self.num_local, H, I)
-        for p in (self.gate_up_proj, self.down_proj):
-            p.weight_loader = self.weight_loader
-        self.quant = DENSE
-
-    def use_stored(self, fmt: str) -> None:
-        """Keep the checkpoint's per-expert tensors in fmt ("mxfp4" | "fp8");
-        on the meta-built model: the dense tensors become empty placeholders."""
-        self.quant = fp_methods.ExpertWeights(fmt, self.num_local, self.hidden, self.inter)
-        for name in ("gate_up_proj", "down_proj"):
-            old = getattr(self, name)
-            p = nn.Parameter(torch.empty(0, dtype=old.dtype, device=old.device), requires_grad=False)
-            p.weight_loader = self.weight_loader
-            setattr(self, name, p)
-
-    def weight_loader(self, param, loaded, shard_id=None):
-        """The full [E, ...] tensor (transformers' fused layout) -> this rank's range."""
-        if self.quant is not DENSE:
-            raise ValueError(f"these experts keep their {self.quant.fmt} weights as stored; the checkpoint gives "
-                             f"the fused dense tensor")
-        if loaded.shape[0] != self.num_experts or loaded.shape[1:] != param.shape[1:]:
-            raise ValueError(f"shape mismatch: expected {(self.num_experts, *param.shape[1:])}, "
-                             f"got {tuple(loaded.shape)}")
-        param.data.copy_(loaded[self.first:self.first + self.num_local])
-
-    def forward(self, x, idx, w):   # x [T, H], idx/w [T, k] (global expert ids)
-        local = idx - self.first    # ids of other ranks fall outside [0, num_local): skipped
-        if self.quant is not DENSE:
-            return self.quant.forward(x, local, w, self.limit)
-        return moe_forward(x, local, w, self.gate_up_proj, self.down_proj, "bf16", self.limit,
-                           backend=fp_methods.BACKEND)
+def Experts(c: dict) -> RoutedExperts:
+    """This rank's routed experts with DeepSeek-V4's clamped SwiGLU (model_zoo.fused_moe)."""
+    return RoutedExperts(c["n_routed_experts"], c["hidden_size"], c["moe_intermediate_size"], c["swiglu_limit"])
 
 
 class Router(nn.Module):

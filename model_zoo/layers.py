@@ -5,11 +5,14 @@ Numerics follow transformers' modeling code exactly (which dtype each step
 runs in), because logit parity with it is the model zoo's contract.
 """
 import math
+import re
 from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from model_zoo.fused_moe import EXPERT_PARTS
 
 
 class RMSNorm(nn.Module):
@@ -156,6 +159,10 @@ PACKED = {
 }
 
 
+# `<prefix>.experts.<e>.<proj>.weight`: one routed expert's tensor (model_zoo.fused_moe).
+_EXPERT_TENSOR = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
 def packed_target(hf_name: str, packed: dict[str, tuple[str, object]]) -> tuple[str, object]:
     """(our parameter name, shard id or None) of an HF tensor name."""
     module, _, leaf = hf_name.rpartition(".")
@@ -208,10 +215,21 @@ def load_packed_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Ten
             expected.add(name)
 
     seen = set()
+    pieces: dict[str, set] = {}     # stacked expert parameter -> the (expert, part) tensors loaded
     for hf_name, tensor in weights:
         if hf_name.endswith(ignore):
             continue
         name, shard = packed_target(hf_name, packed)
+        expert = _EXPERT_TENSOR.match(hf_name)
+        if expert and name not in params:
+            # One expert's projection (HF checkpoints) -> its rows of the stacked tensor.
+            dst, part = EXPERT_PARTS[expert["proj"]]
+            name, shard = f"{expert['prefix']}.{dst}", (int(expert["e"]), part)
+            if name in params:
+                got = pieces.setdefault(name, set())
+                got.add(shard)
+                if len(got) == getattr(params[name], "expert_pieces", 0):
+                    seen.add(name)      # all of them came: the stacked tensor is whole
         param = params.get(name)
         if param is None:
             raise ValueError(f"unknown checkpoint tensor {hf_name!r} for {type(model).__name__}")

@@ -64,12 +64,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: dict, layer_idx: int, attn: LlamaAttention, mlp_bias: bool):
+    def __init__(self, config: dict, layer_idx: int, attn: LlamaAttention, mlp: nn.Module):
         super().__init__()
         eps = config.get("rms_norm_eps", 1e-6)
         self.self_attn = attn
-        self.mlp = LlamaMLP(config["hidden_size"], config["intermediate_size"], mlp_bias,
-                            config.get("hidden_act", "silu"))
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config["hidden_size"], eps)
         self.post_attention_layernorm = RMSNorm(config["hidden_size"], eps)
 
@@ -120,12 +119,15 @@ class LlamaForCausalLM(nn.Module):
         for i in range(config["num_hidden_layers"]):
             attn = LlamaAttention(config, i, head_dim, qkv_bias, o_bias, self.qk_norm, rope,
                                   self.sliding_windows[i])
-            layers.append(LlamaDecoderLayer(config, i, attn, mlp_bias))
+            layers.append(LlamaDecoderLayer(config, i, attn, self._mlp(config, i, mlp_bias)))
         self.model = LlamaModel(config, layers)
         self.tie_word_embeddings = config.get("tie_word_embeddings", False)
         self.lm_head = ParallelLMHead(config["vocab_size"], hidden)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def _mlp(self, config: dict, layer_idx: int, bias: bool) -> nn.Module:
+        return LlamaMLP(config["hidden_size"], config["intermediate_size"], bias, config.get("hidden_act", "silu"))
 
     def _sliding_windows(self, config: dict) -> list[int | None]:
         n = config["num_hidden_layers"]

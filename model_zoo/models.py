@@ -8,12 +8,14 @@ from torch import nn
 from model_zoo.deepseek_v4 import DeepseekV4ForCausalLM
 from model_zoo.gemma3 import Gemma3ForCausalLM
 from model_zoo.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from model_zoo.qwen3_moe import Qwen3MoeForCausalLM
 
 # HF `architectures[0]` -> class.
 ARCHITECTURES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
 }
@@ -23,6 +25,7 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
     "qwen2": Qwen2ForCausalLM,
     "qwen3": Qwen3ForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
     "gemma3_text": Gemma3ForCausalLM,
 }
 

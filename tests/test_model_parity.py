@@ -43,6 +43,12 @@ CONFIGS = {
         architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=288, hidden_size=64,
         intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
         head_dim=32, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False),
+    "qwen3_moe": dict(   # 8 experts, top 3 renormalised; layer 1 dense (mlp_only_layers), 2 sparse
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=288, hidden_size=64,
+        intermediate_size=96, moe_intermediate_size=48, num_experts=8, num_experts_per_tok=3,
+        norm_topk_prob=True, mlp_only_layers=[1], decoder_sparse_step=1, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        tie_word_embeddings=False),
     "gemma3": dict(    # gemma-3-270m's shape, shrunk: 1 KV head, 5 sliding + 1 global layer
         architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", vocab_size=300,
         hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
@@ -55,6 +61,7 @@ HF = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
 }
 
@@ -310,6 +317,45 @@ def test_load_weights_rejects_bad_checkpoints():
     assert torch.equal(tied.lm_head.weight, gemma_sd["model.embed_tokens.weight"])
 
 
+def per_expert(sd: dict) -> dict:
+    """transformers' fused expert tensors as a Hugging Face checkpoint stores them:
+    experts.{e}.gate_proj / up_proj / down_proj.weight."""
+    out = {}
+    for k, v in sd.items():
+        prefix, _, leaf = k.rpartition(".")
+        if leaf == "gate_up_proj":
+            for e, t in enumerate(v):
+                g, u = t.chunk(2)
+                out[f"{prefix}.{e}.gate_proj.weight"], out[f"{prefix}.{e}.up_proj.weight"] = g, u
+        elif leaf == "down_proj" and prefix.endswith(".experts"):
+            out.update({f"{prefix}.{e}.down_proj.weight": t for e, t in enumerate(v)})
+        else:
+            out[k] = v
+    return out
+
+
+def test_moe_loads_per_expert_tensors():
+    """Qwen3-MoE from per-expert tensors (a hub checkpoint) = from transformers' fused
+    ones; a missing or out-of-range expert raises, naming it."""
+    case = _cases.get("qwen3_moe") or Case("qwen3_moe")
+    sd = per_expert(case.hf.state_dict())
+    assert "model.layers.0.mlp.experts.7.down_proj.weight" in sd and "model.layers.1.mlp.gate_proj.weight" in sd
+    model = build_model(case.config)
+    model.load_weights(sd.items())
+    for name, p in case.ours.named_parameters():
+        assert torch.equal(p, model.get_parameter(name)), name
+
+    with pytest.raises(ValueError, match=r"model.layers.2.mlp.experts.gate_up_proj"):
+        build_model(case.config).load_weights(
+            (k, v) for k, v in sd.items() if k != "model.layers.2.mlp.experts.5.up_proj.weight")
+    bad = dict(sd, **{"model.layers.0.mlp.experts.8.gate_proj.weight": torch.zeros(48, 64)})
+    with pytest.raises(ValueError, match=r"experts.8.gate_proj.weight: expert 8 out of range"):
+        build_model(case.config).load_weights(bad.items())
+    bad = dict(sd, **{"model.layers.0.mlp.experts.3.down_proj.weight": torch.zeros(48, 64)})
+    with pytest.raises(ValueError, match=r"experts.3.down_proj.weight: shape mismatch"):
+        build_model(case.config).load_weights(bad.items())
+
+
 def test_build_model_rejects_unknown_architectures():
     with pytest.raises(ValueError, match="MambaForCausalLM.*LlamaForCausalLM.*Gemma3ForCausalLM"):
         build_model({"architectures": ["MambaForCausalLM"], "model_type": "mamba"})
@@ -321,7 +367,7 @@ def test_build_model_rejects_unknown_architectures():
 
 # ---------------------------------------------------------------- tensor parallel
 
-TP_KEYS = ["llama", "qwen2", "gemma3"]   # KV heads split (2/2), odd vocab, KV head replicated (1 < 2)
+TP_KEYS = ["llama", "qwen2", "gemma3", "qwen3_moe"]   # KV heads split (2/2), odd vocab, KV head replicated (1 < 2), experts split (4/4)
 
 
 def _tp_worker(rank: int, world: int, init_file: str, out_file: str) -> None:

@@ -39,8 +39,13 @@ def toks(outs):
 
 @pytest.mark.parametrize("spec", PRESETS)
 def test_preset_engine_invariants(tiny_dir, spec):
+    preset_invariants(tiny_dir, spec)
+
+
+def preset_invariants(tiny_dir: str, spec: str) -> None:
     """Compact versions of test_engine_tiny's batch-invariance, chunked-prefill,
-    prefix-cache and preemption checks, with this KV format."""
+    prefix-cache and preemption checks, with this KV format, on the token-id
+    model saved at tiny_dir (vocabulary 256)."""
     preset, _, hot = spec.partition(":")
     kw = {"kv_hot": hot} if hot else {}
     llm = LLM(tiny_dir, block_size=4, kv_cache_memory=MEM, kv_cache_dtype=preset, **kw)

@@ -25,6 +25,19 @@ def save_tiny_qwen3(path):
     return _save_sharpened(Qwen3ForCausalLM(cfg), path)
 
 
+def save_tiny_qwen3_moe(path):
+    """A 3-layer Qwen3-MoE (8 experts, top 2 renormalised; layer 1 dense through
+    mlp_only_layers), sharpened as the llama; saved with one tensor per expert,
+    as hub checkpoints are; returns it."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                         num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
+                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                         max_position_embeddings=512, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    return _save_sharpened(Qwen3MoeForCausalLM(cfg), path)
+
+
 def _save_sharpened(m, path):
     m = m.float()
     with torch.no_grad():
