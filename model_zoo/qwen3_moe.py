@@ -55,8 +55,11 @@ class SparseMoeBlock(nn.Module):
         return all_reduce(self.experts(x, idx, w))
 
 
+def is_sparse_layer(config: dict, layer_idx: int) -> bool:
+    return (layer_idx not in (config.get("mlp_only_layers") or []) and num_experts(config) > 0
+            and (layer_idx + 1) % config.get("decoder_sparse_step", 1) == 0)
+
+
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     def _mlp(self, config: dict, layer_idx: int, bias: bool) -> nn.Module:
-        sparse = (layer_idx not in (config.get("mlp_only_layers") or []) and num_experts(config) > 0
-                  and (layer_idx + 1) % config.get("decoder_sparse_step", 1) == 0)
-        return SparseMoeBlock(config) if sparse else super()._mlp(config, layer_idx, bias)
+        return SparseMoeBlock(config) if is_sparse_layer(config, layer_idx) else super()._mlp(config, layer_idx, bias)

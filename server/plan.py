@@ -83,6 +83,12 @@ BUILTIN = {
         architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=5120,
         intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8,
         head_dim=128, tie_word_embeddings=False, max_position_embeddings=40960),
+    "qwen3-30b-a3b": lambda: dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
+        intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, tie_word_embeddings=False,
+        max_position_embeddings=40960),
     "gemma3-27b": lambda: dict(
         architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", vocab_size=262208, hidden_size=5376,
         intermediate_size=21504, num_hidden_layers=62, num_attention_heads=32, num_key_value_heads=16,
@@ -90,7 +96,7 @@ BUILTIN = {
         max_position_embeddings=131072),
 }
 ALIASES = {"deepseek-v4": "deepseek-v4-flash", "flash": "deepseek-v4-flash", "pro": "deepseek-v4-pro",
-           "qwen3": "qwen3-32b", "gemma3": "gemma3-27b"}
+           "qwen3": "qwen3-32b", "qwen3-moe": "qwen3-30b-a3b", "gemma3": "gemma3-27b"}
 
 
 def load_config(model: str) -> tuple[str, dict]:
@@ -230,8 +236,15 @@ def plan_dense(name: str, cfg: dict, tp: int, kv: str) -> Plan:
     hd = cfg.get("head_dim") or H // nh
     I, V = cfg["intermediate_size"], cfg["vocab_size"]
     BF16 = 2.0
-    per_layer = (H * nh * hd * 2 + H * nkv * hd * 2) + 3 * H * I
-    p.weight_parts["layers (split)"] = L * per_layer * BF16 / tp
+    attn = H * nh * hd * 2 + H * nkv * hd * 2
+    sparse = moe_layers(cfg)
+    p.weight_parts["layers (split)"] = (L * attn + (L - len(sparse)) * 3 * H * I) * BF16 / tp
+    if sparse:
+        from model_zoo.qwen3_moe import num_experts
+        E, Im = num_experts(cfg), cfg["moe_intermediate_size"]
+        p.weight_parts[f"routed experts, {E}/t per rank"] = len(sparse) * E * 3 * H * Im * BF16 / tp
+        p.weight_parts["routers (replicated)"] = len(sparse) * E * H * BF16
+        p.notes.append(f"MoE: {len(sparse)} sparse layers, {E} experts x {Im}, top {cfg['num_experts_per_tok']}")
     p.weight_parts["norms (replicated)"] = L * (2 * H + (4 if "gemma" in cfg.get("model_type", "") else 0) * H) * BF16
     tied = cfg.get("tie_word_embeddings", False)
     p.weight_parts["embedding + head (split)"] = (1 if tied else 2) * V * H * BF16 / tp
@@ -259,6 +272,14 @@ def plan_dense(name: str, cfg: dict, tp: int, kv: str) -> Plan:
         p.per_sequence_by_kind[f"sliding layers, up to {window} tokens (f16)"] = p.sliding_tokens[window] * window
     p.notes.append(f"layers: {full} full, {sliding} sliding; {nkv} KV heads x {hd}")
     return p
+
+
+def moe_layers(cfg: dict) -> list[int]:
+    """Indices of the routed-expert layers of a Qwen3-MoE-style config (none for dense models)."""
+    if "moe_intermediate_size" not in cfg:
+        return []
+    from model_zoo.qwen3_moe import is_sparse_layer
+    return [i for i in range(cfg["num_hidden_layers"]) if is_sparse_layer(cfg, i)]
 
 
 def is_deepseek_v4(cfg: dict) -> bool:

@@ -59,13 +59,19 @@ def test_dense_models():
     assert q.kv_per_token == 64 * (8 // 2) * 2 * 128 * 2          # layers x heads/rank x (K, V) x hd x 2 B
     q3 = plan.make_plan("qwen3", 2, "tq3")
     assert q3.kv_per_token == 64 * 4 * 2 * (128 * 3 / 8 + 2)
+    m = plan.make_plan("qwen3-moe", 2, "f16")                       # Qwen3-30B-A3B: 30.5B parameters
+    assert m.kv_per_token == 48 * (4 // 2) * 2 * 128 * 2
+    assert m.weight_parts["routed experts, 128/t per rank"] == 48 * 128 * 3 * 2048 * 768 * 2 / 2
+    ranks, bf16 = 2, 2
+    assert 30.4e9 < m.weight_bytes * ranks / bf16 < 30.6e9           # parameters (routers counted twice)
     g = plan.make_plan("gemma3", 2, "f16")
     assert g.kv_per_token == (62 // 6) * 8 * 2 * 128 * 2           # full layers only grow with L
     assert g.seq_bytes(100_000) - g.seq_bytes(50_000) == 50_000 * g.kv_per_token
 
 
 @pytest.mark.parametrize("model,quant,within", [("deepseek-v4-flash", "auto", 2e-4), ("qwen3", "auto", 1e-5),
-                                                 ("gemma3", "auto", 1e-4), ("deepseek-v4-flash", None, 0)])
+                                                 ("gemma3", "auto", 1e-4), ("qwen3-moe", "auto", 1e-5),
+                                                 ("deepseek-v4-flash", None, 0)])
 def test_measured_weights_agree_with_the_formulas(model, quant, within):
     """The engine's model built on the meta device (its layers' own storage,
     FP8 / FP4 for DeepSeek-V4 as its checkpoints store them) against the
