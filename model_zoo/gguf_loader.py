@@ -15,6 +15,7 @@ modeling_gguf_pytorch_utils does):
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Iterator
 
@@ -47,16 +48,17 @@ ARCHS = {
     "qwen2": {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "rope_theta": 1000000.0},
     "qwen3": {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "rope_theta": 1000000.0},
     "gemma3": {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"], "rope_theta": 1000000.0},
+    "qwen3moe": {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "rope_theta": 1000000.0},
 }
 
 _LAYER_PARAMS = {
     "base": [
         "input_layernorm.weight", "post_attention_layernorm.weight",
         "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
-        "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
     ],
     "qwen2": ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"],
     "qwen3": ["self_attn.q_norm.weight", "self_attn.k_norm.weight"],
+    "qwen3moe": ["self_attn.q_norm.weight", "self_attn.k_norm.weight"],
     "gemma3": [
         "self_attn.q_norm.weight", "self_attn.k_norm.weight",
         "pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight",
@@ -71,9 +73,17 @@ EOG_TEXTS = frozenset({
 })
 
 
+# Every layer's MLP: dense, or (MoE archs, all layers sparse in llama.cpp) the router and the
+# experts as one [E, ...] tensor per projection (ffn_*_exps).
+_MLP = {"dense": ["mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"],
+        "qwen3moe": ["mlp.gate.weight", "mlp.experts.gate_proj.weight", "mlp.experts.up_proj.weight",
+                     "mlp.experts.down_proj.weight"]}
+_STACKED_EXPERTS = re.compile(r"^(.*\.experts)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
 def hf_param_names(arch: str, num_layers: int) -> list[str]:
     """Every parameter name the HF model for `arch` has (lm_head included)."""
-    per_layer = _LAYER_PARAMS["base"] + _LAYER_PARAMS.get(arch, [])
+    per_layer = _LAYER_PARAMS["base"] + _LAYER_PARAMS.get(arch, []) + _MLP.get(arch, _MLP["dense"])
     names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
     for i in range(num_layers):
         names += [f"model.layers.{i}.{p}" for p in per_layer]
@@ -142,7 +152,7 @@ def build_config(meta: dict, tensor_names: set[str], path: Path) -> dict:
         "model_type": facts["model_type"],
         "architectures": list(facts["architectures"]),
         "hidden_size": hidden,
-        "intermediate_size": int(need("feed_forward_length")),
+        "intermediate_size": int(need("expert_feed_forward_length" if arch == "qwen3moe" else "feed_forward_length")),
         "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "num_key_value_heads": int(kv_heads),
@@ -183,8 +193,13 @@ def build_config(meta: dict, tensor_names: set[str], path: Path) -> dict:
     else:
         config["rope_parameters"] = {**(rope_scaling or {"rope_type": "default"}), "rope_theta": rope_theta}
         config["hidden_act"] = "silu"
-        if arch in ("llama", "qwen3"):
+        if arch in ("llama", "qwen3", "qwen3moe"):
             config["attention_bias"] = False
+        if arch == "qwen3moe":
+            # llama.cpp: every layer routed, top-k weights renormalised (its norm_w = true)
+            config.update(num_experts=int(need("expert_count")), num_experts_per_tok=int(need("expert_used_count")),
+                          moe_intermediate_size=int(need("expert_feed_forward_length")), norm_topk_prob=True,
+                          decoder_sparse_step=1, mlp_only_layers=[])
         if arch == "llama":
             config["mlp_bias"] = False
     return config
@@ -296,9 +311,10 @@ def open_gguf(path: str | Path) -> ModelSource:
     from parallel.quant.base import QuantizedTensor
     from parallel.quant.gguf import qtype_name
     # Linear weights in a type the GGUF kernels take: kept as stored with --quantization gguf.
+    # Routed experts are dequantized (no grouped GGUF MoE kernel yet).
     blocks = {hf: qtype_name(int(t.tensor_type)) for t, hf in plan
               if hf.endswith(("proj.weight", "embed_tokens.weight", "lm_head.weight"))
-              and qtype_name(int(t.tensor_type))}
+              and not _STACKED_EXPERTS.match(hf) and qtype_name(int(t.tensor_type))}
 
     def permuted(arr: np.ndarray, name: str) -> np.ndarray:
         # Rows are output features, dense or blocks alike.
@@ -309,32 +325,37 @@ def open_gguf(path: str | Path) -> ModelSource:
         return arr
 
     def gguf_blocks() -> Iterator[tuple[str, object]]:
-        dense = weights(skip=blocks)
         for t, hf in plan:
             if hf not in blocks:
-                yield next(dense)
+                yield from dense(t, hf)
                 continue
             raw = np.ascontiguousarray(permuted(np.asarray(t.data).reshape(int(t.shape[1]), -1), t.name))
             yield hf, QuantizedTensor(blocks[hf], torch.from_numpy(raw.copy()),
                                       (int(t.shape[1]), int(t.shape[0])))
 
-    def weights(skip=()) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights() -> Iterator[tuple[str, torch.Tensor]]:
         for t, hf in plan:
-            if hf in skip:
-                continue
-            try:
-                arr = gguf.quants.dequantize(t.data, t.tensor_type)
-                arr = arr.reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
-            except Exception as e:
-                raise ModelLoadError(
-                    f"{path}: cannot dequantize tensor {t.name} ({t.tensor_type.name}): {type(e).__name__}: {e}"
-                ) from e
-            arr = permuted(arr, t.name)
-            if norm_offset and t.name.endswith("norm.weight"):
-                arr = arr - np.float32(1.0)
-            if arr.dtype != np.float32 or not arr.flags.writeable or not arr.flags.c_contiguous:
-                # F32 tensors are views into the read-only memmap: copy those only
-                arr = np.array(arr, dtype=np.float32, copy=True, order="C")
+            yield from dense(t, hf)
+
+    def dense(t, hf: str) -> Iterator[tuple[str, torch.Tensor]]:
+        try:
+            arr = gguf.quants.dequantize(t.data, t.tensor_type)
+            arr = arr.reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
+        except Exception as e:
+            raise ModelLoadError(
+                f"{path}: cannot dequantize tensor {t.name} ({t.tensor_type.name}): {type(e).__name__}: {e}"
+            ) from e
+        arr = permuted(arr, t.name)
+        if norm_offset and t.name.endswith("norm.weight"):
+            arr = arr - np.float32(1.0)
+        if arr.dtype != np.float32 or not arr.flags.writeable or not arr.flags.c_contiguous:
+            # F32 tensors are views into the read-only memmap: copy those only
+            arr = np.array(arr, dtype=np.float32, copy=True, order="C")
+        stacked = _STACKED_EXPERTS.match(hf)
+        if stacked:     # [E, ...] -> one tensor per expert, as HF checkpoints name them
+            for e in range(arr.shape[0]):
+                yield f"{stacked[1]}.{e}.{stacked[2]}.weight", torch.from_numpy(arr[e])
+        else:
             yield hf, torch.from_numpy(arr)
 
     return ModelSource(
@@ -345,7 +366,8 @@ def open_gguf(path: str | Path) -> ModelSource:
         chat_template=chat_template,
         eos_token_ids=eos_ids(meta, tokenizer),
         _weights_fn=weights,
-        num_tensors=len(plan),
+        # what the streams yield: stacked experts come one expert at a time
+        num_tensors=sum(int(t.shape[-1]) if _STACKED_EXPERTS.match(hf) else 1 for t, hf in plan),
         stored=blocks,
         _stored_fn=gguf_blocks,
     )
