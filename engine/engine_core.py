@@ -94,9 +94,8 @@ class EngineCore(Worker):
         args = self.args
         self._init_scheduler(self.caches)
         self._init_speculation()
-        per_seq = (f" + {self.plan.state_bytes_per_seq} B/sequence of window/carry state"
-                   if hasattr(self.plan, "state_bytes_per_seq") else
-                   f" + {self.plan.hot_bytes_per_seq} B/sequence of hot tokens" if self.plan.hot_bytes_per_seq else "")
+        per_seq = "".join(f" + {b} B/sequence of {what}" for b, what in (
+            (self.plan.state_bytes_per_seq, "fixed state"), (self.plan.hot_bytes_per_seq, "hot tokens")) if b)
         log.info("engine ready in %.1fs: %s on %s%s, max_model_len %d, KV %d tokens x %s B/token (%s)%s, "
                  "%.1f MiB", time.monotonic() - self.t0, args.model, self.device,
                  f" x {self.tp} tensor-parallel ranks" if self.tp > 1 else "", self.max_model_len, self.plan.capacity_tokens,
@@ -108,8 +107,9 @@ class EngineCore(Worker):
         args = self.args
         caching = args.enable_prefix_caching and self.plan.prefix_caching
         if args.enable_prefix_caching and not caching:
-            log.info("prefix caching off: this model's cache holds per-sequence state (sliding-window ring, "
-                     "compressor carry) that is not block-addressable")
+            log.info("prefix caching off: this model's cache holds per-sequence state (DeepSeek-V4's sliding "
+                     "ring and compressor carry, linear-attention layers' recurrent state) that is not "
+                     "block-addressable")
         self.kv = KVCacheManager(self.plan.groups, self.plan.num_blocks, args.block_size, caching,
                                  max_rollback=self.plan.max_rollback)
         self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.max_num_batched_tokens,
@@ -127,6 +127,9 @@ class EngineCore(Worker):
             hot_bytes_per_seq=self.plan.hot_bytes_per_seq, compression_ratio=self.plan.compression_ratio)
 
     def _init_speculation(self) -> None:
+        if self.spec and self.plan.max_rollback is not None and self.plan.max_rollback < self.spec.num_speculative_tokens:
+            raise ValueError(f"speculative decoding rolls back rejected drafts, and this model's cache can roll "
+                             f"back {self.plan.max_rollback} tokens (linear-attention state keeps no checkpoints)")
         self.proposer = make_proposer(self.spec, self.runner) if self.spec else None
         if self.spec:
             self.stats.spec_decode_num_accepted_tokens_per_pos = [0] * self.spec.num_speculative_tokens

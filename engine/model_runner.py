@@ -160,7 +160,10 @@ class ModelRunner:
                 flat = np.fromiter(chain.from_iterable(tg), np.int64, total)
                 first = np.cumsum(ln) - ln
                 bt[np.repeat(np.arange(B), ln), np.arange(total) - np.repeat(first, ln)] = flat
-            np.add(bt[seq_of_tok, blk] * bs, off, out=slots)
+            if self.kv.groups[g].per_seq:
+                slots[:] = bt[seq_of_tok, 0]      # a per-sequence state: its one slot
+            else:
+                np.add(bt[seq_of_tok, blk] * bs, off, out=slots)
             np.maximum(bt, 0, out=bt)             # NULL_BLOCK -> 0, masked by position
 
         plan = StepPlan(host, offs, widths, qsl.tolist(), seq_lens.tolist(),

@@ -146,7 +146,8 @@ class Worker:
                                f"another number: the ranks' shards differ")
         caches = allocate_kv_caches(specs, self.plan, cdtype, self.device)
         if isinstance(cdtype, KVPolicy) and isinstance(caches, list):
-            log.info("KV formats by layer: %s", cdtype.describe(specs, self.plan.layer_bytes_per_token))
+            log.info("KV formats by layer: %s", cdtype.describe([s for s in specs if not s.per_seq],
+                                                                 self.plan.layer_bytes_per_token))
         set_key_means(caches, key_means)
         if args.max_model_len is not None:
             if args.max_model_len > self.plan.capacity_tokens:

@@ -34,11 +34,12 @@ class KVGroup:
 
 
 def group_layers(specs: list[LayerSpec]) -> list[KVGroup]:
-    groups: dict[int | None, KVGroup] = {}
+    groups: dict[tuple, KVGroup] = {}
     for s in specs:
-        groups.setdefault(s.sliding_window, KVGroup(s.sliding_window, [])).layer_ids.append(s.layer_idx)
+        groups.setdefault((s.per_seq, s.sliding_window),
+                          KVGroup(s.sliding_window, [], per_seq=s.per_seq)).layer_ids.append(s.layer_idx)
     # Full attention first: group 0 is the one whose capacity bounds context.
-    return sorted(groups.values(), key=lambda g: (g.sliding_window is not None, g.sliding_window or 0))
+    return sorted(groups.values(), key=lambda g: (g.per_seq, g.sliding_window is not None, g.sliding_window or 0))
 
 
 @dataclass

@@ -7,6 +7,7 @@ import torch
 from kvcache.dense_cache import DenseLayerCache
 from kvcache.kv_formats import KVPolicy, is_preset
 from kvcache.kv_manager import KVGroup, group_layers
+from kvcache.linear_state import LinearStateCache
 from kvcache.spec import DSV4LayerSpec, LayerSpec
 
 DTYPES = {"f32": torch.float32, "float32": torch.float32, "f16": torch.float16,
@@ -31,6 +32,8 @@ def kv_dtype(name: str, model_dtype: torch.dtype, k: str | None = None, v: str |
 def make_layer_cache(spec: LayerSpec, num_blocks: int, block_size: int, dtype, group_id: int,
                      num_layers: int | None = None, hot_blocks: int = 0, hot_group_id: int | None = None,
                      device: str | torch.device = "cpu"):
+    if spec.per_seq:    # a fixed per-sequence state (never compressed): one slot per 'block'
+        return LinearStateCache(spec, num_blocks, group_id, device)
     if isinstance(dtype, KVPolicy):
         return dtype.make_layer_cache(spec, num_blocks, block_size, group_id,
                                       num_layers if num_layers is not None else spec.layer_idx + 1,
@@ -116,10 +119,15 @@ class KVPlan:
         """Hot-token bytes a running sequence holds: its first and newest block."""
         return sum(2 * b for g, b in zip(self.groups, self.block_bytes) if g.hot)
 
+    @property
+    def state_bytes_per_seq(self) -> int:
+        """Bytes of the fixed per-sequence state (linear-attention layers) a running sequence holds."""
+        return sum(b for g, b in zip(self.groups, self.block_bytes) if g.per_seq)
+
     def bytes_per_token_by_kind(self) -> dict[str, int]:
         out = {}
         for g in self.groups:
-            if g.hot:       # per sequence, not per token (hot_bytes_per_seq)
+            if g.hot or g.per_seq:       # per sequence, not per token (hot_bytes_per_seq, state_bytes_per_seq)
                 continue
             kind = "full" if g.sliding_window is None else f"sliding_{g.sliding_window}"
             out[kind] = sum(self.layer_bytes_per_token[i] for i in g.layer_ids)
@@ -147,7 +155,7 @@ def plan_kv_pool(specs: list[LayerSpec], budget_bytes: int, block_size: int, dty
     layer_block = {i: make_layer_cache(s, 1, block_size, dtype, 0, nl).nbytes for i, s in by_idx.items()}
     f16_block = {i: make_layer_cache(s, 1, block_size, torch.float16, 0, nl).nbytes for i, s in by_idx.items()}
     block_bytes = [sum(layer_block[i] for i in g.layer_ids) for g in groups]
-    hot = {i: dtype.hot_block_bytes(s, block_size, nl) for i, s in by_idx.items()} \
+    hot = {i: dtype.hot_block_bytes(s, block_size, nl) for i, s in by_idx.items() if not s.per_seq} \
         if isinstance(dtype, KVPolicy) else {}
     if any(hot.values()):
         groups.append(KVGroup(None, [i for i in sorted(hot) if hot[i]], hot=True))
@@ -160,6 +168,8 @@ def plan_kv_pool(specs: list[LayerSpec], budget_bytes: int, block_size: int, dty
     num_blocks = [0] * len(groups)
     rest = budget_bytes
     for gi, g in enumerate(groups):
+        if g.per_seq:
+            continue           # below, from what the other groups leave
         if g.hot:
             # Block 0 and the newest block of every running sequence, and
             # during a step the block a chunk started mid-way in (kv_manager):
@@ -173,12 +183,21 @@ def plan_kv_pool(specs: list[LayerSpec], budget_bytes: int, block_size: int, dty
                 -(-max_num_batched_tokens // block_size)
             num_blocks[gi] = max(1, min(need, equal_share_blocks))
         rest -= num_blocks[gi] * block_bytes[gi]
+    for gi, g in enumerate(groups):
+        if g.per_seq:
+            # A slot for each running sequence, as long as the rest holds one sequence
+            # of max_model_len; fewer otherwise (a new sequence waits for a free slot).
+            one_seq = -(-min(max_model_len, budget_bytes) // block_size) * block_bytes[0]
+            num_blocks[gi] = int(max(1, min(max_num_seqs, (rest - one_seq) // block_bytes[gi])))
+            rest -= num_blocks[gi] * block_bytes[gi]
     num_blocks[0] = int(rest // block_bytes[0])
     if num_blocks[0] < 1:
         raise ValueError(f"KV cache budget {budget_bytes} bytes is too small for one block "
                          f"({block_bytes[0]} bytes)")
     return KVPlan(groups, num_blocks, block_bytes, block_size,
-                  {i: layer_block[i] // block_size for i in by_idx},
+                  {i: layer_block[i] // block_size for i in by_idx if not by_idx[i].per_seq},
+                  prefix_caching=not any(g.per_seq for g in groups),
+                  max_rollback=0 if any(g.per_seq for g in groups) else None,
                   f16_bytes_per_token=sum(f16_block[i] for i in groups[0].layer_ids) / block_size)
 
 

@@ -13,6 +13,7 @@ class LayerSpec:
     num_kv_heads: int
     head_dim: int
     sliding_window: int | None = None
+    per_seq = False           # grows with context (paged blocks), not a fixed per-sequence state
 
 
 @dataclass(frozen=True)
@@ -30,3 +31,23 @@ class DSV4LayerSpec:
     sliding_window: int
     ratio: int = 0
     index_head_dim: int = 0
+
+
+@dataclass(frozen=True)
+class LinearAttentionSpec:
+    """One linear-attention layer's state (Gated DeltaNet: Qwen3-Next, Qwen3.5),
+    a fixed size per sequence whatever its length (kvcache/linear_state.py):
+    the last conv_kernel - 1 inputs of its causal conv over conv_dim channels,
+    and a [num_heads, k_head_dim, v_head_dim] recurrent state, both fp32."""
+    layer_idx: int
+    conv_dim: int
+    conv_kernel: int
+    num_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    sliding_window = None
+    per_seq = True
+
+    @property
+    def state_bytes(self) -> int:
+        return 4 * (self.conv_dim * (self.conv_kernel - 1) + self.num_heads * self.k_head_dim * self.v_head_dim)

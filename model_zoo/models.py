@@ -9,6 +9,7 @@ from model_zoo.deepseek_v4 import DeepseekV4ForCausalLM
 from model_zoo.gemma3 import Gemma3ForCausalLM
 from model_zoo.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from model_zoo.qwen3_moe import Qwen3MoeForCausalLM
+from model_zoo.qwen3_next import Qwen3NextForCausalLM
 
 # HF `architectures[0]` -> class.
 ARCHITECTURES: dict[str, type[nn.Module]] = {
@@ -16,6 +17,7 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
 }
@@ -26,6 +28,7 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "qwen2": Qwen2ForCausalLM,
     "qwen3": Qwen3ForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
+    "qwen3_next": Qwen3NextForCausalLM,
     "gemma3_text": Gemma3ForCausalLM,
 }
 

@@ -89,6 +89,14 @@ BUILTIN = {
         norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=48,
         num_attention_heads=32, num_key_value_heads=4, head_dim=128, tie_word_embeddings=False,
         max_position_embeddings=40960),
+    "qwen3-next-80b-a3b": lambda: dict(
+        architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", vocab_size=151936, hidden_size=2048,
+        intermediate_size=5120, num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=2,
+        head_dim=256, linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_num_key_heads=16, linear_num_value_heads=32, num_experts=512, num_experts_per_tok=10,
+        moe_intermediate_size=512, shared_expert_intermediate_size=512, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], full_attention_interval=4, partial_rotary_factor=0.25,
+        rope_theta=10000000.0, tie_word_embeddings=False, max_position_embeddings=262144),
     "gemma3-27b": lambda: dict(
         architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", vocab_size=262208, hidden_size=5376,
         intermediate_size=21504, num_hidden_layers=62, num_attention_heads=32, num_key_value_heads=16,
@@ -96,7 +104,7 @@ BUILTIN = {
         max_position_embeddings=131072),
 }
 ALIASES = {"deepseek-v4": "deepseek-v4-flash", "flash": "deepseek-v4-flash", "pro": "deepseek-v4-pro",
-           "qwen3": "qwen3-32b", "qwen3-moe": "qwen3-30b-a3b", "gemma3": "gemma3-27b"}
+           "qwen3": "qwen3-32b", "qwen3-moe": "qwen3-30b-a3b", "qwen3-next": "qwen3-next-80b-a3b", "gemma3": "gemma3-27b"}
 
 
 def load_config(model: str) -> tuple[str, dict]:
@@ -239,12 +247,7 @@ def plan_dense(name: str, cfg: dict, tp: int, kv: str) -> Plan:
     attn = H * nh * hd * 2 + H * nkv * hd * 2
     sparse = moe_layers(cfg)
     p.weight_parts["layers (split)"] = (L * attn + (L - len(sparse)) * 3 * H * I) * BF16 / tp
-    if sparse:
-        from model_zoo.qwen3_moe import num_experts
-        E, Im = num_experts(cfg), cfg["moe_intermediate_size"]
-        p.weight_parts[f"routed experts, {E}/t per rank"] = len(sparse) * E * 3 * H * Im * BF16 / tp
-        p.weight_parts["routers (replicated)"] = len(sparse) * E * H * BF16
-        p.notes.append(f"MoE: {len(sparse)} sparse layers, {E} experts x {Im}, top {cfg['num_experts_per_tok']}")
+    _moe_parts(p, cfg, sparse, tp)
     p.weight_parts["norms (replicated)"] = L * (2 * H + (4 if "gemma" in cfg.get("model_type", "") else 0) * H) * BF16
     tied = cfg.get("tie_word_embeddings", False)
     p.weight_parts["embedding + head (split)"] = (1 if tied else 2) * V * H * BF16 / tp
@@ -271,6 +274,57 @@ def plan_dense(name: str, cfg: dict, tp: int, kv: str) -> Plan:
         p.sliding_tokens[window] = sliding * kv_heads * 4 * hd
         p.per_sequence_by_kind[f"sliding layers, up to {window} tokens (f16)"] = p.sliding_tokens[window] * window
     p.notes.append(f"layers: {full} full, {sliding} sliding; {nkv} KV heads x {hd}")
+    return p
+
+
+def _moe_parts(p: Plan, cfg: dict, sparse: list[int], tp: int) -> None:
+    if not sparse:
+        return
+    from model_zoo.qwen3_moe import num_experts
+    H, E, Im, BF16 = cfg["hidden_size"], num_experts(cfg), cfg["moe_intermediate_size"], 2.0
+    p.weight_parts[f"routed experts, {E}/t per rank"] = len(sparse) * E * 3 * H * Im * BF16 / tp
+    p.weight_parts["routers (replicated)"] = len(sparse) * E * H * BF16
+    if cfg.get("shared_expert_intermediate_size"):
+        Is = cfg["shared_expert_intermediate_size"]
+        p.weight_parts["shared experts (split)"] = len(sparse) * 3 * H * Is * BF16 / tp
+        p.weight_parts["shared-expert gates (replicated)"] = len(sparse) * H * BF16
+    p.notes.append(f"MoE: {len(sparse)} sparse layers, {E} experts x {Im}, top {cfg['num_experts_per_tok']}")
+
+
+def plan_hybrid(name: str, cfg: dict, tp: int, kv: str) -> Plan:
+    """Qwen3-Next: gated full-attention layers (paged KV) and Gated DeltaNet layers
+    (a fixed state per sequence, split by key head), model_zoo/qwen3_next.py."""
+    from model_zoo.qwen3_next import layer_types
+    p = Plan(name, tp, kv)
+    H, nh = cfg["hidden_size"], cfg["num_attention_heads"]
+    nkv = cfg.get("num_key_value_heads") or nh
+    hd = cfg.get("head_dim") or H // nh
+    nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    dk, dv, K = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"], cfg["linear_conv_kernel_dim"]
+    types = layer_types(cfg)
+    full, linear, BF16 = types.count("full_attention"), types.count("linear_attention"), 2.0
+    conv_dim = 2 * nk * dk + nv * dv
+    sparse = moe_layers(cfg)
+    p.weight_parts["full attention (split)"] = full * H * (3 * nh * hd + 2 * nkv * hd) * BF16 / tp
+    p.weight_parts["linear attention (split)"] = linear * (H * (2 * nk * dk + 3 * nv * dv + 2 * nv)
+                                                           + conv_dim * K + 2 * nv) * BF16 / tp
+    p.weight_parts["dense MLPs (split)"] = (len(types) - len(sparse)) * 3 * H * cfg["intermediate_size"] * BF16 / tp
+    _moe_parts(p, cfg, sparse, tp)
+    p.weight_parts["norms (replicated)"] = (len(types) * 2 * H + full * 2 * hd + linear * dv) * BF16
+    p.weight_parts["embedding + head (split)"] = (1 if cfg.get("tie_word_embeddings") else 2) * \
+        cfg["vocab_size"] * H * BF16 / tp
+    p.weight_bytes = sum(p.weight_parts.values())
+    kfmt, vfmt = parse_preset(kv)
+    kv_heads = max(1, nkv // tp) if nkv >= tp else nkv
+    tok = kv_heads * (vector_bytes(kfmt, hd) + vector_bytes(vfmt, hd))
+    p.kv_per_token_by_kind[f"full attention ({kfmt.name}/{vfmt.name})"] = full * tok
+    p.kv_per_token = full * tok
+    # conv inputs (K - 1 per channel) + recurrent state [nv, dk, dv], fp32, this rank's heads
+    state = linear * 4 * (conv_dim // tp * (K - 1) + nv // tp * dk * dv)
+    p.per_sequence_by_kind["linear-attention state (fp32)"] = state
+    p.per_sequence = state
+    p.notes.append(f"layers: {full} full attention, {linear} linear attention (Gated DeltaNet); "
+                   f"{nkv} KV heads x {hd}")
     return p
 
 
@@ -325,7 +379,12 @@ def make_plan(model: str, tp: int = 2, kv_cache_dtype: str = "f16", rollback: in
     build (quantization "auto": fp8 for DeepSeek-V4, what it is served with)."""
     name, cfg = load_config(model)
     v4 = is_deepseek_v4(cfg)
-    p = plan_deepseek_v4(name, cfg, tp, kv_cache_dtype, rollback) if v4 else plan_dense(name, cfg, tp, kv_cache_dtype)
+    if v4:
+        p = plan_deepseek_v4(name, cfg, tp, kv_cache_dtype, rollback)
+    elif cfg.get("model_type") == "qwen3_next":
+        p = plan_hybrid(name, cfg, tp, kv_cache_dtype)
+    else:
+        p = plan_dense(name, cfg, tp, kv_cache_dtype)
     if dtype:
         quant = ("fp8" if v4 else None) if quantization == "auto" else quantization
         p.measured_weight_bytes = measure_weights(cfg, tp, dtype, quant)

@@ -16,7 +16,7 @@ from engine.scheduler import ScheduledRequest, SchedulerOutput
 from kvcache import backends
 from kvcache.backends import AttentionBackend, backend_for, backend_names, get_backend, register_backend
 from kvcache.dense_cache import DenseLayerCache
-from kvcache.kv_manager import NULL_BLOCK
+from kvcache.kv_manager import NULL_BLOCK, KVGroup
 from kvcache.metadata import AttentionMetadata, GroupMetadata
 from kvcache.turboquant import tq
 from tq_paged import paged_cache
@@ -109,9 +109,9 @@ BS = 4
 
 class _KV:
     """The manager's view the runner reads: block tables per (request, group)."""
-    def __init__(self, tables):
+    def __init__(self, tables, per_seq=()):
         self.tables, self.block_size = tables, BS
-        self.groups = [None] * len(next(iter(tables.values())))
+        self.groups = [KVGroup(None, [], per_seq=g in per_seq) for g in range(len(next(iter(tables.values()))))]
 
     def block_table(self, rid, g):
         return self.tables[rid][g]
@@ -138,7 +138,7 @@ def _reference(sched, kv):
             rows.append(qsl[-1] - 1)
         for g in range(len(kv.groups)):
             t = kv.block_table(req.request_id, g)
-            slots[g] += [t[p // BS] * BS + p % BS for p in range(a, a + n)]
+            slots[g] += [t[0] if kv.groups[g].per_seq else t[p // BS] * BS + p % BS for p in range(a, a + n)]
             tables[g].append(t)
     bts = []
     for g in range(len(kv.groups)):
@@ -149,26 +149,28 @@ def _reference(sched, kv):
     return ids, pos, qsl, lens, rows, slots, bts
 
 
-def _sched(specs, vocab=1000):
-    """specs: (request id, tokens known, start, new tokens, tables per group)."""
+def _sched(specs, vocab=1000, per_seq=()):
+    """specs: (request id, tokens known, start, new tokens, tables per group);
+    per_seq: the groups that hold one state slot per sequence."""
     out, tables = [], {}
     for rid, known, start, n, tbl in specs:
         req = SimpleNamespace(request_id=rid, token_ids=list(range(7 * len(rid), 7 * len(rid) + known)),
                               num_tokens=known, prompt_logprobs=None)
         out.append(ScheduledRequest(req, n, start))
         tables[rid] = tbl
-    return out, _KV(tables)
+    return out, _KV(tables, per_seq)
 
 
 def test_step_inputs_match_the_python_construction():
     N = NULL_BLOCK
-    specs = [   # two decodes, a prefill chunk that does not sample, a whole prompt; a hot-like group with NULLs
-        ("a", 10, 9, 1, [[3, 5, 8], [3, N, 8]]),
-        ("bb", 5, 4, 1, [[1, 2], [1, 2]]),
-        ("ccc", 30, 6, 9, [[4, 6, 7, 9], [4, 6, N, 9]]),
-        ("dddd", 7, 0, 7, [[10, 11], [10, 11]]),
+    specs = [   # two decodes, a prefill chunk that does not sample, a whole prompt; a hot-like group with
+        # NULLs; a per-sequence state group (one slot each: every token of a sequence maps to it)
+        ("a", 10, 9, 1, [[3, 5, 8], [3, N, 8], [2]]),
+        ("bb", 5, 4, 1, [[1, 2], [1, 2], [0]]),
+        ("ccc", 30, 6, 9, [[4, 6, 7, 9], [4, 6, N, 9], [3]]),
+        ("dddd", 7, 0, 7, [[10, 11], [10, 11], [1]]),
     ]
-    sched, kv = _sched(specs)
+    sched, kv = _sched(specs, per_seq=(2,))
     runner = ModelRunner(torch.nn.Linear(1, 1), kv, [])
     assert runner.device == torch.device("cpu")
     ids, pos, meta, qsl, rows, sampled = _build(runner, sched)
@@ -183,6 +185,7 @@ def test_step_inputs_match_the_python_construction():
         assert torch.equal(gm.block_tables, r_bts[g])
         assert gm.block_tables.is_contiguous()
     assert min(meta.groups[1].slot_mapping.tolist()) < 0          # tokens in a NULL block: not stored
+    assert meta.groups[2].slot_mapping.tolist() == [2, 0] + [3] * 9 + [1] * 7
     # The next step fills the other buffer: this step's tensors stay as they were.
     before = [t.clone() for t in (ids, pos, meta.groups[0].slot_mapping, meta.groups[1].block_tables)]
     sched2, kv2 = _sched([("e", 3, 0, 3, [[0], [0]])])

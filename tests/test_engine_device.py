@@ -262,7 +262,9 @@ def _on_meta(config):
     return model.eval()
 
 
-@pytest.mark.parametrize("key", list(CONFIGS))
+# Not the MoE families (nor DeepSeek-V4): off CUDA their experts run the torch path, which
+# reads each expert's row count on the host by design (parallel/quant/moe.py).
+@pytest.mark.parametrize("key", [k for k in CONFIGS if "moe" not in k])
 def test_forward_and_calibration_follow_the_device(key):
     """On the meta device, a tensor the forward makes on the CPU (or a constant
     left there) raises: what passes here runs on CUDA without host tensors."""

@@ -6,11 +6,11 @@ f16, k8v4, tq4 and tq3 keep test_tq_engine's invariants."""
 import pytest
 import torch
 from test_tq_engine import preset_invariants
-from tiny_models import save_tiny_qwen3_moe, token_prompts
+from tiny_models import save_tiny_qwen3_moe, save_tiny_qwen3_next, token_prompts
 
 from engine import LLM, SamplingParams
 
-FAMILIES = {"qwen3_moe": save_tiny_qwen3_moe}
+FAMILIES = {"qwen3_moe": save_tiny_qwen3_moe, "qwen3_next": save_tiny_qwen3_next}
 LOGPROB_TOL = 1e-4
 
 
@@ -68,8 +68,12 @@ def test_preemption_keeps_tokens(family):
     path, _ = family
     ps = token_prompts(8, 30, 60, seed=23)
     ref = toks(llm(path).generate(ps, greedy(40)))
-    per_token = llm(path).core.plan.bytes_per_token
-    small = llm(path, kv_cache_memory=160 * per_token, max_model_len=120)
+    plan = llm(path, max_num_seqs=8).core.plan
+    # 400 tokens of context for 8 sequences of up to 100, and each one's fixed state
+    # (linear-attention layers; the rest still holds one 120-token sequence: a slot for each)
+    small = llm(path, kv_cache_memory=400 * plan.bytes_per_token + 8 * plan.state_bytes_per_seq,
+                max_model_len=120, max_num_seqs=8)
+    assert small.core.plan.capacity_tokens == 400
     assert toks(small.generate(ps, greedy(40))) == ref
     assert small.core.get_stats().num_preemptions_total > 0
     assert small.core.kv.num_used_blocks == 0

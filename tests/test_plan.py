@@ -70,7 +70,7 @@ def test_dense_models():
 
 
 @pytest.mark.parametrize("model,quant,within", [("deepseek-v4-flash", "auto", 2e-4), ("qwen3", "auto", 1e-5),
-                                                 ("gemma3", "auto", 1e-4), ("qwen3-moe", "auto", 1e-5),
+                                                 ("gemma3", "auto", 1e-4), ("qwen3-moe", "auto", 1e-5), ("qwen3-next", "auto", 1e-4),
                                                  ("deepseek-v4-flash", None, 0)])
 def test_measured_weights_agree_with_the_formulas(model, quant, within):
     """The engine's model built on the meta device (its layers' own storage,

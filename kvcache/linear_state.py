@@ -1,0 +1,30 @@
+"""Per-sequence state of linear-attention layers (kvcache.spec.LinearAttentionSpec):
+one slot per running sequence, the slot id being the sequence's one 'block'
+in the layer group's pool (a per_seq group of kv_manager). A slot is reused
+by the next sequence as it is: the layer starts from zeros when the
+sequence's first token is in the step (start 0), so nothing is cleared on
+free, and a preempted sequence recomputes its state from the start.
+
+The state is not block-addressable (it sums the whole prefix), so a model
+with such layers runs without prefix caching (KVPlan.prefix_caching), and
+speculative rollback would need state checkpoints (not kept)."""
+import torch
+
+from kvcache.spec import LinearAttentionSpec
+
+
+class LinearStateCache:
+    def __init__(self, spec: LinearAttentionSpec, num_slots: int, group_id: int,
+                 device: str | torch.device = "cpu"):
+        self.spec, self.group_id = spec, group_id
+        self.conv = torch.zeros(num_slots, spec.conv_dim, spec.conv_kernel - 1, dtype=torch.float32, device=device)
+        self.recurrent = torch.zeros(num_slots, spec.num_heads, spec.k_head_dim, spec.v_head_dim,
+                                     dtype=torch.float32, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.conv, self.recurrent))
+
+    def slots(self, meta) -> torch.Tensor:
+        """[B] slot of each sequence of the step."""
+        return meta.groups[self.group_id].block_tables[:, 0]

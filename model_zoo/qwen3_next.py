@@ -1,0 +1,299 @@
+"""Qwen3-Next (Qwen3-Next-80B-A3B): hybrid layers, three Gated DeltaNet
+linear-attention layers to one gated full-attention layer (`layer_types`),
+and a routed MoE with a gated shared expert.
+
+Numerics follow transformers' modeling_qwen3_next.py:
+  norms       (1 + w) RMSNorm in fp32 (GemmaRMSNorm), also on q and k per head;
+              the DeltaNet output norm is w * rms(x), gated by silu(z)
+  attention   q_proj gives each head's query and output gate side by side
+              ([q_h, gate_h] per head); rotary on the first
+              partial_rotary_factor of head_dim; output * sigmoid(gate)
+  DeltaNet    in_proj_qkvz / in_proj_ba grouped per key head
+              ([q, k, v..., z...] and [b..., a...] for each of the
+              linear_num_key_heads), a causal depthwise conv + SiLU over
+              q|k|v, then the gated delta rule (model_zoo/gated_delta.py) with
+              beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias)
+  MoE         Qwen3-MoE's router and experts (model_zoo/qwen3_moe.py) plus
+              sigmoid(shared_expert_gate(x)) * shared_expert(x)
+
+The linear layers keep a fixed per-sequence state (conv inputs + recurrent
+state, kvcache/linear_state.py) in a slot of the pool's per-sequence group;
+the full-attention layers use the paged KV cache (any KV format). Prefix
+caching is off for this model (the state is not block-addressable) and its
+MTP head is not loaded yet. Tensor parallel: attention and MoE as Qwen3-MoE,
+DeltaNet layers by key head (GatedDeltaNet).
+"""
+from collections.abc import Iterable
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvcache.attention import Attention
+from kvcache.spec import LayerSpec, LinearAttentionSpec
+from model_zoo import gated_delta
+from model_zoo.layers import PACKED, GemmaRMSNorm, RotaryEmbedding, load_packed_weights, rope_parameters
+from model_zoo.llama import LlamaMLP
+from model_zoo.qwen3_moe import SparseMoeBlock, is_sparse_layer
+from parallel.linear import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear, ReplicatedLinear,
+                             RowParallelLinear, VocabParallelEmbedding)
+from parallel.state import get_tp_rank, get_tp_size
+
+log = logging.getLogger("tqserve.model")
+
+
+class GatedRMSNorm(nn.Module):
+    """w * rms_norm(x), then * silu(z): the DeltaNet output norm, per value head."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+
+    def init_dummy(self, generator, low, high):
+        self.weight.fill_(1.0)
+
+    def forward(self, x, z):
+        xf = x.float()
+        y = self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return (y * F.silu(z.float())).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """Tensor parallel by key head (with the value heads it serves): in_proj_qkvz
+    and in_proj_ba are grouped per key head, so a contiguous row split is a
+    head split; the conv channels (q | k | v, each over all heads), dt_bias
+    and A_log are cut to this rank's heads; out_proj is row-parallel."""
+
+    def __init__(self, config: dict, layer_idx: int):
+        super().__init__()
+        tp = get_tp_size()
+        H = config["hidden_size"]
+        self.layer_idx = layer_idx
+        nk, nv = config["linear_num_key_heads"], config["linear_num_value_heads"]
+        if nk % tp:
+            raise ValueError(f"linear_num_key_heads ({nk}) is not divisible by the tensor-parallel size ({tp})")
+        self.num_k_heads, self.num_v_heads = nk // tp, nv // tp          # this rank's
+        self.k_dim, self.v_dim = config["linear_key_head_dim"], config["linear_value_head_dim"]
+        self.rep = nv // nk
+        key_dim, value_dim = self.num_k_heads * self.k_dim, self.num_v_heads * self.v_dim
+        self.split = [key_dim, key_dim, value_dim]
+        self.conv_kernel = config["linear_conv_kernel_dim"]
+        conv_dim = sum(self.split)
+        self.in_proj_qkvz = ColumnParallelLinear(H, tp * (2 * key_dim + 2 * value_dim), bias=False)
+        self.in_proj_ba = ColumnParallelLinear(H, 2 * nv, bias=False)
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, self.conv_kernel, groups=conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads), requires_grad=False)
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads), requires_grad=False)
+        for p in (self.conv1d.weight, self.dt_bias, self.A_log):
+            p.requires_grad_(False)
+            p.weight_loader = self._load_head_cut
+        self.norm = GatedRMSNorm(self.v_dim, config.get("rms_norm_eps", 1e-6))
+        self.out_proj = RowParallelLinear(tp * value_dim, H, bias=False)
+
+    def _load_head_cut(self, param, loaded, shard_id=None):
+        """This rank's heads of a per-head parameter: each of the conv's q, k, v
+        channel sections, or the value heads of dt_bias / A_log."""
+        tp, rank = get_tp_size(), get_tp_rank()
+        sections = self.split if param is self.conv1d.weight else [param.shape[0]]
+        if loaded.shape[0] != tp * param.shape[0] or loaded.shape[1:] != param.shape[1:]:
+            raise ValueError(f"shape mismatch: expected {(tp * param.shape[0], *param.shape[1:])}, "
+                             f"got {tuple(loaded.shape)}")
+        full = loaded.split([tp * n for n in sections])
+        param.data.copy_(torch.cat([part.narrow(0, rank * n, n) for part, n in zip(full, sections)]))
+
+    def spec(self) -> LinearAttentionSpec:
+        return LinearAttentionSpec(self.layer_idx, sum(self.split), self.conv_kernel, self.num_v_heads,
+                                   self.k_dim, self.v_dim)
+
+    def forward(self, x, meta):
+        T = x.shape[0]
+        q, k, v, z = self.in_proj_qkvz(x).view(T, self.num_k_heads, -1).split(
+            [self.k_dim, self.k_dim, self.rep * self.v_dim, self.rep * self.v_dim], dim=-1)
+        b, a = self.in_proj_ba(x).view(T, self.num_k_heads, -1).split([self.rep, self.rep], dim=-1)
+        mixed = torch.cat((q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)), dim=-1)
+        beta = b.reshape(T, -1).sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.reshape(T, -1).float() + self.dt_bias)
+        core = self._mix(mixed, g, beta, meta)
+        core = self.norm(core.to(x.dtype), z.reshape(T, self.num_v_heads, self.v_dim))
+        return self.out_proj(core.reshape(T, -1))
+
+    def _heads(self, y):
+        q, k, v = y.split(self.split, dim=-1)
+        lead = y.shape[:-1]
+        return (q.reshape(*lead, -1, self.k_dim), k.reshape(*lead, -1, self.k_dim),
+                v.reshape(*lead, -1, self.v_dim))
+
+    def _mix(self, mixed, g, beta, meta):
+        """The conv + delta rule over the step's tokens -> [T, Hv, dv] fp32.
+        meta None: one sequence from zero state. Otherwise each sequence
+        continues from its slot's state (zeros where its first token is in
+        this step): the decodes together, one token each, then each prefill
+        chunk whole."""
+        w = self.conv1d.weight[:, 0]
+        C = mixed.shape[1]
+        if meta is None:
+            y, _ = gated_delta.conv_span(mixed, w, mixed.new_zeros(C, self.conv_kernel - 1, dtype=torch.float32))
+            out, _ = gated_delta.chunked(*self._heads(y), g, beta, self._zero_state(mixed.device))
+            return out
+        cache = meta.kv_caches[self.layer_idx]
+        slots = cache.slots(meta)
+        qsl, lens, nd = meta.query_start_loc, meta.seq_lens, meta.num_decodes
+        out = torch.empty(mixed.shape[0], self.num_v_heads, self.v_dim, dtype=torch.float32, device=mixed.device)
+        if nd:
+            s = slots[:nd]
+            conv, rec = cache.conv[s], cache.recurrent[s]      # gathered copies
+            fresh = [i for i in range(nd) if lens[i] == 1]
+            if fresh:
+                conv[fresh], rec[fresh] = 0.0, 0.0
+            y = gated_delta.conv_step(mixed[:nd], w, conv)
+            out[:nd] = gated_delta.recurrent_step(*self._heads(y), g[:nd], beta[:nd], rec)
+            cache.conv[s], cache.recurrent[s] = conv, rec
+        for i in range(nd, len(lens)):
+            a, e = qsl[i], qsl[i + 1]
+            slot = slots[i]
+            if lens[i] == e - a:       # the sequence starts here
+                conv0 = mixed.new_zeros(C, self.conv_kernel - 1, dtype=torch.float32)
+                rec0 = self._zero_state(mixed.device)
+            else:
+                conv0, rec0 = cache.conv[slot], cache.recurrent[slot]
+            y, conv1 = gated_delta.conv_span(mixed[a:e], w, conv0)
+            out[a:e], rec1 = gated_delta.chunked(*self._heads(y), g[a:e], beta[a:e], rec0)
+            cache.conv[slot], cache.recurrent[slot] = conv1, rec1
+        return out
+
+    def _zero_state(self, device):
+        return torch.zeros(self.num_v_heads, self.k_dim, self.v_dim, dtype=torch.float32, device=device)
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, config: dict, layer_idx: int, head_dim: int, rope: RotaryEmbedding):
+        super().__init__()
+        H, nh = config["hidden_size"], config["num_attention_heads"]
+        nkv = config.get("num_key_value_heads") or nh
+        bias = config.get("attention_bias", False)
+        eps = config.get("rms_norm_eps", 1e-6)
+        # Each head's query and output gate are adjacent rows: as 2 * nh heads of head_dim
+        # they split over tensor-parallel ranks like plain heads.
+        self.qkv_proj = QKVParallelLinear(H, head_dim, 2 * nh, nkv, bias=bias)
+        self.o_proj = RowParallelLinear(nh * head_dim, H, bias=bias)
+        self.q_norm, self.k_norm = GemmaRMSNorm(head_dim, eps), GemmaRMSNorm(head_dim, eps)
+        self.head_dim, self.rotary = head_dim, rope
+        self.attn = Attention(self.qkv_proj.num_heads // 2, self.qkv_proj.num_kv_heads, head_dim,
+                              head_dim ** -0.5, layer_idx)
+
+    def forward(self, positions, x, meta):
+        T, d = x.shape[0], self.head_dim
+        qg, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q, gate = qg.view(T, -1, 2 * d).chunk(2, dim=-1)
+        q, k = self._rope(positions, self.q_norm(q), self.k_norm(k.view(T, -1, d)))
+        o = self.attn(q.reshape(T, -1), k.reshape(T, -1), v, meta)
+        return self.o_proj(o * torch.sigmoid(gate.reshape(T, -1)))
+
+    def _rope(self, positions, q, k):
+        """Rotary on each head's first rotary.head_dim features; the rest pass."""
+        r, T = self.rotary.head_dim, q.shape[0]
+        qr, kr = self.rotary(positions, q[..., :r].reshape(T, -1), k[..., :r].reshape(T, -1))
+        return (torch.cat((qr.view(T, -1, r), q[..., r:]), dim=-1),
+                torch.cat((kr.view(T, -1, r), k[..., r:]), dim=-1))
+
+
+class SharedExpertMoeBlock(SparseMoeBlock):
+    def __init__(self, config: dict):
+        super().__init__(config)
+        H = config["hidden_size"]
+        self.shared_expert = LlamaMLP(H, config["shared_expert_intermediate_size"], False,
+                                      config.get("hidden_act", "silu"))
+        self.shared_expert_gate = ReplicatedLinear(H, 1, bias=False)
+
+    def forward(self, x):
+        return super().forward(x) + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+
+class Qwen3NextDecoderLayer(nn.Module):
+    def __init__(self, config: dict, layer_idx: int, kind: str, head_dim: int, rope: RotaryEmbedding):
+        super().__init__()
+        H, eps = config["hidden_size"], config.get("rms_norm_eps", 1e-6)
+        self.linear = kind == "linear_attention"
+        if self.linear:
+            self.linear_attn = GatedDeltaNet(config, layer_idx)
+        elif kind == "full_attention":
+            self.self_attn = GatedAttention(config, layer_idx, head_dim, rope)
+        else:
+            raise ValueError(f"layer {layer_idx}: unsupported layer type {kind!r} "
+                             f"(supported: linear_attention, full_attention)")
+        self.mlp = SharedExpertMoeBlock(config) if is_sparse_layer(config, layer_idx) else \
+            LlamaMLP(H, config["intermediate_size"], False, config.get("hidden_act", "silu"))
+        self.input_layernorm, self.post_attention_layernorm = GemmaRMSNorm(H, eps), GemmaRMSNorm(H, eps)
+
+    def forward(self, positions, x, meta):
+        h = self.input_layernorm(x)
+        x = x + (self.linear_attn(h, meta) if self.linear else self.self_attn(positions, h, meta))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def layer_types(config: dict) -> list[str]:
+    n = config["num_hidden_layers"]
+    every = config.get("full_attention_interval", 4)
+    return config.get("layer_types") or [
+        "full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)]
+
+
+class Qwen3NextModel(nn.Module):
+    def __init__(self, config: dict, layers: list[Qwen3NextDecoderLayer]):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config["vocab_size"], config["hidden_size"])
+        self.layers = nn.ModuleList(layers)
+        self.norm = GemmaRMSNorm(config["hidden_size"], config.get("rms_norm_eps", 1e-6))
+
+    def forward(self, input_ids, positions, meta):
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x, meta)
+        return self.norm(x)
+
+
+class Qwen3NextForCausalLM(nn.Module):
+    def __init__(self, config: dict):
+        super().__init__()
+        self.config = config
+        H, nh = config["hidden_size"], config["num_attention_heads"]
+        head_dim = config.get("head_dim") or H // nh
+        rope = rope_parameters(config)
+        factor = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.25))
+        rotary = RotaryEmbedding(int(head_dim * factor), rope)
+        self.head_dim = head_dim
+        layers = [Qwen3NextDecoderLayer(config, i, kind, head_dim, rotary)
+                  for i, kind in enumerate(layer_types(config))]
+        self.model = Qwen3NextModel(config, layers)
+        self.tie_word_embeddings = config.get("tie_word_embeddings", False)
+        self.lm_head = ParallelLMHead(config["vocab_size"], H)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata) -> torch.Tensor:
+        return self.model(input_ids, positions, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        skipped = []
+
+        def main_model():
+            for name, t in weights:
+                if name.startswith("mtp."):      # the MTP head: not used yet
+                    skipped.append(name)
+                    continue
+                yield name, t
+        ignore = ("rotary_emb.inv_freq",) + (("lm_head.weight",) if self.tie_word_embeddings else ())
+        load_packed_weights(self, main_model(), PACKED, ignore)
+        if skipped:
+            log.info("Qwen3-Next: %d MTP-head tensors not loaded (speculative decoding with it is not "
+                     "supported yet)", len(skipped))
+
+    def kv_cache_spec(self) -> list:
+        return [layer.linear_attn.spec() if layer.linear else
+                LayerSpec(i, layer.self_attn.attn.num_kv_heads, self.head_dim)
+                for i, layer in enumerate(self.model.layers)]

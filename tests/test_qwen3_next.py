@@ -1,0 +1,152 @@
+"""Qwen3-Next (hybrid Gated DeltaNet + gated attention, MoE with a shared
+expert) against transformers fp32 on a tiny random config with real
+structure (value heads 2x key heads, partial rotary, a dense layer among MoE
+layers): logits over 150 tokens (three 64-token delta-rule chunks), from
+transformers 5's config.json too, and split over two tensor-parallel ranks;
+the engine's linear-attention state after a chunked prefill equals the state
+after one whole prefill; `tqserve plan`'s per-sequence state and KV bytes
+equal what the pool allocates. (Engine runs: test_model_families_engine.)"""
+import os
+import tempfile
+
+import pytest
+import torch
+import transformers
+from test_model_parity import assert_close
+from tiny_models import save_tiny_qwen3_next, token_prompts
+
+from engine import LLM, SamplingParams
+from kvcache.linear_state import LinearStateCache
+from model_zoo.models import build_model
+from server import plan
+
+CONFIG = dict(
+    architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", vocab_size=256, hidden_size=64,
+    intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8,
+    num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1], num_hidden_layers=8, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=32, linear_conv_kernel_dim=4, linear_key_head_dim=16,
+    linear_value_head_dim=24, linear_num_key_heads=2, linear_num_value_heads=4, rms_norm_eps=1e-6,
+    rope_theta=10000.0, partial_rotary_factor=0.25, tie_word_embeddings=False,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"] * 2)
+N = 150
+
+
+def make_hf():
+    hc = transformers.Qwen3NextConfig(**{k: v for k, v in CONFIG.items() if k not in ("architectures", "model_type")})
+    hc._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf = transformers.Qwen3NextForCausalLM(hc).eval()
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if "norm" in n:      # the DeltaNet output norm scales by w, the others by 1 + w
+                p.copy_(torch.randn_like(p) * 0.3 + (1.0 if "linear_attn.norm" in n else 0.0))
+            elif n.endswith(("A_log", "dt_bias")):
+                p.normal_(0.0, 0.5)
+            else:
+                p.normal_(0.0, p.shape[-1] ** -0.5)
+    return hf
+
+
+def prompt():
+    return torch.randint(0, CONFIG["vocab_size"], (N,), generator=torch.Generator().manual_seed(1))
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model.compute_logits(model(ids, torch.arange(len(ids)), None))
+
+
+def test_logits_match_transformers():
+    hf = make_hf()
+    ids = prompt()
+    with torch.no_grad():
+        ref = hf(input_ids=ids[None]).logits[0].float()
+    for config in (CONFIG, hf.config.to_dict()):
+        ours = build_model(config)
+        ours.load_weights(hf.state_dict().items())
+        assert_close(logits(ours, ids), ref, "qwen3_next meta=None")
+    kinds = [type(s).__name__ for s in ours.kv_cache_spec()]
+    assert kinds == ["LinearAttentionSpec", "LayerSpec", "LinearAttentionSpec", "LinearAttentionSpec"] * 2
+
+
+def _tp_worker(rank, world, init_file, out_file):
+    import torch.distributed as dist
+
+    from parallel import state
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    state.init_tp()
+    hf = make_hf()
+    ours = build_model(CONFIG)          # this rank's heads and experts
+    ours.load_weights(hf.state_dict().items())
+    delta = ours.model.layers[0].linear_attn
+    assert (delta.num_k_heads, delta.num_v_heads, delta.conv1d.weight.shape[0]) == (1, 2, (2 * 16 + 2 * 24))
+    ids = prompt()
+    with torch.no_grad():
+        ref = hf(input_ids=ids[None]).logits[0].float()
+    d = assert_close(logits(ours, ids), ref, f"qwen3_next tp={world} rank {rank}")
+    dist.destroy_process_group()
+    state.reset_tp()
+    with open(out_file, "w") as f:
+        f.write(f"{d:.3e}")
+
+
+def test_tensor_parallel_2_ranks_match_transformers():
+    import torch.multiprocessing as mp
+    world = 2
+    with tempfile.TemporaryDirectory() as tmp:
+        outs = [os.path.join(tmp, f"rank{r}.txt") for r in range(world)]
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_tp_worker, args=(r, world, os.path.join(tmp, "init"), outs[r]))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=600)
+        for r, p in enumerate(procs):
+            if p.is_alive():
+                p.kill()
+            assert p.exitcode == 0, f"rank {r} failed (exit code {p.exitcode})"
+            print(f"rank {r}: max |logit diff| {open(outs[r]).read()}")
+
+
+def _states(llm):
+    """Slot 0's state (the only sequence's) of every linear-attention layer."""
+    return [(c.conv[0].clone(), c.recurrent[0].clone()) for c in llm.core.runner.kv_caches
+            if isinstance(c, LinearStateCache)]
+
+
+def test_chunked_prefill_state_equals_whole(tmp_path):
+    save_tiny_qwen3_next(tmp_path)
+    p = token_prompts(1, 100, 101, seed=5)[0]
+    sp = SamplingParams(temperature=0, max_tokens=1)      # the state after the prompt only
+    args = dict(dtype="float32", quantization="none", block_size=4, max_num_seqs=1)
+    whole = LLM(str(tmp_path), **args)
+    chunked = LLM(str(tmp_path), max_num_batched_tokens=16, **args)   # 7 chunks, one across a 64-token chunk edge
+    a, b = whole.generate([p], sp), chunked.generate([p], sp)
+    assert a[0].outputs[0].token_ids == b[0].outputs[0].token_ids
+    assert chunked.core.stats.steps_total >= 7 and whole.core.stats.steps_total == 1
+    sa, sb = _states(whole), _states(chunked)
+    assert len(sa) == 4 and any(r.abs().sum() > 0 for _, r in sa)
+    assert torch.equal(sa[0][0], sb[0][0])          # layer 0's last 3 conv inputs: the embeddings' projections
+    for (ca, ra), (cb, rb) in zip(sa, sb):          # later layers: the delta rule chunked otherwise upstream
+        assert (ca - cb).abs().max() <= 1e-5 * ca.abs().max()
+        assert (ra - rb).abs().max() <= 1e-5 * ra.abs().max()
+
+
+def test_plan_state_and_kv_bytes_match_the_pool(tmp_path):
+    save_tiny_qwen3_next(tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", quantization="none", kv_cache_dtype="f16", block_size=4,
+              max_num_seqs=4)
+    p = plan.make_plan(str(tmp_path), tp=1, kv_cache_dtype="f16")
+    assert p.per_sequence == llm.core.plan.state_bytes_per_seq > 0
+    assert p.kv_per_token == llm.core.plan.bytes_per_token
+    assert not llm.core.plan.prefix_caching
+    assert llm.core.plan.num_blocks[1] == 4                    # a state slot for each of max_num_seqs
+
+
+def test_speculative_decoding_is_refused_with_a_reason(tmp_path):
+    save_tiny_qwen3_next(tmp_path)
+    with pytest.raises(ValueError, match="roll back 0 tokens"):
+        LLM(str(tmp_path), dtype="float32", quantization="none", block_size=4,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
