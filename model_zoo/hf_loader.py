@@ -152,6 +152,10 @@ def fill_derived_config(config: dict) -> dict:
     base.
     """
     config = dict(config)
+    if "num_hidden_layers" not in config and isinstance(config.get("text_config"), dict):
+        # A multimodal checkpoint (e.g. Qwen3_5ForConditionalGeneration): its language model,
+        # named by the outer architectures (models.ARCHITECTURES maps them to the text model).
+        config = {**config["text_config"], "architectures": config.get("architectures") or []}
     if "head_dim" not in config and config.get("hidden_size") and config.get("num_attention_heads"):
         config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
     rope = config.get("rope_parameters")

@@ -9,7 +9,7 @@ from model_zoo.deepseek_v4 import DeepseekV4ForCausalLM
 from model_zoo.gemma3 import Gemma3ForCausalLM
 from model_zoo.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from model_zoo.qwen3_moe import Qwen3MoeForCausalLM
-from model_zoo.qwen3_next import Qwen3NextForCausalLM
+from model_zoo.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
 
 # HF `architectures[0]` -> class.
 ARCHITECTURES: dict[str, type[nn.Module]] = {
@@ -18,6 +18,10 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+    "Qwen3_5ForConditionalGeneration": Qwen3_5ForCausalLM,         # its language model (text only)
+    "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
+    "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
 }
@@ -29,6 +33,8 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "qwen3": Qwen3ForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
     "qwen3_next": Qwen3NextForCausalLM,
+    "qwen3_5_text": Qwen3_5ForCausalLM,
+    "qwen3_5_moe_text": Qwen3_5MoeForCausalLM,
     "gemma3_text": Gemma3ForCausalLM,
 }
 

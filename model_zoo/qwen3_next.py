@@ -93,10 +93,10 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = RowParallelLinear(tp * value_dim, H, bias=False)
 
     def _load_head_cut(self, param, loaded, shard_id=None):
-        """This rank's heads of a per-head parameter: each of the conv's q, k, v
-        channel sections, or the value heads of dt_bias / A_log."""
+        """This rank's heads of a per-head parameter: each of the q, k, v channel
+        sections (conv, Qwen3.5's in_proj_qkv), or the value heads of dt_bias / A_log."""
         tp, rank = get_tp_size(), get_tp_rank()
-        sections = self.split if param is self.conv1d.weight else [param.shape[0]]
+        sections = self.split if param.shape[0] == sum(self.split) else [param.shape[0]]
         if loaded.shape[0] != tp * param.shape[0] or loaded.shape[1:] != param.shape[1:]:
             raise ValueError(f"shape mismatch: expected {(tp * param.shape[0], *param.shape[1:])}, "
                              f"got {tuple(loaded.shape)}")
@@ -107,16 +107,22 @@ class GatedDeltaNet(nn.Module):
         return LinearAttentionSpec(self.layer_idx, sum(self.split), self.conv_kernel, self.num_v_heads,
                                    self.k_dim, self.v_dim)
 
-    def forward(self, x, meta):
+    def _project(self, x):
+        """-> q|k|v [T, conv_dim], z [T, Hv * dv], b, a [T, Hv] (this rank's heads)."""
         T = x.shape[0]
         q, k, v, z = self.in_proj_qkvz(x).view(T, self.num_k_heads, -1).split(
             [self.k_dim, self.k_dim, self.rep * self.v_dim, self.rep * self.v_dim], dim=-1)
         b, a = self.in_proj_ba(x).view(T, self.num_k_heads, -1).split([self.rep, self.rep], dim=-1)
-        mixed = torch.cat((q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)), dim=-1)
-        beta = b.reshape(T, -1).sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.reshape(T, -1).float() + self.dt_bias)
+        return (torch.cat((q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)), dim=-1), z.reshape(T, -1),
+                b.reshape(T, -1), a.reshape(T, -1))
+
+    def forward(self, x, meta):
+        T = x.shape[0]
+        mixed, z, b, a = self._project(x)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         core = self._mix(mixed, g, beta, meta)
-        core = self.norm(core.to(x.dtype), z.reshape(T, self.num_v_heads, self.v_dim))
+        core = self.norm(core.to(x.dtype), z.view(T, self.num_v_heads, self.v_dim))
         return self.out_proj(core.reshape(T, -1))
 
     def _heads(self, y):
@@ -167,6 +173,25 @@ class GatedDeltaNet(nn.Module):
         return torch.zeros(self.num_v_heads, self.k_dim, self.v_dim, dtype=torch.float32, device=device)
 
 
+class SplitProjectionDeltaNet(GatedDeltaNet):
+    """Qwen3.5's DeltaNet: the same layer with its input projections apart and
+    flat (in_proj_qkv as q | k | v over all heads, in_proj_z, in_proj_b,
+    in_proj_a per value head) rather than grouped per key head."""
+
+    def __init__(self, config: dict, layer_idx: int):
+        super().__init__(config, layer_idx)
+        del self.in_proj_qkvz, self.in_proj_ba
+        H, tp, nv = config["hidden_size"], get_tp_size(), config["linear_num_value_heads"]
+        self.in_proj_qkv = ColumnParallelLinear(H, tp * sum(self.split), bias=False)
+        self.in_proj_qkv.weight.weight_loader = self._load_head_cut
+        self.in_proj_z = ColumnParallelLinear(H, nv * self.v_dim, bias=False)
+        self.in_proj_b = ColumnParallelLinear(H, nv, bias=False)
+        self.in_proj_a = ColumnParallelLinear(H, nv, bias=False)
+
+    def _project(self, x):
+        return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+
+
 class GatedAttention(nn.Module):
     def __init__(self, config: dict, layer_idx: int, head_dim: int, rope: RotaryEmbedding):
         super().__init__()
@@ -212,19 +237,19 @@ class SharedExpertMoeBlock(SparseMoeBlock):
 
 
 class Qwen3NextDecoderLayer(nn.Module):
-    def __init__(self, config: dict, layer_idx: int, kind: str, head_dim: int, rope: RotaryEmbedding):
+    def __init__(self, config: dict, layer_idx: int, kind: str, linear_attn: type[GatedDeltaNet],
+                 attn: "GatedAttention | None", mlp: nn.Module):
         super().__init__()
         H, eps = config["hidden_size"], config.get("rms_norm_eps", 1e-6)
         self.linear = kind == "linear_attention"
         if self.linear:
-            self.linear_attn = GatedDeltaNet(config, layer_idx)
+            self.linear_attn = linear_attn(config, layer_idx)
         elif kind == "full_attention":
-            self.self_attn = GatedAttention(config, layer_idx, head_dim, rope)
+            self.self_attn = attn
         else:
             raise ValueError(f"layer {layer_idx}: unsupported layer type {kind!r} "
                              f"(supported: linear_attention, full_attention)")
-        self.mlp = SharedExpertMoeBlock(config) if is_sparse_layer(config, layer_idx) else \
-            LlamaMLP(H, config["intermediate_size"], False, config.get("hidden_act", "silu"))
+        self.mlp = mlp
         self.input_layernorm, self.post_attention_layernorm = GemmaRMSNorm(H, eps), GemmaRMSNorm(H, eps)
 
     def forward(self, positions, x, meta):
@@ -255,6 +280,8 @@ class Qwen3NextModel(nn.Module):
 
 
 class Qwen3NextForCausalLM(nn.Module):
+    linear_attn_class: type[GatedDeltaNet] = GatedDeltaNet
+
     def __init__(self, config: dict):
         super().__init__()
         self.config = config
@@ -264,13 +291,20 @@ class Qwen3NextForCausalLM(nn.Module):
         factor = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.25))
         rotary = RotaryEmbedding(int(head_dim * factor), rope)
         self.head_dim = head_dim
-        layers = [Qwen3NextDecoderLayer(config, i, kind, head_dim, rotary)
+        layers = [Qwen3NextDecoderLayer(config, i, kind, self.linear_attn_class,
+                                        GatedAttention(config, i, head_dim, rotary) if kind == "full_attention"
+                                        else None, self._mlp(config, i))
                   for i, kind in enumerate(layer_types(config))]
         self.model = Qwen3NextModel(config, layers)
         self.tie_word_embeddings = config.get("tie_word_embeddings", False)
         self.lm_head = ParallelLMHead(config["vocab_size"], H)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def _mlp(self, config: dict, layer_idx: int) -> nn.Module:
+        if is_sparse_layer(config, layer_idx):
+            return SharedExpertMoeBlock(config)
+        return LlamaMLP(config["hidden_size"], config["intermediate_size"], False, config.get("hidden_act", "silu"))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata) -> torch.Tensor:
         return self.model(input_ids, positions, attn_metadata)
@@ -283,17 +317,36 @@ class Qwen3NextForCausalLM(nn.Module):
 
         def main_model():
             for name, t in weights:
-                if name.startswith("mtp."):      # the MTP head: not used yet
+                if name.startswith(("mtp.", "model.visual.")):  # the MTP head (not used yet), a vision tower
                     skipped.append(name)
                     continue
-                yield name, t
+                yield name.replace("model.language_model.", "model.", 1), t
         ignore = ("rotary_emb.inv_freq",) + (("lm_head.weight",) if self.tie_word_embeddings else ())
         load_packed_weights(self, main_model(), PACKED, ignore)
         if skipped:
-            log.info("Qwen3-Next: %d MTP-head tensors not loaded (speculative decoding with it is not "
-                     "supported yet)", len(skipped))
+            log.info("%s: %d MTP-head / vision tensors not loaded (text only; speculative decoding with the "
+                     "MTP head is not supported yet)", type(self).__name__, len(skipped))
 
     def kv_cache_spec(self) -> list:
         return [layer.linear_attn.spec() if layer.linear else
                 LayerSpec(i, layer.self_attn.attn.num_kv_heads, self.head_dim)
                 for i, layer in enumerate(self.model.layers)]
+
+
+class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
+    """Qwen3.5 (dense): Qwen3-Next's layers with split DeltaNet projections and a
+    dense MLP in every layer. Its rotary is multimodal (mrope), which for text
+    (one position on every axis) is the plain partial rotary used here."""
+    linear_attn_class = SplitProjectionDeltaNet
+
+    def _mlp(self, config: dict, layer_idx: int) -> nn.Module:
+        return LlamaMLP(config["hidden_size"], config["intermediate_size"], False, config.get("hidden_act", "silu"))
+
+
+class Qwen3_5MoeForCausalLM(Qwen3NextForCausalLM):
+    """Qwen3.5-MoE: split DeltaNet projections, every layer a shared-expert MoE
+    whose router always renormalises its top k."""
+    linear_attn_class = SplitProjectionDeltaNet
+
+    def _mlp(self, config: dict, layer_idx: int) -> nn.Module:
+        return SharedExpertMoeBlock(dict(config, norm_topk_prob=True))

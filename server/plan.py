@@ -292,8 +292,8 @@ def _moe_parts(p: Plan, cfg: dict, sparse: list[int], tp: int) -> None:
 
 
 def plan_hybrid(name: str, cfg: dict, tp: int, kv: str) -> Plan:
-    """Qwen3-Next: gated full-attention layers (paged KV) and Gated DeltaNet layers
-    (a fixed state per sequence, split by key head), model_zoo/qwen3_next.py."""
+    """Qwen3-Next / Qwen3.5: gated full-attention layers (paged KV) and Gated DeltaNet
+    layers (a fixed state per sequence, split by key head), model_zoo/qwen3_next.py."""
     from model_zoo.qwen3_next import layer_types
     p = Plan(name, tp, kv)
     H, nh = cfg["hidden_size"], cfg["num_attention_heads"]
@@ -308,7 +308,8 @@ def plan_hybrid(name: str, cfg: dict, tp: int, kv: str) -> Plan:
     p.weight_parts["full attention (split)"] = full * H * (3 * nh * hd + 2 * nkv * hd) * BF16 / tp
     p.weight_parts["linear attention (split)"] = linear * (H * (2 * nk * dk + 3 * nv * dv + 2 * nv)
                                                            + conv_dim * K + 2 * nv) * BF16 / tp
-    p.weight_parts["dense MLPs (split)"] = (len(types) - len(sparse)) * 3 * H * cfg["intermediate_size"] * BF16 / tp
+    p.weight_parts["dense MLPs (split)"] = (len(types) - len(sparse)) * 3 * H * cfg.get("intermediate_size", 0) \
+        * BF16 / tp
     _moe_parts(p, cfg, sparse, tp)
     p.weight_parts["norms (replicated)"] = (len(types) * 2 * H + full * 2 * hd + linear * dv) * BF16
     p.weight_parts["embedding + head (split)"] = (1 if cfg.get("tie_word_embeddings") else 2) * \
@@ -381,7 +382,7 @@ def make_plan(model: str, tp: int = 2, kv_cache_dtype: str = "f16", rollback: in
     v4 = is_deepseek_v4(cfg)
     if v4:
         p = plan_deepseek_v4(name, cfg, tp, kv_cache_dtype, rollback)
-    elif cfg.get("model_type") == "qwen3_next":
+    elif "linear_num_key_heads" in cfg:      # Qwen3-Next / Qwen3.5: linear-attention layers
         p = plan_hybrid(name, cfg, tp, kv_cache_dtype)
     else:
         p = plan_dense(name, cfg, tp, kv_cache_dtype)

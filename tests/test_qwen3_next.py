@@ -1,8 +1,10 @@
 """Qwen3-Next (hybrid Gated DeltaNet + gated attention, MoE with a shared
-expert) against transformers fp32 on a tiny random config with real
-structure (value heads 2x key heads, partial rotary, a dense layer among MoE
-layers): logits over 150 tokens (three 64-token delta-rule chunks), from
-transformers 5's config.json too, and split over two tensor-parallel ranks;
+expert) and Qwen3.5 (dense and MoE: split DeltaNet projections, mrope)
+against transformers fp32 on tiny random configs with real structure (value
+heads 2x key heads, partial rotary, a dense layer among MoE layers): logits
+over 150 tokens (three 64-token delta-rule chunks), from transformers 5's
+config.json too, and split over two tensor-parallel ranks; a multimodal
+Qwen3.5 checkpoint serves its language model;
 the engine's linear-attention state after a chunked prefill equals the state
 after one whole prefill; `tqserve plan`'s per-sequence state and KV bytes
 equal what the pool allocates. (Engine runs: test_model_families_engine.)"""
@@ -28,14 +30,27 @@ CONFIG = dict(
     linear_value_head_dim=24, linear_num_key_heads=2, linear_num_value_heads=4, rms_norm_eps=1e-6,
     rope_theta=10000.0, partial_rotary_factor=0.25, tie_word_embeddings=False,
     layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"] * 2)
+# Qwen3.5: split DeltaNet projections, multimodal rotary (mrope) for text; dense, and MoE in every layer.
+_35 = {k: v for k, v in CONFIG.items() if k not in ("architectures", "rope_theta", "partial_rotary_factor",
+                                                    "mlp_only_layers", "norm_topk_prob")}
+_35["rope_parameters"] = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25,
+                              mrope_section=[2, 1, 1])
+FLAVOURS = {
+    "qwen3_next": (CONFIG, "Qwen3NextConfig", "Qwen3NextForCausalLM"),
+    "qwen3_5": ({k: v for k, v in dict(_35, model_type="qwen3_5_text").items()
+                 if "expert" not in k}, "Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
+    "qwen3_5_moe": ({k: v for k, v in dict(_35, model_type="qwen3_5_moe_text").items() if k != "intermediate_size"},
+                    "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
+}
 N = 150
 
 
-def make_hf():
-    hc = transformers.Qwen3NextConfig(**{k: v for k, v in CONFIG.items() if k not in ("architectures", "model_type")})
+def make_hf(flavour="qwen3_next"):
+    config, cfg_cls, model_cls = FLAVOURS[flavour]
+    hc = getattr(transformers, cfg_cls)(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
     hc._attn_implementation = "eager"
     torch.manual_seed(0)
-    hf = transformers.Qwen3NextForCausalLM(hc).eval()
+    hf = getattr(transformers, model_cls)(hc).eval()
     with torch.no_grad():
         for n, p in hf.named_parameters():
             if "norm" in n:      # the DeltaNet output norm scales by w, the others by 1 + w
@@ -56,17 +71,45 @@ def logits(model, ids):
         return model.compute_logits(model(ids, torch.arange(len(ids)), None))
 
 
-def test_logits_match_transformers():
-    hf = make_hf()
+@pytest.mark.parametrize("flavour", list(FLAVOURS))
+def test_logits_match_transformers(flavour):
+    hf = make_hf(flavour)
     ids = prompt()
     with torch.no_grad():
         ref = hf(input_ids=ids[None]).logits[0].float()
-    for config in (CONFIG, hf.config.to_dict()):
+    for config in (FLAVOURS[flavour][0], hf.config.to_dict()):
         ours = build_model(config)
         ours.load_weights(hf.state_dict().items())
-        assert_close(logits(ours, ids), ref, "qwen3_next meta=None")
+        assert_close(logits(ours, ids), ref, f"{flavour} meta=None")
     kinds = [type(s).__name__ for s in ours.kv_cache_spec()]
     assert kinds == ["LinearAttentionSpec", "LayerSpec", "LinearAttentionSpec", "LinearAttentionSpec"] * 2
+
+
+def test_multimodal_checkpoint_loads_its_language_model(tmp_path):
+    """A Qwen3_5ForConditionalGeneration directory: config.json nests the text
+    model's config, the tensors are model.language_model.* beside model.visual.*
+    and mtp.*; the engine serves the language model."""
+    import json
+
+    from safetensors.torch import save_file
+    hf = make_hf("qwen3_5")
+    text = dict(FLAVOURS["qwen3_5"][0], bos_token_id=1, eos_token_id=2)
+    (tmp_path / "config.json").write_text(json.dumps(dict(
+        architectures=["Qwen3_5ForConditionalGeneration"], model_type="qwen3_5", text_config=text,
+        vision_config=dict(model_type="qwen3_5_vision", depth=1))))
+    tensors = {k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k: v.contiguous()
+               for k, v in hf.state_dict().items()}
+    tensors["model.visual.patch_embed.weight"] = torch.zeros(4, 4)
+    tensors["mtp.fc.weight"] = torch.zeros(4, 4)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    llm = LLM(str(tmp_path), dtype="float32", quantization="none", block_size=4, max_num_seqs=2)
+    ids = prompt()[:40].tolist()
+    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0))[0]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(input_ids=torch.tensor([ids + out.outputs[0].token_ids])).logits[0], -1)
+    for j, t in enumerate(out.outputs[0].token_ids):
+        assert t == int(ref[len(ids) - 1 + j].argmax())
+        assert abs(out.outputs[0].logprobs[j][t] - ref[len(ids) - 1 + j, t].item()) < 1e-4
 
 
 def _tp_worker(rank, world, init_file, out_file):
@@ -76,19 +119,22 @@ def _tp_worker(rank, world, init_file, out_file):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     state.init_tp()
-    hf = make_hf()
-    ours = build_model(CONFIG)          # this rank's heads and experts
-    ours.load_weights(hf.state_dict().items())
-    delta = ours.model.layers[0].linear_attn
-    assert (delta.num_k_heads, delta.num_v_heads, delta.conv1d.weight.shape[0]) == (1, 2, (2 * 16 + 2 * 24))
-    ids = prompt()
-    with torch.no_grad():
-        ref = hf(input_ids=ids[None]).logits[0].float()
-    d = assert_close(logits(ours, ids), ref, f"qwen3_next tp={world} rank {rank}")
+    lines = []
+    for flavour in FLAVOURS:
+        hf = make_hf(flavour)
+        ours = build_model(FLAVOURS[flavour][0])          # this rank's heads and experts
+        ours.load_weights(hf.state_dict().items())
+        delta = ours.model.layers[0].linear_attn
+        assert (delta.num_k_heads, delta.num_v_heads, delta.conv1d.weight.shape[0]) == (1, 2, (2 * 16 + 2 * 24))
+        ids = prompt()
+        with torch.no_grad():
+            ref = hf(input_ids=ids[None]).logits[0].float()
+        d = assert_close(logits(ours, ids), ref, f"{flavour} tp={world} rank {rank}")
+        lines.append(f"{flavour} {d:.3e}")
     dist.destroy_process_group()
     state.reset_tp()
     with open(out_file, "w") as f:
-        f.write(f"{d:.3e}")
+        f.write("\n".join(lines))
 
 
 def test_tensor_parallel_2_ranks_match_transformers():
@@ -107,7 +153,9 @@ def test_tensor_parallel_2_ranks_match_transformers():
             if p.is_alive():
                 p.kill()
             assert p.exitcode == 0, f"rank {r} failed (exit code {p.exitcode})"
-            print(f"rank {r}: max |logit diff| {open(outs[r]).read()}")
+            lines = open(outs[r]).read().split("\n")
+            print(f"rank {r}: max |logit diff|", lines)
+            assert [line.split()[0] for line in lines] == list(FLAVOURS)
 
 
 def _states(llm):
