@@ -155,7 +155,9 @@ def fill_derived_config(config: dict) -> dict:
     if "num_hidden_layers" not in config and isinstance(config.get("text_config"), dict):
         # A multimodal checkpoint (e.g. Qwen3_5ForConditionalGeneration): its language model,
         # named by the outer architectures (models.ARCHITECTURES maps them to the text model).
-        config = {**config["text_config"], "architectures": config.get("architectures") or []}
+        # The outer file's stop / start ids win (Gemma's multimodal configs state them there).
+        ids = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
+        config = {**config["text_config"], **ids, "architectures": config.get("architectures") or []}
     if "head_dim" not in config and config.get("hidden_size") and config.get("num_attention_heads"):
         config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
     rope = config.get("rope_parameters")

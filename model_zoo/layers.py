@@ -190,6 +190,18 @@ def use_gguf_blocks(model: nn.Module, names, packed: dict[str, tuple[str, object
     return len(layers)
 
 
+def language_model_weights(weights: Iterable[tuple[str, torch.Tensor]], skip: tuple[str, ...],
+                           skipped: list[str]) -> Iterable[tuple[str, torch.Tensor]]:
+    """A multimodal checkpoint's tensors as its text model names them:
+    `model.language_model.X` -> `model.X`; names starting with one of `skip`
+    (vision / audio towers, MTP heads) are left out and listed in `skipped`."""
+    for name, t in weights:
+        if name.startswith(skip):
+            skipped.append(name)
+            continue
+        yield name.replace("model.language_model.", "model.", 1), t
+
+
 def load_packed_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                         packed: dict[str, tuple[str, object]], ignore: tuple[str, ...] = ()) -> None:
     """Load HF-named tensors into `model`, whose module names mirror the HF ones

@@ -7,6 +7,7 @@ from torch import nn
 
 from model_zoo.deepseek_v4 import DeepseekV4ForCausalLM
 from model_zoo.gemma3 import Gemma3ForCausalLM
+from model_zoo.gemma4 import Gemma4ForCausalLM
 from model_zoo.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from model_zoo.qwen3_moe import Qwen3MoeForCausalLM
 from model_zoo.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
@@ -23,6 +24,8 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
     "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma4ForCausalLM": Gemma4ForCausalLM,
+    "Gemma4ForConditionalGeneration": Gemma4ForCausalLM,            # its language model (text only)
     "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
 }
 
@@ -36,6 +39,7 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "qwen3_5_text": Qwen3_5ForCausalLM,
     "qwen3_5_moe_text": Qwen3_5MoeForCausalLM,
     "gemma3_text": Gemma3ForCausalLM,
+    "gemma4_text": Gemma4ForCausalLM,
 }
 
 

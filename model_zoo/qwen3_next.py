@@ -33,7 +33,8 @@ from torch import nn
 from kvcache.attention import Attention
 from kvcache.spec import LayerSpec, LinearAttentionSpec
 from model_zoo import gated_delta
-from model_zoo.layers import PACKED, GemmaRMSNorm, RotaryEmbedding, load_packed_weights, rope_parameters
+from model_zoo.layers import (PACKED, GemmaRMSNorm, RotaryEmbedding, language_model_weights, load_packed_weights,
+                              rope_parameters)
 from model_zoo.llama import LlamaMLP
 from model_zoo.qwen3_moe import SparseMoeBlock, is_sparse_layer
 from parallel.linear import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear, ReplicatedLinear,
@@ -313,16 +314,10 @@ class Qwen3NextForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        skipped = []
-
-        def main_model():
-            for name, t in weights:
-                if name.startswith(("mtp.", "model.visual.")):  # the MTP head (not used yet), a vision tower
-                    skipped.append(name)
-                    continue
-                yield name.replace("model.language_model.", "model.", 1), t
+        skipped = []    # the MTP head (not used yet), a vision tower
         ignore = ("rotary_emb.inv_freq",) + (("lm_head.weight",) if self.tie_word_embeddings else ())
-        load_packed_weights(self, main_model(), PACKED, ignore)
+        load_packed_weights(self, language_model_weights(weights, ("mtp.", "model.visual."), skipped), PACKED,
+                            ignore)
         if skipped:
             log.info("%s: %d MTP-head / vision tensors not loaded (text only; speculative decoding with the "
                      "MTP head is not supported yet)", type(self).__name__, len(skipped))

@@ -68,3 +68,33 @@ def _save_sharpened(m, path):
 def token_prompts(n, lo=5, hi=60, seed=0):
     rng = random.Random(seed)
     return [[rng.randrange(3, 256) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+def save_tiny_gemma4(path, hybrid=False):
+    """A tiny Gemma 4 text model with K = V full layers (head_dim 512),
+    per-layer inputs, KV sharing (the last layer reads layer 1's K/V) and
+    routed experts (4, top 2) beside each MLP, sharpened as the llama;
+    returns it (eager attention: modeling_gemma4's reference math).
+
+    Default: 3 full-attention layers, 1 KV head. The engine tests size pools
+    as tokens x bytes per token of full attention (test_tq_engine's capacity
+    == 100 and 1 MiB pools), which a sliding group's share would break.
+    hybrid: 6 layers alternating sliding (head_dim 256, window 16, 1 KV head)
+    and full (2 KV heads), the last 2 reading layers 2-3's K/V."""
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+    torch.manual_seed(0)
+    shape = (dict(num_hidden_layers=6, layer_types=["sliding_attention", "full_attention"] * 3,
+                  num_global_key_value_heads=2, num_kv_shared_layers=2) if hybrid else
+             dict(num_hidden_layers=3, layer_types=["full_attention"] * 3, num_global_key_value_heads=1,
+                  num_kv_shared_layers=1))
+    cfg = Gemma4TextConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                           num_key_value_heads=1, head_dim=256, global_head_dim=512, attention_k_eq_v=True,
+                           sliding_window=16, hidden_size_per_layer_input=16, vocab_size_per_layer_input=256,
+                           enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32,
+                           max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                           tie_word_embeddings=True, **shape)
+    # transformers' defaults (sdpa, grouped_mm experts) differ from its own eager code by
+    # ~5e-4 in these sharpened logits; the reference is the eager code.
+    cfg._attn_implementation = "eager"
+    cfg._experts_implementation = "eager"
+    return _save_sharpened(Gemma4ForCausalLM(cfg), path)
