@@ -97,6 +97,21 @@ BUILTIN = {
         moe_intermediate_size=512, shared_expert_intermediate_size=512, norm_topk_prob=True,
         decoder_sparse_step=1, mlp_only_layers=[], full_attention_interval=4, partial_rotary_factor=0.25,
         rope_theta=10000000.0, tie_word_embeddings=False, max_position_embeddings=262144),
+    # Gemma 4 (approximate, from public model cards: pass the real config.json for exact figures):
+    # 5 sliding (head_dim 256) : 1 full (512, K = V) layers, window 1024, tied embeddings.
+    "gemma4-31b": lambda: dict(
+        architectures=["Gemma4ForCausalLM"], model_type="gemma4_text", vocab_size=262144, hidden_size=5376,
+        intermediate_size=21504, num_hidden_layers=60, num_attention_heads=32, num_key_value_heads=16,
+        head_dim=256, global_head_dim=512, num_global_key_value_heads=4, attention_k_eq_v=True,
+        sliding_window=1024, hidden_size_per_layer_input=0, num_kv_shared_layers=0, tie_word_embeddings=True,
+        final_logit_softcapping=30.0, max_position_embeddings=262144),
+    "gemma4-26b-a4b": lambda: dict(
+        architectures=["Gemma4ForCausalLM"], model_type="gemma4_text", vocab_size=262144, hidden_size=2816,
+        intermediate_size=2112, num_hidden_layers=30, num_attention_heads=16, num_key_value_heads=8,
+        head_dim=256, global_head_dim=512, num_global_key_value_heads=2, attention_k_eq_v=True,
+        sliding_window=1024, hidden_size_per_layer_input=0, num_kv_shared_layers=0, enable_moe_block=True,
+        num_experts=128, top_k_experts=8, moe_intermediate_size=704, tie_word_embeddings=True,
+        final_logit_softcapping=30.0, max_position_embeddings=262144),
     "gemma3-27b": lambda: dict(
         architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", vocab_size=262208, hidden_size=5376,
         intermediate_size=21504, num_hidden_layers=62, num_attention_heads=32, num_key_value_heads=16,
@@ -329,6 +344,40 @@ def plan_hybrid(name: str, cfg: dict, tp: int, kv: str) -> Plan:
     return p
 
 
+def plan_measured(name: str, cfg: dict, tp: int, kv: str, block_size: int = 16) -> Plan:
+    """A family without a hand formula (Gemma 4: head_dim and KV heads per layer type,
+    K = V layers, KV-shared layers): the KV bytes of each layer the engine's
+    meta-built model asks a cache for, measured on the engine's own cache object
+    for it (one block, on the meta device), under the KV format's per-layer policy."""
+    import torch
+
+    from kvcache.pool_plan import kv_dtype, make_layer_cache
+    from model_zoo.models import build_model
+    from parallel.state import assume_tp
+    with assume_tp(tp, 0), torch.device("meta"):
+        specs = build_model(cfg).kv_cache_spec()
+    policy, n = kv_dtype(kv, torch.bfloat16), max(s.layer_idx for s in specs) + 1
+    p = Plan(name, tp, kv)
+    for s in specs:
+        b = make_layer_cache(s, 1, block_size, policy, 0, n, device="meta").nbytes
+        if s.per_seq:
+            p.per_sequence += b
+            _add(p.per_sequence_by_kind, "linear-attention state", b)
+        elif s.sliding_window is None:
+            p.kv_per_token += b / block_size
+            _add(p.kv_per_token_by_kind, f"full attention, {s.num_kv_heads} KV heads x {s.head_dim}", b / block_size)
+        else:
+            w = s.sliding_window
+            p.sliding_tokens[w] = p.sliding_tokens.get(w, 0.0) + b / block_size
+    for w, b in p.sliding_tokens.items():
+        p.per_sequence_by_kind[f"sliding layers, up to {w} tokens"] = b * w
+    kinds = [("per-seq" if s.per_seq else "full" if s.sliding_window is None else "sliding") for s in specs]
+    p.notes.append(f"{n} layers, {len(specs)} with a cache of their own: {kinds.count('full')} full, "
+                   f"{kinds.count('sliding')} sliding; KV bytes measured on the engine's cache objects "
+                   f"(no hand formula for this family)")
+    return p
+
+
 def moe_layers(cfg: dict) -> list[int]:
     """Indices of the routed-expert layers of a Qwen3-MoE-style config (none for dense models)."""
     if "moe_intermediate_size" not in cfg:
@@ -384,6 +433,9 @@ def make_plan(model: str, tp: int = 2, kv_cache_dtype: str = "f16", rollback: in
         p = plan_deepseek_v4(name, cfg, tp, kv_cache_dtype, rollback)
     elif "linear_num_key_heads" in cfg:      # Qwen3-Next / Qwen3.5: linear-attention layers
         p = plan_hybrid(name, cfg, tp, kv_cache_dtype)
+    elif cfg.get("model_type", "").startswith("gemma4"):
+        p = plan_measured(name, cfg, tp, kv_cache_dtype)
+        dtype = dtype or "bfloat16"          # no weight formula either: always measured
     else:
         p = plan_dense(name, cfg, tp, kv_cache_dtype)
     if dtype:
@@ -411,8 +463,8 @@ def report(plans: list[Plan], lens: list[int], memory: float, reserve: float, ou
     for n in p0.notes:
         print("  " + n, file=out)
     if p0.measured_weight_bytes is not None:
-        print(f"weights per rank: {_fmt(p0.measured_weight_bytes)} measured ({p0.measured_how}); "
-              f"the formula: {_fmt(p0.weight_bytes)}", file=out)
+        formula = f"; the formula: {_fmt(p0.weight_bytes)}" if p0.weight_parts else ""
+        print(f"weights per rank: {_fmt(p0.measured_weight_bytes)} measured ({p0.measured_how}){formula}", file=out)
     else:
         print(f"weights per rank: {_fmt(p0.weight_bytes)} (formula)", file=out)
     for k, v in p0.weight_parts.items():

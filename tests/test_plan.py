@@ -99,3 +99,22 @@ def test_config_json_path_and_cli(tmp_path, capsys):
     import argparse
     sub = argparse.ArgumentParser().add_subparsers()
     plan.add_parser(sub)
+
+
+def test_measured_kv_equals_the_formulas_and_plans_gemma4():
+    """plan_measured (KV bytes from the engine's cache objects for the meta-built
+    model's layer specs) agrees with the hand formulas where both exist, and plans
+    Gemma 4, whose layers differ in head_dim and KV heads (K = V full layers)."""
+    for model, kv in (("qwen3", "tq3"), ("gemma3", "f16"), ("qwen3-next", "tq4"), ("qwen3-moe", "k8v4")):
+        name, cfg = plan.load_config(model)
+        ref, got = plan.make_plan(model, 2, kv), plan.plan_measured(name, cfg, 2, kv)
+        assert (got.kv_per_token, got.per_sequence, got.sliding_tokens) == \
+            (ref.kv_per_token, ref.per_sequence, ref.sliding_tokens), model
+    g = plan.make_plan("gemma4-31b", 1, "f16")
+    assert g.kv_per_token == 10 * 4 * 512 * 2 * 2                    # 10 full layers, 4 KV heads x 512, K and V
+    assert g.sliding_tokens == {1024: 50 * 16 * 256 * 2 * 2}          # 50 sliding layers, 16 KV heads x 256
+    assert 61e9 < g.measured_weight_bytes < 62e9 and g.weight_bytes == 0   # ~30.7B parameters in bf16
+    assert plan.make_plan("gemma4-31b", 1, "tq3").sliding_tokens == g.sliding_tokens   # sliding layers stay f16
+    moe = plan.make_plan("gemma4-26b-a4b", 2, "f16")
+    assert 25e9 < moe.measured_weight_bytes < 25.5e9                   # ~50.5 GB bf16 over two ranks
+    assert moe.kv_per_token == 5 * 1 * 512 * 2 * 2                    # 2 KV heads split over 2 ranks
