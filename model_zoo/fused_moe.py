@@ -3,10 +3,11 @@ weights of all of this rank's experts in two stacked tensors, run for the
 whole batch by parallel.quant.moe.moe_forward (one grouped pass, no Python
 loop over tokens).
 
-Expert MLP: g, u = (x @ gate_up[e]^T).chunk(2); h = silu(g') * u' with
+Expert MLP: g, u = (x @ gate_up[e]^T).chunk(2); h = act(g') * u' with
 g' = g.clamp(max=limit), u' = u.clamp(-limit, limit) (DeepSeek-V4's
-swiglu_limit; inf for the plain SwiGLU of Qwen3-MoE); y = h @ down[e]^T,
-weighted by the router and summed over the token's k experts.
+swiglu_limit; inf for the plain SwiGLU of Qwen3-MoE) and act SiLU, or
+gelu_tanh for Gemma 4; y = h @ down[e]^T, weighted by the router and summed
+over the token's k experts.
 
 Tensor parallel: each rank holds whole experts, a contiguous range of ids;
 ids of other ranks are skipped, and the caller all-reduces the partial sums
@@ -33,13 +34,13 @@ EXPERT_PARTS = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)
 
 
 class RoutedExperts(nn.Module):
-    def __init__(self, num_experts: int, hidden: int, inter: int, limit: float = math.inf):
+    def __init__(self, num_experts: int, hidden: int, inter: int, limit: float = math.inf, act: str = "silu"):
         super().__init__()
         tp = get_tp_size()
         if num_experts % tp:
             raise ValueError(f"the number of routed experts ({num_experts}) is not divisible by the "
                              f"tensor-parallel size ({tp})")
-        self.num_experts, self.hidden, self.inter, self.limit = num_experts, hidden, inter, limit
+        self.num_experts, self.hidden, self.inter, self.limit, self.act = num_experts, hidden, inter, limit, act
         self.num_local = num_experts // tp
         self.first = get_tp_rank() * self.num_local     # global id of this rank's first expert
         self.gate_up_proj = nn.Parameter(torch.zeros(self.num_local, 2 * inter, hidden), requires_grad=False)
@@ -86,6 +87,6 @@ class RoutedExperts(nn.Module):
     def forward(self, x, idx, w):   # x [T, H], idx/w [T, k] (global expert ids) -> this rank's partial [T, H]
         local = idx - self.first    # ids of other ranks fall outside [0, num_local): skipped
         if self.quant is not DENSE:
-            return self.quant.forward(x, local, w, self.limit)
+            return self.quant.forward(x, local, w, self.limit, self.act)
         return moe_forward(x, local, w, self.gate_up_proj, self.down_proj, "bf16", self.limit,
-                           backend=fp_methods.BACKEND)
+                           backend=fp_methods.BACKEND, act=self.act)

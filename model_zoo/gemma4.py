@@ -41,8 +41,6 @@ from model_zoo.gemma3 import Gemma3MLP
 from model_zoo.layers import PACKED, RotaryEmbedding, language_model_weights, load_packed_weights, rope_inv_freq
 from parallel.linear import (ParallelLMHead, QKVParallelLinear, ReplicatedLinear, RowParallelLinear,
                              VocabParallelEmbedding)
-from parallel.quant.base import DENSE
-from parallel.quant.moe import route
 from parallel.state import all_reduce
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -248,33 +246,6 @@ class Gemma4Attention(nn.Module):
         return self.o_proj(self.attn(q, k, v, attn_metadata))
 
 
-class GeluExperts(RoutedExperts):
-    """RoutedExperts' storage and loading with Gemma's gelu_tanh expert MLP,
-    gelu(x W_gate^T) * (x W_up^T) W_down^T, weighted and summed. moe_forward
-    hard-codes SwiGLU, so the experts run one by one here (torch), in
-    transformers' order: ascending expert id, one index_add each."""
-
-    def forward(self, x, idx, w):   # x [T, H], idx/w [T, k] (global ids) -> this rank's partial [T, H]
-        if self.quant is not DENSE:
-            raise ValueError("Gemma 4 experts in a stored quantized format are not supported")
-        T = idx.shape[0]
-        # (slot, token) pairs slot-major, so each expert's rows come in transformers' order.
-        order, counts, _, _ = route((idx - self.first).t(), self.num_local)
-        flat_w = w.t().reshape(-1)
-        out = torch.zeros_like(x)
-        start = 0
-        for e, c in enumerate(counts.tolist()):
-            if not c:
-                continue
-            rows = order[start:start + c]
-            start += c
-            tok = rows % T
-            g, u = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.gelu(g, approximate="tanh") * u, self.down_proj[e]) * flat_w[rows, None]
-            out.index_add_(0, tok, y.to(out.dtype))
-        return out
-
-
 class Gemma4Router(nn.Module):
     """Norm (no weight) * scale / sqrt(hidden) -> proj -> fp32 softmax over all
     experts -> top k, renormalised, times each chosen expert's per_expert_scale."""
@@ -320,7 +291,8 @@ class Gemma4DecoderLayer(nn.Module):
         self.moe = bool(config.get("enable_moe_block"))
         if self.moe:
             self.router = Gemma4Router(hidden, config["num_experts"], config["top_k_experts"], eps)
-            self.experts = GeluExperts(config["num_experts"], hidden, config["moe_intermediate_size"])
+            self.experts = RoutedExperts(config["num_experts"], hidden, config["moe_intermediate_size"],
+                                         act="gelu_tanh")
             self.post_feedforward_layernorm_1 = Gemma4RMSNorm(hidden, eps)
             self.post_feedforward_layernorm_2 = Gemma4RMSNorm(hidden, eps)
             self.pre_feedforward_layernorm_2 = Gemma4RMSNorm(hidden, eps)

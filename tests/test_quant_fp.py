@@ -6,6 +6,7 @@ interpreter against the torch reference (max abs error within 1e-5 of the
 reference's largest value for fp32 activations, 1e-2 for bf16), the grouped
 MoE against Experts.forward's per-expert loop, and the kernels compiled for
 sm_90 (H200) and sm_121 (GB10) with no GPU."""
+import math
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"     # before triton is first imported: CPU tensors
@@ -153,16 +154,18 @@ def test_triton_kernel_reads_every_fp8_code():
 
 
 # -- grouped MoE ----------------------------------------------------------------------
-def ref_experts(x, idx, w, W13, W2, limit):
-    """model_zoo.deepseek_v4.Experts.forward's math, local ids (-1: another rank's)."""
+def ref_experts(x, idx, w, W13, W2, limit, act="silu"):
+    """model_zoo.deepseek_v4.Experts.forward's math, local ids (-1: another rank's);
+    act gelu_tanh: Gemma 4's experts (transformers' loop, weights applied in their dtype)."""
     out = torch.zeros_like(x)
     for e in idx.unique().tolist():
         if not 0 <= e < W13.shape[0]:
             continue
         tok, slot = torch.where(idx == e)
         g, u = F.linear(x[tok], W13[e]).chunk(2, dim=-1)
-        h = F.silu(g.clamp(max=limit)) * u.clamp(min=-limit, max=limit)
-        out.index_add_(0, tok, F.linear(h, W2[e]) * w[tok, slot, None])
+        g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
+        h = (F.silu(g) if act == "silu" else F.gelu(g, approximate="tanh")) * u
+        out.index_add_(0, tok, (F.linear(h, W2[e]) * w[tok, slot, None]).to(x.dtype))
     return out
 
 
@@ -237,6 +240,25 @@ def test_moe_triton_grouped(fmt):
         assert_close(out.float(), ref_experts(x.bfloat16().float(), idx, w, W13, W2, 1.5), 2e-2)
 
 
+def test_moe_gelu_tanh_and_fp32_weights():
+    """Gemma 4's experts: gelu_tanh gate, no clamp, fp32 routing weights with bf16
+    activations (its router's), on the torch path and the Triton kernels."""
+    g = _gen(11)
+    w13, w2, _, _ = _moe_case("bf16", g)
+    x = torch.randn(24, 64, generator=g)
+    idx, w = _routes(24, 2, 4, g)
+    ref = ref_experts(x, idx, w, w13, w2, math.inf, "gelu_tanh")
+    assert torch.equal(moe.moe_forward(x, idx, w, w13, w2, "bf16", math.inf, act="gelu_tanh"), ref)
+    assert not torch.allclose(ref, ref_experts(x, idx, w, w13, w2, math.inf))      # not SwiGLU
+    assert_close(moe.moe_forward(x, idx, w, w13, w2, "bf16", math.inf, act="gelu_tanh", backend="triton"), ref, 1e-5)
+    xb = x.bfloat16()
+    out = moe.moe_forward(xb, idx, w, w13.bfloat16(), w2.bfloat16(), "bf16", math.inf, act="gelu_tanh")
+    assert out.dtype == torch.bfloat16
+    assert_close(out.float(), ref, 3e-2)
+    with pytest.raises(ValueError, match="activation 'relu'"):
+        moe.moe_forward(x, idx, w, w13, w2, "bf16", math.inf, act="relu")
+
+
 def test_moe_tile_map():
     counts = torch.tensor([20, 0, 3, 16])
     ends = counts.cumsum(0)
@@ -286,7 +308,8 @@ def build(fn, ptrs, const, stages):
 
 
 for spec in sys.argv[2:]:
-    kind, x, fmt, bm = spec.split(",")
+    kind, x, fmt, bm, *act = spec.split(",")
+    act = act[0] if act else "0"
     w, s = W[fmt]
     e8 = s == "u8"
     if kind in ("gemv", "gemm"):
@@ -301,14 +324,16 @@ for spec in sys.argv[2:]:
                     tile_r1_ptr="i32", tok_ptr="i32", pair_ptr="i32", rw_ptr="fp32")
         code = {"dense": 0, "fp8": 1, "fp8e8": 1, "fp4": 2}[fmt]
         build(getattr(moe, f"_moe_{kind}_kernel"), ptrs,
-              dict(FMT=code, BM=int(bm), BN=64, BK=64, SCALE_E8M0=e8, F32=x == "fp32"), 3)
+              dict(FMT=code, BM=int(bm), BN=64, BK=64, SCALE_E8M0=e8, F32=x == "fp32",
+                   **({"ACT": int(act)} if kind == "up" else {})), 3)
 """
 
 # kernel, activations, weight format (scales: fp8 fp32, fp8e8 / fp4 E8M0), rows (M or BLOCK_M):
 # the tiles fp8_block.launch and moe._moe_triton pick.
 _SPECS = {90: ["gemv,bf16,fp8,3", "gemm,bf16,fp8,64", "gemm,fp32,fp8e8,32", "gemv,bf16,fp4,1", "gemm,bf16,fp4,64",
-               "up,bf16,dense,16", "down,bf16,fp8e8,64", "up,bf16,fp4,16", "down,bf16,fp4,64"],
-          121: ["gemv,bf16,fp8e8,2", "gemm,bf16,fp8,64", "gemm,bf16,fp4,32", "up,bf16,fp8,64", "down,bf16,fp4,16"]}
+               "up,bf16,dense,16", "up,bf16,dense,16,1", "down,bf16,fp8e8,64", "up,bf16,fp4,16", "down,bf16,fp4,64"],
+          121: ["gemv,bf16,fp8e8,2", "gemm,bf16,fp8,64", "gemm,bf16,fp4,32", "up,bf16,fp8,64", "up,bf16,fp4,16,1",
+                "down,bf16,fp4,16"]}
 
 
 @pytest.mark.parametrize("arch", [90, 121])

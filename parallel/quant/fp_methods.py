@@ -204,12 +204,13 @@ class ExpertWeights(QuantMethod):
         dst_d[e, offset:offset + rows].copy_(data)
         dst_s[e, r0:r0 + s[1]].copy_(scale)
 
-    def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, limit: float) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, limit: float,
+                act: str = "silu") -> torch.Tensor:
         """x [T, H], idx [T, k] local expert ids (off this rank: outside [0, E)), w [T, k] routing weights."""
         buf = None
         if fp8_block.pick_backend(BACKEND, x) == "torch":
             buf = scratch(2 * self.I * self.H, x.dtype, x.device)
-        return moe.moe_forward(x, idx, w, self.w13, self.w2, self.fmt, limit, scratch=buf, backend=BACKEND)
+        return moe.moe_forward(x, idx, w, self.w13, self.w2, self.fmt, limit, scratch=buf, backend=BACKEND, act=act)
 
     def nbytes(self, layer):
         return _nbytes(*(self.w13 or ()), *(self.w2 or ()))

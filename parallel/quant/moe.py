@@ -39,18 +39,21 @@ from parallel.quant.fp8_block import _jit, fp8_tile, kernel_scale, mac, pick_bac
 from parallel.quant.mxfp4 import mxfp4_tile
 
 FORMATS = {"bf16": 0, "fp8": 1, "mxfp4": 2}
+ACTS = {"silu": 0, "gelu_tanh": 1}     # the gate's activation: SwiGLU, or Gemma's GeGLU (gelu_tanh)
 
 
 def moe_forward(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w13, w2, fmt: str, limit: float, *,
-                scratch: torch.Tensor | None = None, backend: str | None = None) -> torch.Tensor:
+                scratch: torch.Tensor | None = None, backend: str | None = None, act: str = "silu") -> torch.Tensor:
     """x [T, H], idx [T, k] local expert ids (-1: not on this rank), w [T, k]
-    routing weights -> [T, H] in x.dtype.
+    routing weights -> [T, H] in x.dtype. act: the gate's activation (ACTS).
     fmt "bf16": w13 [E, 2I, H], w2 [E, H, I] (any float dtype);
         "fp8": w13 = (w8 [E, 2I, H], scale [E, ceil(2I/128), ceil(H/128)]), w2 likewise;
         "mxfp4": w13 = (packed [E, 2I, H/2], scales [E, 2I, H/32]), w2 = (packed [E, H, I/2], scales [E, H, I/32]).
     scratch: a buffer (x.dtype, >= 2*I*H elements) for the CPU path's dequantized expert."""
     if fmt not in FORMATS:
         raise ValueError(f"moe format {fmt!r}: one of {sorted(FORMATS)}")
+    if act not in ACTS:
+        raise ValueError(f"moe activation {act!r}: one of {sorted(ACTS)}")
     E, I2, H = _dims(w13, fmt)
     if x.shape[-1] != H or idx.shape != w.shape or idx.shape[0] != x.shape[0]:
         raise ValueError(f"moe: x {tuple(x.shape)}, idx {tuple(idx.shape)}, w {tuple(w.shape)} for H = {H}")
@@ -58,8 +61,8 @@ def moe_forward(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w13, w2, fm
         return torch.zeros_like(x)
     order, counts, starts, ends = route(idx, E)
     if pick_backend(backend, x) == "triton":
-        return _moe_triton(x, idx, w, w13, w2, fmt, float(limit), E, I2 // 2, H, order, counts, starts, ends)
-    return _moe_torch(x, idx, w, w13, w2, fmt, float(limit), order, counts, scratch)
+        return _moe_triton(x, idx, w, w13, w2, fmt, float(limit), E, I2 // 2, H, order, counts, starts, ends, act)
+    return _moe_torch(x, idx, w, w13, w2, fmt, float(limit), order, counts, scratch, act)
 
 
 def _dims(w13, fmt: str) -> tuple[int, int, int]:
@@ -95,7 +98,7 @@ def _expert_weights(w13, w2, fmt: str, e: int, dtype, scratch: torch.Tensor | No
     yield deq(w2[0][e], w2[1][e], dtype, out=scratch)
 
 
-def _moe_torch(x, idx, w, w13, w2, fmt, limit, order, counts, scratch):
+def _moe_torch(x, idx, w, w13, w2, fmt, limit, order, counts, scratch, act):
     k = idx.shape[1]
     if fmt != "bf16" and scratch is None:
         _, I2, H = _dims(w13, fmt)
@@ -108,12 +111,14 @@ def _moe_torch(x, idx, w, w13, w2, fmt, limit, order, counts, scratch):
         start += c
         ws = _expert_weights(w13, w2, fmt, e, x.dtype, scratch)
         g, u = F.linear(x[rows // k], next(ws)).chunk(2, dim=-1)
-        h = F.silu(g.clamp(max=limit)) * u.clamp(min=-limit, max=limit)
+        g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
+        h = (F.silu(g) if act == "silu" else F.gelu(g, approximate="tanh")) * u
         ys.append(F.linear(h, next(ws)))
     out = torch.zeros_like(x)
     if ys:
         pairs = order[:start]
-        out.index_add_(0, pairs // k, torch.cat(ys) * w.reshape(-1)[pairs, None])
+        # weights in their own dtype (Gemma 4's router gives fp32), the sum in x's
+        out.index_add_(0, pairs // k, (torch.cat(ys) * w.reshape(-1)[pairs, None]).to(x.dtype))
     return out
 
 
@@ -157,7 +162,7 @@ def _check(wt, fmt: str, E: int, N: int, K: int, what: str):
             raise ValueError(f"{fmt} {what}: expected {want}, got {got}")
 
 
-def _moe_triton(x, idx, w, w13, w2, fmt, limit, E, I, H, order, counts, starts, ends,
+def _moe_triton(x, idx, w, w13, w2, fmt, limit, E, I, H, order, counts, starts, ends, act: str = "silu",
                 block_m: int | None = None, block_n: int = 64, block_k: int = 64, num_warps: int = 4):
     _check(w13, fmt, E, 2 * I, H, "w13")
     _check(w2, fmt, E, H, I, "w2")
@@ -179,7 +184,7 @@ def _moe_triton(x, idx, w, w13, w2, fmt, limit, E, I, H, order, counts, starts, 
     d, s, dst, sst, e8 = _weight_args(w13, fmt)
     _moe_up_kernel[(tile_e.numel(), triton.cdiv(I, block_n))](
         x, d, s, h, tile_e, tile_r0, tile_r1, tok, I, H, x.stride(0), *dst, *sst, h.stride(0), limit,
-        FMT=code, BM=block_m, BN=block_n, BK=block_k, SCALE_E8M0=e8, F32=F32,
+        FMT=code, BM=block_m, BN=block_n, BK=block_k, SCALE_E8M0=e8, F32=F32, ACT=ACTS[act],
         num_warps=num_warps, num_stages=stages)
     y = torch.zeros(P, H, dtype=x.dtype, device=x.device)
     d, s, dst, sst, e8 = _weight_args(w2, fmt)
@@ -210,8 +215,9 @@ def _w_tile(w_ptr, s_ptr, offs_n, k0, N, K, s_wn, s_wk, s_sn, s_sk,
 def _moe_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, tok_ptr, I, H,
                    stride_xt, s_we, s_wn, s_wk, s_se, s_sn, s_sk, stride_hm, limit,
                    FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                   SCALE_E8M0: tl.constexpr, F32: tl.constexpr):
-    """Grid (row tiles, I / BN). h[rows, n] = swiglu(x[tok] @ w13[e, n]^T, x[tok] @ w13[e, I + n]^T)."""
+                   SCALE_E8M0: tl.constexpr, F32: tl.constexpr, ACT: tl.constexpr):
+    """Grid (row tiles, I / BN). h[rows, n] = act(x[tok] @ w13[e, n]^T) * (x[tok] @ w13[e, I + n]^T),
+    both clamped by limit; act SiLU (ACT 0) or gelu_tanh (ACT 1)."""
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(tile_e_ptr + t)
@@ -234,7 +240,11 @@ def _moe_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_
             acc_u = mac(acc_u, xt, wu, F32)
         g = tl.minimum(acc_g, limit)
         u = tl.minimum(tl.maximum(acc_u, -limit), limit)
-        hv = g / (1.0 + tl.exp(-g)) * u
+        if ACT == 0:
+            hv = g / (1.0 + tl.exp(-g)) * u
+        else:   # 0.5 g (1 + tanh(c (g + 0.044715 g^3))), tanh(z) = 2 sigmoid(2z) - 1
+            z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+            hv = g * (1.0 - 1.0 / (1.0 + tl.exp(2.0 * z))) * u
         tl.store(h_ptr + rows.to(tl.int64)[:, None] * stride_hm + offs_n[None, :], hv.to(h_ptr.dtype.element_ty),
                  mask=mask_m[:, None] & (offs_n < I)[None, :])
 
