@@ -162,6 +162,12 @@ class TQLayerCache(LayerCache):
                          {n: t[qsl[i]:qsl[i + 1]] for n, t in hv.items()})
                         for i in range(meta.num_decodes, meta.num_seqs)]
 
+    def attention(self, q: torch.Tensor, meta, scale: float) -> torch.Tensor:
+        # The prefills read store()'s chunks in batch order; from the first again at
+        # each call, so a layer that shares this cache (Gemma 4's KV sharing) reads them too.
+        self._next_chunk = 0
+        return super().attention(q, meta, scale)
+
     def _rows(self, store: dict, slots: torch.Tensor) -> dict:
         return {name: t.index_select(0, slots) for name, t in store.items()}
 
@@ -248,7 +254,8 @@ class TQLayerCache(LayerCache):
         pool, the chunk's own rows from store() (their middle blocks have no
         hot block). Block-diagonal, so [nb, bs, 2 * bs] scores at most.
         Returns (out [1, H, G, Lq, D], lse [1, H, G, Lq])."""
-        new_k, new_v = self._chunks.pop(0)
+        new_k, new_v = self._chunks[self._next_chunk]
+        self._next_chunk += 1
         _, H, G, Lq, D = qr.shape
         bs, dev, f32 = self.block_size, qr.device, torch.float32
         start = seq_len - Lq

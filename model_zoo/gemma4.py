@@ -189,12 +189,7 @@ class SharedKVAttention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k, v = (x.view(T, -1, self.head_dim) for x in kv)
         if meta is not None:
-            cache = meta.kv_caches[self.producer]
-            # A cache may keep state from its store() for the one attention call
-            # after it (TurboQuant's hot pass consumes this step's chunks).
-            # Storing the producer's K/V again (same values, same slots) re-arms it.
-            cache.store(meta, k, v)
-            return cache.attention(q, meta, self.scale).reshape(T, -1)
+            return meta.kv_caches[self.producer].attention(q, meta, self.scale).reshape(T, -1)
         pos = torch.arange(T, device=q.device)
         mask = pos[None, :] <= pos[:, None]
         if self.sliding_window is not None:
