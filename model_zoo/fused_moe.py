@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from parallel.quant import fp_methods
-from parallel.quant.base import DENSE
+from parallel.quant.base import DENSE, GGUFExperts
 from parallel.quant.moe import moe_forward
 from parallel.state import get_tp_rank, get_tp_size
 
@@ -53,7 +53,14 @@ class RoutedExperts(nn.Module):
     def use_stored(self, fmt: str) -> None:
         """Keep the checkpoint's per-expert tensors in fmt ("mxfp4" | "fp8");
         on the meta-built model: the dense tensors become empty placeholders."""
-        self.quant = fp_methods.ExpertWeights(fmt, self.num_local, self.hidden, self.inter)
+        self._keep(fp_methods.ExpertWeights(fmt, self.num_local, self.hidden, self.inter))
+
+    def use_gguf(self, qtypes: dict[str, str]) -> None:
+        """Keep a GGUF file's stacked expert tensors as blocks ({"gate" | "up" | "down": type})."""
+        self._keep(GGUFExperts(qtypes, self.num_local, self.first, self.hidden, self.inter))
+
+    def _keep(self, quant) -> None:
+        self.quant = quant
         for name in ("gate_up_proj", "down_proj"):
             old = getattr(self, name)
             p = nn.Parameter(torch.empty(0, dtype=old.dtype, device=old.device), requires_grad=False)
@@ -63,7 +70,11 @@ class RoutedExperts(nn.Module):
     def weight_loader(self, param, loaded, shard_id=None):
         """shard_id None: the fused [E, ...] tensor -> this rank's range.
         (e, part): expert e's gate (part 0) or up (1) rows [I, H] of gate_up_proj,
-        or its down_proj [H, I] (part None); another rank's expert is skipped."""
+        or its down_proj [H, I] (part None); another rank's expert is skipped.
+        ("all", part): every expert's gate / up / down stacked (a GGUF file's)."""
+        if isinstance(shard_id, tuple) and shard_id[0] == "all" and isinstance(self.quant, GGUFExperts):
+            self.quant.load({0: "gate", 1: "up", None: "down"}[shard_id[1]], 0, loaded, param.device, param.dtype)
+            return
         if self.quant is not DENSE:
             raise ValueError(f"these experts keep their {self.quant.fmt} weights as stored; the checkpoint gives "
                              f"dense tensors")
@@ -74,6 +85,9 @@ class RoutedExperts(nn.Module):
             param.data.copy_(loaded[self.first:self.first + self.num_local])
             return
         e, part = shard_id
+        if e == "all":
+            raise ValueError("stacked expert tensors: these experts hold dense weights (load the file's "
+                             "experts dequantized, or keep them with --quantization gguf)")
         if not 0 <= e < self.num_experts:
             raise ValueError(f"expert {e} out of range (the model has {self.num_experts})")
         rows = slice(None) if part is None else slice(part * self.inter, (part + 1) * self.inter)

@@ -311,10 +311,10 @@ def open_gguf(path: str | Path) -> ModelSource:
     from parallel.quant.base import QuantizedTensor
     from parallel.quant.gguf import qtype_name
     # Linear weights in a type the GGUF kernels take: kept as stored with --quantization gguf.
-    # Routed experts are dequantized (no grouped GGUF MoE kernel yet).
+    # Routed experts stay stacked ([E, rows, row bytes]) as parallel.quant.base.GGUFExperts holds them.
     blocks = {hf: qtype_name(int(t.tensor_type)) for t, hf in plan
               if hf.endswith(("proj.weight", "embed_tokens.weight", "lm_head.weight"))
-              and not _STACKED_EXPERTS.match(hf) and qtype_name(int(t.tensor_type))}
+              and qtype_name(int(t.tensor_type))}
 
     def permuted(arr: np.ndarray, name: str) -> np.ndarray:
         # Rows are output features, dense or blocks alike.
@@ -328,6 +328,11 @@ def open_gguf(path: str | Path) -> ModelSource:
         for t, hf in plan:
             if hf not in blocks:
                 yield from dense(t, hf)
+                continue
+            if _STACKED_EXPERTS.match(hf):      # [E, rows, row bytes]
+                shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+                raw = np.asarray(t.data).reshape(shape[0], shape[1], -1)
+                yield hf, QuantizedTensor(blocks[hf], torch.from_numpy(raw.copy()), shape)
                 continue
             raw = np.ascontiguousarray(permuted(np.asarray(t.data).reshape(int(t.shape[1]), -1), t.name))
             yield hf, QuantizedTensor(blocks[hf], torch.from_numpy(raw.copy()),

@@ -159,8 +159,9 @@ PACKED = {
 }
 
 
-# `<prefix>.experts.<e>.<proj>.weight`: one routed expert's tensor (model_zoo.fused_moe).
-_EXPERT_TENSOR = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+# `<prefix>.experts.<e>.<proj>.weight`: one routed expert's tensor (model_zoo.fused_moe), or with
+# no <e> all of them stacked (a GGUF file's ffn_*_exps, kept as blocks).
+_EXPERT_TENSOR = re.compile(r"^(?P<prefix>.+\.experts)\.(?:(?P<e>\d+)\.)?(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
 
 def packed_target(hf_name: str, packed: dict[str, tuple[str, object]]) -> tuple[str, object]:
@@ -175,11 +176,17 @@ def packed_target(hf_name: str, packed: dict[str, tuple[str, object]]) -> tuple[
 
 def use_gguf_blocks(model: nn.Module, names, packed: dict[str, tuple[str, object]]) -> int:
     """Before materialising a meta-built model: the linear layers that the
-    checkpoint tensors `names` feed keep those tensors' GGUF rows
-    (LinearBase.use_gguf). Returns how many layers do."""
+    checkpoint tensors `names` ({name: GGUF type}) feed keep those tensors'
+    GGUF rows (LinearBase.use_gguf), and so do the routed experts whose
+    stacked tensors are listed (RoutedExperts.use_gguf). Returns how many
+    layers do."""
     modules = dict(model.named_modules())
-    layers = set()
+    layers, experts = set(), {}
     for hf_name in names:
+        m = _EXPERT_TENSOR.match(hf_name)
+        if m and m["e"] is None:
+            experts.setdefault(m["prefix"], {})[m["proj"].removesuffix("_proj")] = names[hf_name]
+            continue
         name, _ = packed_target(hf_name, packed)
         layer = modules.get(name.rpartition(".")[0])
         if layer is None or not hasattr(layer, "use_gguf"):
@@ -187,7 +194,11 @@ def use_gguf_blocks(model: nn.Module, names, packed: dict[str, tuple[str, object
         layers.add(layer)
     for layer in layers:
         layer.use_gguf()
-    return len(layers)
+    for prefix, qtypes in experts.items():
+        if prefix not in modules or not hasattr(modules[prefix], "use_gguf"):
+            raise ValueError(f"checkpoint tensors {prefix}.* feed no routed experts of {type(model).__name__}")
+        modules[prefix].use_gguf(qtypes)
+    return len(layers) + len(experts)
 
 
 def language_model_weights(weights: Iterable[tuple[str, torch.Tensor]], skip: tuple[str, ...],
@@ -236,11 +247,14 @@ def load_packed_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Ten
         if expert and name not in params:
             # One expert's projection (HF checkpoints) -> its rows of the stacked tensor.
             dst, part = EXPERT_PARTS[expert["proj"]]
-            name, shard = f"{expert['prefix']}.{dst}", (int(expert["e"]), part)
+            e = "all" if expert["e"] is None else int(expert["e"])
+            name, shard = f"{expert['prefix']}.{dst}", (e, part)
             if name in params:
                 got = pieces.setdefault(name, set())
                 got.add(shard)
-                if len(got) == getattr(params[name], "expert_pieces", 0):
+                stacked = {p for e2, p in got if e2 == "all"}
+                if len(got) == getattr(params[name], "expert_pieces", 0) or \
+                        len(stacked) == (2 if dst == "gate_up_proj" else 1):
                     seen.add(name)      # all of them came: the stacked tensor is whole
         param = params.get(name)
         if param is None:

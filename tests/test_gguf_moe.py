@@ -3,7 +3,7 @@ experts as one [E, ...] tensor per projection: ffn_gate_exps / ffn_up_exps /
 ffn_down_exps), written here from a tiny random transformers model: the config
 read back, logits equal transformers' (F32 file), the experts equal to the
 file's dequantized values (Q8_0), and through the engine with the attention
-projections kept as GGUF blocks (--quantization gguf; experts dequantized)
+projections and the stacked experts kept as GGUF blocks (--quantization gguf)
 next to the all-dense load."""
 import gguf
 import numpy as np
@@ -14,7 +14,7 @@ from test_model_parity import CONFIGS, assert_close, make_hf_model
 from engine import LLM, SamplingParams
 from model_zoo.gguf_loader import open_gguf
 from model_zoo.models import create_model
-from parallel.quant.base import GGUFBlocks
+from parallel.quant.base import GGUFBlocks, GGUFExperts
 
 # llama.cpp: every layer routed; Q8_0 blocks of 32 along every row (moe_intermediate_size too)
 CONFIG = dict(CONFIGS["qwen3_moe"], mlp_only_layers=[], vocab_size=256, moe_intermediate_size=64)
@@ -91,9 +91,9 @@ def test_q8_0_experts_are_the_files_values(hf, tmp_path):
     path = tmp_path / "tiny-qwen3moe-q8.gguf"
     write_gguf(path, hf, "Q8_0")
     src = open_gguf(path)
-    assert not any(".experts." in n for n in src.stored)     # experts dequantized, attention kept as blocks
+    assert src.stored["model.layers.0.mlp.experts.down_proj.weight"] == "Q8_0"    # the stacks can stay blocks
     assert "model.layers.0.self_attn.q_proj.weight" in src.stored
-    model = create_model(src.config, torch.float32, "cpu", src.weights())
+    model = create_model(src.config, torch.float32, "cpu", src.weights())         # or be dequantized
     Q8 = gguf.GGMLQuantizationType.Q8_0
     for i in range(CONFIG["num_hidden_layers"]):
         gate_up = hf.state_dict()[f"model.layers.{i}.mlp.experts.gate_up_proj"].numpy()
@@ -111,6 +111,11 @@ def test_engine_gguf_blocks_next_to_dense(hf, tmp_path):
     blocks = LLM(str(path), quantization="gguf", **args)
     held = [m for m in blocks.core.model.modules() if isinstance(getattr(m, "quant", None), GGUFBlocks)]
     assert len(held) >= 2 * CONFIG["num_hidden_layers"]     # qkv and o of every layer, at least
+    experts = [m.experts for m in blocks.core.model.modules() if hasattr(m, "experts")]
+    assert len(experts) == CONFIG["num_hidden_layers"] and all(isinstance(e.quant, GGUFExperts) for e in experts)
+    E, H, Im = CONFIG["num_experts"], CONFIG["hidden_size"], CONFIG["moe_intermediate_size"]
+    for e in experts:      # Q8_0: 34 bytes per 32 weights, and no dense copy
+        assert e.quant.nbytes(e) == 3 * E * H * Im * 34 // 32 and e.gate_up_proj.numel() == 0
     prompts = [[int(t) for t in torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(n))]
                for n in (12, 30, 47)]
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)

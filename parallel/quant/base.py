@@ -11,6 +11,11 @@ QuantizeMethodBase shape): one object per layer, `LinearBase.quant`.
   layers, then F.linear (the host never holds a dense model); CUDA: the
   Triton kernels of parallel/quant/gguf.py, dequantizing in registers.
 
+- GGUFExperts: a MoE layer's routed experts as the GGUF file stacks them
+  (ffn_{gate,up,down}_exps: one [E, rows, row_bytes] tensor per projection,
+  each its own type), this rank's range; each expert with tokens is
+  dequantized into the shared buffer on its turn (parallel/quant/moe.py).
+
 A checkpoint tensor kept in its stored format travels from the loader to the
 layer as a QuantizedTensor.
 """
@@ -20,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from parallel.int4 import int4_linear
-from parallel.quant import gguf, gguf_cpu
+from parallel.quant import gguf, gguf_cpu, moe
 
 
 @dataclass
@@ -154,3 +159,41 @@ class GGUFBlocks(QuantMethod):
 
     def nbytes(self, layer):
         return sum(s.data.numel() * s.data.element_size() for s in self.shards.values())
+
+
+class GGUFExperts(QuantMethod):
+    """A MoE layer's routed experts kept as GGUF blocks: parts "gate", "up"
+    (rows [E, I, row_bytes(H)]) and "down" ([E, H, row_bytes(I)]), this
+    rank's E of them (experts first .. first + E of the file's stack)."""
+    name = "gguf"
+    shards_across_ranks = True
+    PARTS = ("gate", "up", "down")
+
+    def __init__(self, qtypes: dict[str, str], num_local: int, first: int, hidden: int, inter: int):
+        if set(qtypes) != set(self.PARTS):
+            raise ValueError(f"GGUF experts need gate, up and down tensors, got {sorted(qtypes)}")
+        self.qtypes, self.E, self.first, self.H, self.I = dict(qtypes), num_local, first, hidden, inter
+        self.parts: dict[str, torch.Tensor] = {}
+
+    def load(self, part: str, offset: int, loaded, device, dtype) -> None:
+        rows, cols = (self.I, self.H) if part != "down" else (self.H, self.I)
+        if not isinstance(loaded, QuantizedTensor) or loaded.fmt != self.qtypes[part]:
+            what = loaded.fmt if isinstance(loaded, QuantizedTensor) else f"dense {loaded.dtype}"
+            raise ValueError(f"these experts keep their {part} rows as GGUF {self.qtypes[part]}; got {what}")
+        if len(loaded.shape) != 3 or tuple(loaded.shape[1:]) != (rows, cols) or loaded.shape[0] < self.first + self.E:
+            raise ValueError(f"shape mismatch: expected [experts, {rows}, {cols}], got {tuple(loaded.shape)}")
+        data = loaded.data.view(loaded.shape[0], rows, -1)[self.first:self.first + self.E]
+        if data.shape[2] != gguf.row_bytes(loaded.fmt, cols):
+            raise ValueError(f"{part}: {data.shape[2]} bytes per row, {loaded.fmt} [{cols}] needs "
+                             f"{gguf.row_bytes(loaded.fmt, cols)}")
+        self.parts[part] = data.to(device).contiguous()
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, limit: float,
+                act: str = "silu") -> torch.Tensor:
+        p, q = self.parts, self.qtypes
+        w13 = ((p["gate"], q["gate"]), (p["up"], q["up"]), self.H)
+        return moe.moe_forward(x, idx, w, w13, ((p["down"], q["down"]), self.I), "gguf", limit,
+                               scratch=scratch(2 * self.I * self.H, x.dtype, x.device), act=act)
+
+    def nbytes(self, layer):
+        return sum(t.numel() * t.element_size() for t in self.parts.values())

@@ -34,11 +34,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from parallel.quant import fp8_block, mxfp4
+from parallel.quant import fp8_block, gguf, mxfp4
 from parallel.quant.fp8_block import _jit, fp8_tile, kernel_scale, mac, pick_backend, tl, triton
 from parallel.quant.mxfp4 import mxfp4_tile
 
-FORMATS = {"bf16": 0, "fp8": 1, "mxfp4": 2}
+FORMATS = {"bf16": 0, "fp8": 1, "mxfp4": 2, "gguf": 3}   # gguf: the torch path only (no grouped kernel yet)
 ACTS = {"silu": 0, "gelu_tanh": 1}     # the gate's activation: SwiGLU, or Gemma's GeGLU (gelu_tanh)
 
 
@@ -48,7 +48,9 @@ def moe_forward(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w13, w2, fm
     routing weights -> [T, H] in x.dtype. act: the gate's activation (ACTS).
     fmt "bf16": w13 [E, 2I, H], w2 [E, H, I] (any float dtype);
         "fp8": w13 = (w8 [E, 2I, H], scale [E, ceil(2I/128), ceil(H/128)]), w2 likewise;
-        "mxfp4": w13 = (packed [E, 2I, H/2], scales [E, 2I, H/32]), w2 = (packed [E, H, I/2], scales [E, H, I/32]).
+        "mxfp4": w13 = (packed [E, 2I, H/2], scales [E, 2I, H/32]), w2 = (packed [E, H, I/2], scales [E, H, I/32]);
+        "gguf": w13 = ((gate rows uint8 [E, I, rb], type), (up rows, type), H), w2 = ((down rows [E, H, rb], type), I):
+        GGUF blocks, each expert dequantized into scratch on its turn (also on CUDA: no grouped kernel yet).
     scratch: a buffer (x.dtype, >= 2*I*H elements) for the CPU path's dequantized expert."""
     if fmt not in FORMATS:
         raise ValueError(f"moe format {fmt!r}: one of {sorted(FORMATS)}")
@@ -60,7 +62,7 @@ def moe_forward(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w13, w2, fm
     if x.shape[0] == 0 or idx.shape[1] == 0:
         return torch.zeros_like(x)
     order, counts, starts, ends = route(idx, E)
-    if pick_backend(backend, x) == "triton":
+    if fmt != "gguf" and pick_backend(backend, x) == "triton":
         return _moe_triton(x, idx, w, w13, w2, fmt, float(limit), E, I2 // 2, H, order, counts, starts, ends, act)
     return _moe_torch(x, idx, w, w13, w2, fmt, float(limit), order, counts, scratch, act)
 
@@ -68,6 +70,9 @@ def moe_forward(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w13, w2, fm
 def _dims(w13, fmt: str) -> tuple[int, int, int]:
     if fmt == "bf16":
         return tuple(w13.shape)
+    if fmt == "gguf":
+        (gate, _), _, H = w13
+        return gate.shape[0], 2 * gate.shape[1], H
     t = w13[0]
     E, I2, Hs = t.shape
     return E, I2, (2 * Hs if fmt == "mxfp4" else Hs)
@@ -92,6 +97,15 @@ def _expert_weights(w13, w2, fmt: str, e: int, dtype, scratch: torch.Tensor | No
     if fmt == "bf16":
         yield w13[e].to(dtype)
         yield w2[e].to(dtype)
+        return
+    if fmt == "gguf":
+        (gate, gt), (up, ut), H = w13
+        (down, dt), I = w2
+        w = scratch[:2 * I * H].view(2 * I, H)
+        gguf.dequantize(gate[e], gt, H, dtype, out=w[:I])
+        gguf.dequantize(up[e], ut, H, dtype, out=w[I:])
+        yield w
+        yield gguf.dequantize(down[e], dt, I, dtype, out=scratch[:H * I].view(H, I))
         return
     deq = fp8_block.dequantize if fmt == "fp8" else mxfp4.dequantize
     yield deq(w13[0][e], w13[1][e], dtype, out=scratch)
