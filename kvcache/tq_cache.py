@@ -161,6 +161,7 @@ class TQLayerCache(LayerCache):
         self._chunks = [({n: t[qsl[i]:qsl[i + 1]] for n, t in hk.items()},
                          {n: t[qsl[i]:qsl[i + 1]] for n, t in hv.items()})
                         for i in range(meta.num_decodes, meta.num_seqs)]
+        self._next_chunk = 0
 
     def attention(self, q: torch.Tensor, meta, scale: float) -> torch.Tensor:
         # The prefills read store()'s chunks in batch order; from the first again at

@@ -19,7 +19,7 @@ from torch import nn
 
 from kvcache.attention import Attention
 from kvcache.spec import LayerSpec
-from model_zoo.layers import (PACKED, GeluAndMul, GemmaRMSNorm, RotaryEmbedding, load_packed_weights,
+from model_zoo.layers import (PACKED, GeluAndMul, GemmaRMSNorm, RotaryEmbedding, load_packed_weights, soft_cap,
                               use_gguf_blocks)
 from parallel.linear import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                              RowParallelLinear, VocabParallelEmbedding)
@@ -154,11 +154,7 @@ class Gemma3ForCausalLM(nn.Module):
         return self.model(input_ids, positions, attn_metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden).float()
-        if self.final_logit_softcapping is not None:
-            cap = self.final_logit_softcapping
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        return soft_cap(self.lm_head(hidden).float(), self.final_logit_softcapping)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         # lm_head.weight with tied embeddings: the same tensor as embed_tokens.

@@ -38,7 +38,8 @@ from kvcache.dense_cache import expand_kv
 from kvcache.spec import LayerSpec
 from model_zoo.fused_moe import RoutedExperts
 from model_zoo.gemma3 import Gemma3MLP
-from model_zoo.layers import PACKED, RotaryEmbedding, language_model_weights, load_packed_weights, rope_inv_freq
+from model_zoo.layers import (PACKED, RotaryEmbedding, language_model_weights, load_packed_weights, rope_inv_freq,
+                              soft_cap)
 from parallel.linear import (ParallelLMHead, QKVParallelLinear, ReplicatedLinear, RowParallelLinear,
                              VocabParallelEmbedding)
 from parallel.state import all_reduce
@@ -380,11 +381,7 @@ class Gemma4ForCausalLM(nn.Module):
         return self.model(input_ids, positions, attn_metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden).float()
-        if self.final_logit_softcapping is not None:
-            cap = self.final_logit_softcapping
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        return soft_cap(self.lm_head(hidden).float(), self.final_logit_softcapping)
 
     _ATTN_TENSOR = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj|k_norm|v_norm)\.(\w+)$")
 

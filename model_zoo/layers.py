@@ -52,6 +52,11 @@ class GemmaRMSNorm(nn.Module):
         return (xf * (1.0 + self.weight.float())).to(x.dtype)
 
 
+def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Gemma's final-logit soft-capping: cap * tanh(logits / cap) (None: as they are)."""
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
 class SiluAndMul(nn.Module):
     """[..., 2n] (gate, up) -> silu(gate) * up."""
 

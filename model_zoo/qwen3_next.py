@@ -23,8 +23,9 @@ caching is off for this model (the state is not block-addressable) and its
 MTP head is not loaded yet. Tensor parallel: attention and MoE as Qwen3-MoE,
 DeltaNet layers by key head (GatedDeltaNet).
 """
-from collections.abc import Iterable
 import logging
+from collections.abc import Iterable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -87,17 +88,17 @@ class GatedDeltaNet(nn.Module):
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, self.conv_kernel, groups=conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads), requires_grad=False)
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads), requires_grad=False)
-        for p in (self.conv1d.weight, self.dt_bias, self.A_log):
-            p.requires_grad_(False)
-            p.weight_loader = self._load_head_cut
+        self.conv1d.weight.requires_grad_(False)
+        self.conv1d.weight.weight_loader = partial(self._load_head_cut, sections=self.split)
+        for p in (self.dt_bias, self.A_log):
+            p.weight_loader = partial(self._load_head_cut, sections=[self.num_v_heads])
         self.norm = GatedRMSNorm(self.v_dim, config.get("rms_norm_eps", 1e-6))
         self.out_proj = RowParallelLinear(tp * value_dim, H, bias=False)
 
-    def _load_head_cut(self, param, loaded, shard_id=None):
-        """This rank's heads of a per-head parameter: each of the q, k, v channel
-        sections (conv, Qwen3.5's in_proj_qkv), or the value heads of dt_bias / A_log."""
+    def _load_head_cut(self, param, loaded, shard_id=None, *, sections: list[int]):
+        """This rank's heads of a per-head parameter, section by section: the q, k, v
+        channels (conv, Qwen3.5's in_proj_qkv), or the value heads (dt_bias / A_log)."""
         tp, rank = get_tp_size(), get_tp_rank()
-        sections = self.split if param.shape[0] == sum(self.split) else [param.shape[0]]
         if loaded.shape[0] != tp * param.shape[0] or loaded.shape[1:] != param.shape[1:]:
             raise ValueError(f"shape mismatch: expected {(tp * param.shape[0], *param.shape[1:])}, "
                              f"got {tuple(loaded.shape)}")
@@ -184,7 +185,7 @@ class SplitProjectionDeltaNet(GatedDeltaNet):
         del self.in_proj_qkvz, self.in_proj_ba
         H, tp, nv = config["hidden_size"], get_tp_size(), config["linear_num_value_heads"]
         self.in_proj_qkv = ColumnParallelLinear(H, tp * sum(self.split), bias=False)
-        self.in_proj_qkv.weight.weight_loader = self._load_head_cut
+        self.in_proj_qkv.weight.weight_loader = partial(self._load_head_cut, sections=self.split)
         self.in_proj_z = ColumnParallelLinear(H, nv * self.v_dim, bias=False)
         self.in_proj_b = ColumnParallelLinear(H, nv, bias=False)
         self.in_proj_a = ColumnParallelLinear(H, nv, bias=False)

@@ -21,6 +21,7 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
+from spawn_ranks import run_ranks
 from transformers.masking_utils import create_sliding_window_causal_mask
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as HFM
 
@@ -434,67 +435,37 @@ def test_dequant_formats_by_hand():
 
 # ---------------------------------------------------------------- tensor parallel
 
-def _tp_worker(rank: int, world: int, init_file: str, out_file: str) -> None:
-    import torch.distributed as dist
-
-    from parallel import state
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    state.init_tp()
-    try:
-        c = Case(index_topk=4)   # ours built under tp=2: half the heads, experts, vocabulary
-        attn = c.ours.model.layers[1].self_attn
-        assert attn.num_heads * world == CONFIG["num_attention_heads"]
-        assert c.ours.model.layers[0].mlp.experts.num_local * world == CONFIG["n_routed_experts"]
-        # the planner's split matches this rank's shards (every dtype counted as 1 byte)
-        from server.plan import plan_deepseek_v4
-        ones = dict(fp4=1, fp8=1, bf16=1, fp32=1, index=1)
-        held = sum(t.numel() for t in c.ours.parameters()) + sum(t.numel() for t in c.ours.buffers())
-        assert plan_deepseek_v4("tiny", CONFIG, world, "f16", 0, dtype_bytes=ones).weight_bytes == held
-        with torch.no_grad():
-            d0 = close(c.ours.compute_logits(c.ours(c.ids, torch.arange(N), None)), c.ref, f"tp rank {rank} full")
-        st, outs, p = c.ours.new_state(), [], 0
-        for n in [37, 5] + [1] * (N - 42):
-            outs.append(c.step(st, c.ids[p:p + n], p))
-            p += n
-        d1 = close(torch.cat(outs), c.ref, f"tp rank {rank} chunked + decode")
-        # official-name FP8/FP4 checkpoint, per-expert tensors routed to their rank
-        _, mtp_weights = mtp_reference(c, torch.zeros(N, 4, 32), c.ids)
-        q, twin = quantise_checkpoint({**c.hf.state_dict(), **mtp_weights})
-        a, b = build_model(c.config), build_model(c.config)
-        a.load_weights(q.items())
-        b.load_weights(twin.items())
-        with torch.no_grad():
-            assert torch.equal(a.compute_logits(a(c.ids, torch.arange(N), None)),
-                               b.compute_logits(b(c.ids, torch.arange(N), None)))
-        with open(out_file, "w") as f:
-            f.write(f"{d0:.2e} {d1:.2e}")
-    finally:
-        dist.destroy_process_group()
-        state.reset_tp()
+def _tp_rank(rank: int, world: int) -> list[str]:
+    c = Case(index_topk=4)   # ours built under tp=2: half the heads, experts, vocabulary
+    attn = c.ours.model.layers[1].self_attn
+    assert attn.num_heads * world == CONFIG["num_attention_heads"]
+    assert c.ours.model.layers[0].mlp.experts.num_local * world == CONFIG["n_routed_experts"]
+    # the planner's split matches this rank's shards (every dtype counted as 1 byte)
+    from server.plan import plan_deepseek_v4
+    ones = dict(fp4=1, fp8=1, bf16=1, fp32=1, index=1)
+    held = sum(t.numel() for t in c.ours.parameters()) + sum(t.numel() for t in c.ours.buffers())
+    assert plan_deepseek_v4("tiny", CONFIG, world, "f16", 0, dtype_bytes=ones).weight_bytes == held
+    with torch.no_grad():
+        d0 = close(c.ours.compute_logits(c.ours(c.ids, torch.arange(N), None)), c.ref, f"tp rank {rank} full")
+    st, outs, p = c.ours.new_state(), [], 0
+    for n in [37, 5] + [1] * (N - 42):
+        outs.append(c.step(st, c.ids[p:p + n], p))
+        p += n
+    d1 = close(torch.cat(outs), c.ref, f"tp rank {rank} chunked + decode")
+    # official-name FP8/FP4 checkpoint, per-expert tensors routed to their rank
+    _, mtp_weights = mtp_reference(c, torch.zeros(N, 4, 32), c.ids)
+    q, twin = quantise_checkpoint({**c.hf.state_dict(), **mtp_weights})
+    a, b = build_model(c.config), build_model(c.config)
+    a.load_weights(q.items())
+    b.load_weights(twin.items())
+    with torch.no_grad():
+        assert torch.equal(a.compute_logits(a(c.ids, torch.arange(N), None)),
+                           b.compute_logits(b(c.ids, torch.arange(N), None)))
+    return [f"{d0:.2e} {d1:.2e}"]
 
 
 def test_tensor_parallel_2_ranks():
-    import os
-    import torch.multiprocessing as mp
-
-    world = 2
-    with tempfile.TemporaryDirectory() as tmp:
-        outs = [os.path.join(tmp, f"rank{r}.txt") for r in range(world)]
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_tp_worker, args=(r, world, os.path.join(tmp, "init"), outs[r]))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=300)
-        for r, p in enumerate(procs):
-            if p.is_alive():
-                p.kill()
-            assert p.exitcode == 0, f"rank {r} failed (exit code {p.exitcode})"
-        for r in range(world):
-            with open(outs[r]) as f:
-                print(f"rank {r}: full / chunked max |logit diff|", f.read())
+    run_ranks(_tp_rank)       # each rank: full / chunked + decode max |logit diff|
 
 
 @pytest.mark.parametrize("fmt,bits,mse", [("tq4", 4, 0.00950), ("tq3", 3, 0.03455)])

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from spawn_ranks import run_ranks
 from test_model_parity import SCHEDULES, assert_close, make_prompt, run_paged
 from tiny_models import save_tiny_gemma4, token_prompts
 
@@ -209,13 +210,7 @@ def test_rejects_unsupported_configs():
 
 # ---------------------------------------------------------------- tensor parallel
 
-def _tp_worker(rank: int, world: int, init_file: str, out_file: str) -> None:
-    import torch.distributed as dist
-
-    from parallel import state
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    state.init_tp()
+def _tp_rank(rank: int, world: int) -> list[str]:
     lines = []
     for key in CONFIGS:
         case = Case(key)        # built under tp=2: this rank's shards only
@@ -229,40 +224,15 @@ def _tp_worker(rank: int, world: int, init_file: str, out_file: str) -> None:
         d1 = max(assert_close(got[n], case.ref[n], f"gemma4 {key} tp={world} rank {rank} paged seq {n}")
                  for n in PROMPTS)
         lines.append(f"{key} {d0:.2e} {d1:.2e}")
-    dist.destroy_process_group()
-    state.reset_tp()
-    with open(out_file, "w") as f:
-        f.write("\n".join(lines))
+    return lines
 
 
 def test_tensor_parallel_2_ranks_match_transformers():
     """Two gloo ranks: q heads and sliding KV heads split, the full layers'
     single KV head replicated, the per-layer embedding's vocabulary and the
     experts split (4 / 4); both ranks give transformers' logits."""
-    import os
-    import tempfile
-
-    import torch.multiprocessing as mp
-
-    world = 2
-    with tempfile.TemporaryDirectory() as tmp:
-        outs = [os.path.join(tmp, f"rank{r}.txt") for r in range(world)]
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_tp_worker, args=(r, world, os.path.join(tmp, "init"), outs[r]))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=600)
-        for r, p in enumerate(procs):
-            if p.is_alive():
-                p.kill()
-            assert p.exitcode == 0, f"rank {r} failed (exit code {p.exitcode})"
-        for r in range(world):
-            with open(outs[r]) as f:
-                lines = f.read().split("\n")
-            print(f"rank {r}:", lines)
-            assert [line.split()[0] for line in lines] == list(CONFIGS)
+    for lines in run_ranks(_tp_rank):
+        assert [line.split()[0] for line in lines] == list(CONFIGS)
 
 
 # ---------------------------------------------------------------- engine, hybrid layers

@@ -6,13 +6,12 @@ several batch schedules (one prefill; chunked prefill then decode; two
 sequences of different lengths sharing steps), and split over two
 tensor-parallel ranks (gloo).
 """
-import os
 import random
-import tempfile
 
 import pytest
 import torch
 import transformers
+from spawn_ranks import run_ranks
 
 from kvcache.dense_cache import DenseLayerCache
 from kvcache.metadata import AttentionMetadata, GroupMetadata
@@ -367,16 +366,11 @@ def test_build_model_rejects_unknown_architectures():
 
 # ---------------------------------------------------------------- tensor parallel
 
-TP_KEYS = ["llama", "qwen2", "gemma3", "qwen3_moe"]   # KV heads split (2/2), odd vocab, KV head replicated (1 < 2), experts split (4/4)
+# KV heads split (2/2), odd vocab, KV head replicated (1 < 2), experts split (4/4)
+TP_KEYS = ["llama", "qwen2", "gemma3", "qwen3_moe"]
 
 
-def _tp_worker(rank: int, world: int, init_file: str, out_file: str) -> None:
-    import torch.distributed as dist
-
-    from parallel import state
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    state.init_tp()
+def _tp_rank(rank: int, world: int) -> list[str]:
     lines = []
     for key in TP_KEYS:
         case = Case(key)        # built under tp=2: this rank's shards only
@@ -391,33 +385,11 @@ def _tp_worker(rank: int, world: int, init_file: str, out_file: str) -> None:
         d1 = max(assert_close(got[n], case.ref[n], f"{key} tp={world} rank {rank} paged seq {n}")
                  for n in ("A", "B"))
         lines.append(f"{key} {d0:.2e} {d1:.2e}")
-    dist.destroy_process_group()
-    state.reset_tp()
-    with open(out_file, "w") as f:
-        f.write("\n".join(lines))
+    return lines
 
 
 def test_tensor_parallel_2_ranks_match_transformers():
     """Two gloo ranks, each holding half the heads / features / vocabulary,
     produce transformers' logits on both ranks."""
-    import torch.multiprocessing as mp
-
-    world = 2
-    with tempfile.TemporaryDirectory() as tmp:
-        outs = [os.path.join(tmp, f"rank{r}.txt") for r in range(world)]
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_tp_worker, args=(r, world, os.path.join(tmp, "init"), outs[r]))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=600)
-        for r, p in enumerate(procs):
-            if p.is_alive():
-                p.kill()
-            assert p.exitcode == 0, f"rank {r} failed (exit code {p.exitcode})"
-        for r in range(world):
-            with open(outs[r]) as f:
-                lines = f.read().split("\n")
-            print(f"rank {r}:", lines)
-            assert [line.split()[0] for line in lines] == TP_KEYS
+    for lines in run_ranks(_tp_rank):
+        assert [line.split()[0] for line in lines] == TP_KEYS

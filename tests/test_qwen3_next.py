@@ -8,12 +8,10 @@ Qwen3.5 checkpoint serves its language model;
 the engine's linear-attention state after a chunked prefill equals the state
 after one whole prefill; `tqserve plan`'s per-sequence state and KV bytes
 equal what the pool allocates. (Engine runs: test_model_families_engine.)"""
-import os
-import tempfile
-
 import pytest
 import torch
 import transformers
+from spawn_ranks import run_ranks
 from test_model_parity import assert_close
 from tiny_models import save_tiny_qwen3_next, token_prompts
 
@@ -112,13 +110,7 @@ def test_multimodal_checkpoint_loads_its_language_model(tmp_path):
         assert abs(out.outputs[0].logprobs[j][t] - ref[len(ids) - 1 + j, t].item()) < 1e-4
 
 
-def _tp_worker(rank, world, init_file, out_file):
-    import torch.distributed as dist
-
-    from parallel import state
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    state.init_tp()
+def _tp_rank(rank: int, world: int) -> list[str]:
     lines = []
     for flavour in FLAVOURS:
         hf = make_hf(flavour)
@@ -131,31 +123,12 @@ def _tp_worker(rank, world, init_file, out_file):
             ref = hf(input_ids=ids[None]).logits[0].float()
         d = assert_close(logits(ours, ids), ref, f"{flavour} tp={world} rank {rank}")
         lines.append(f"{flavour} {d:.3e}")
-    dist.destroy_process_group()
-    state.reset_tp()
-    with open(out_file, "w") as f:
-        f.write("\n".join(lines))
+    return lines
 
 
 def test_tensor_parallel_2_ranks_match_transformers():
-    import torch.multiprocessing as mp
-    world = 2
-    with tempfile.TemporaryDirectory() as tmp:
-        outs = [os.path.join(tmp, f"rank{r}.txt") for r in range(world)]
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_tp_worker, args=(r, world, os.path.join(tmp, "init"), outs[r]))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=600)
-        for r, p in enumerate(procs):
-            if p.is_alive():
-                p.kill()
-            assert p.exitcode == 0, f"rank {r} failed (exit code {p.exitcode})"
-            lines = open(outs[r]).read().split("\n")
-            print(f"rank {r}: max |logit diff|", lines)
-            assert [line.split()[0] for line in lines] == list(FLAVOURS)
+    for lines in run_ranks(_tp_rank):
+        assert [line.split()[0] for line in lines] == list(FLAVOURS)
 
 
 def _states(llm):
