@@ -36,8 +36,9 @@ def run_case(preset, ctx, batch, steps, warmup, dtype, distinct, threads):
     from engine import LLM, SamplingParams
     torch.set_num_threads(threads)
     n_prompts = batch if distinct else 1
-    kv_bytes = int(n_prompts * (ctx + steps + warmup + 64) * F16_BYTES_PER_TOKEN * 1.2) \
-        + batch * 4 * 16 * F16_BYTES_PER_TOKEN + (64 << 20)
+    wide = 2 if preset.partition(":")[0] in ("f32", "float32") else 1     # 4-byte KV (an fp32 model's "auto")
+    kv_bytes = int(n_prompts * (ctx + steps + warmup + 64) * F16_BYTES_PER_TOKEN * 1.2 * wide) \
+        + batch * 4 * 16 * F16_BYTES_PER_TOKEN * wide + (64 << 20)
     llm = LLM("smollm2-135m", **kv_args(preset), dtype=dtype, max_model_len=ctx + steps + warmup + 8,
               kv_cache_memory=kv_bytes, max_num_seqs=batch, max_num_batched_tokens=max(2048, ctx),
               enable_prefix_caching=not distinct)
