@@ -187,7 +187,7 @@ def plan_kv_pool(specs: list[LayerSpec], budget_bytes: int, block_size: int, dty
         if g.per_seq:
             # A slot for each running sequence, as long as the rest holds one sequence
             # of max_model_len; fewer otherwise (a new sequence waits for a free slot).
-            one_seq = -(-min(max_model_len, budget_bytes) // block_size) * block_bytes[0]
+            one_seq = -(-max_model_len // block_size) * block_bytes[0]
             num_blocks[gi] = int(max(1, min(max_num_seqs, (rest - one_seq) // block_bytes[gi])))
             rest -= num_blocks[gi] * block_bytes[gi]
     num_blocks[0] = int(rest // block_bytes[0])
