@@ -151,10 +151,11 @@ class GatedDeltaNet(nn.Module):
         out = torch.empty(mixed.shape[0], self.num_v_heads, self.v_dim, dtype=torch.float32, device=mixed.device)
         if nd:
             s = slots[:nd]
-            conv, rec = cache.conv[s], cache.recurrent[s]      # gathered copies
-            fresh = [i for i in range(nd) if lens[i] == 1]
-            if fresh:
-                conv[fresh], rec[fresh] = 0.0, 0.0
+            # Gathered copies, zeroed for a sequence whose first token this is (a
+            # one-token prompt): a device mask, no host branch on the batch's contents.
+            keep = (meta.seq_lens_t[:nd] > 1).to(torch.float32)
+            conv = cache.conv[s] * keep[:, None, None]
+            rec = cache.recurrent[s] * keep[:, None, None, None]
             y = gated_delta.conv_step(mixed[:nd], w, conv)
             out[:nd] = gated_delta.recurrent_step(*self._heads(y), g[:nd], beta[:nd], rec)
             cache.conv[s], cache.recurrent[s] = conv, rec

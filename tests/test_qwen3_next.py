@@ -171,3 +171,17 @@ def test_speculative_decoding_is_refused_with_a_reason(tmp_path):
     with pytest.raises(ValueError, match="roll back 0 tokens"):
         LLM(str(tmp_path), dtype="float32", quantization="none", block_size=4,
             speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+def test_reused_slots_start_from_zero(tmp_path):
+    """A slot keeps its last sequence's state: the next sequence in it starts from
+    zeros, a one-token prompt (a decode in its first step) as well as a prefill."""
+    save_tiny_qwen3_next(tmp_path)
+    args = dict(dtype="float32", quantization="none", block_size=4, max_num_seqs=2)
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    new = [[5], [9, 4, 3, 200, 17]]
+    ref = [o.outputs[0].token_ids for o in LLM(str(tmp_path), **args).generate(new, sp)]
+    used = LLM(str(tmp_path), **args)
+    used.generate(token_prompts(4, 30, 60, seed=8), sp)            # both slots hold a finished sequence
+    assert any(c.recurrent.abs().sum() > 0 for c in used.core.runner.kv_caches if isinstance(c, LinearStateCache))
+    assert [o.outputs[0].token_ids for o in used.generate(new, sp)] == ref
