@@ -188,9 +188,9 @@ class SharedKVAttention(nn.Module):
     def forward(self, q, kv, meta):
         T = q.shape[0]
         q = q.view(T, self.num_heads, self.head_dim)
-        k, v = (x.view(T, -1, self.head_dim) for x in kv)
         if meta is not None:
             return meta.kv_caches[self.producer].attention(q, meta, self.scale).reshape(T, -1)
+        k, v = (x.view(T, -1, self.head_dim) for x in kv)
         pos = torch.arange(T, device=q.device)
         mask = pos[None, :] <= pos[:, None]
         if self.sliding_window is not None:

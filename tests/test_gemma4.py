@@ -22,6 +22,7 @@ import pytest
 import torch
 import transformers
 from spawn_ranks import run_ranks
+from test_model_families_engine import logprob_gap
 from test_model_parity import SCHEDULES, assert_close, make_prompt, run_paged
 from tiny_models import save_tiny_gemma4, token_prompts
 
@@ -263,23 +264,7 @@ def test_engine_hybrid_matches_transformers(hybrid):
     engine = LLM(path, dtype="float32", quantization="none", block_size=4)
     shapes = [(c.num_kv_heads, c.head_dim, c.sliding_window) for c in engine.core.runner.kv_caches]
     assert shapes == [(1, 256, 16), (2, 512, None), (1, 256, 16), (2, 512, None)]
-    ps = token_prompts(4, 20, 50, seed=21)
-    outs = engine.generate(ps, greedy(8, logprobs=1, prompt_logprobs=1))
-    worst = 0.0
-    for p, o in zip(ps, outs):
-        got = o.outputs[0].token_ids
-        ids = torch.tensor([p])
-        ref_tokens = hf.generate(ids, max_new_tokens=8, do_sample=False, attention_mask=torch.ones_like(ids),
-                                 eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
-        assert got == ref_tokens
-        with torch.no_grad():
-            ref = torch.log_softmax(hf(torch.tensor([p + got])).logits[0].float(), -1)
-        for i in range(1, len(p)):
-            worst = max(worst, abs(o.prompt_logprobs[i][p[i]] - ref[i - 1, p[i]].item()))
-        for j, t in enumerate(got):
-            worst = max(worst, abs(o.outputs[0].logprobs[j][t] - ref[len(p) - 1 + j, t].item()))
-    print(f"hybrid: max |logprob - transformers| = {worst:.2e}")
-    assert worst < 1e-4
+    assert logprob_gap(engine, hf, token_prompts(4, 20, 50, seed=21)) < 1e-4
 
     ps = token_prompts(6, 40, 120, seed=22)
     whole = toks(LLM(path, dtype="float32", quantization="none", block_size=4,

@@ -32,16 +32,15 @@ def llm(path, **kw):
     return LLM(path, dtype="float32", quantization="none", block_size=4, **kw)
 
 
-def test_logprobs_and_greedy_equal_transformers(family):
-    path, hf = family
-    engine = llm(path)
-    ps = token_prompts(6, 20, 50, seed=21)
-    outs = engine.generate(ps, greedy(8, logprobs=1, prompt_logprobs=1))
+def logprob_gap(engine, hf, ps, max_tokens=8) -> float:
+    """Greedy tokens of `engine` == transformers' generate() for each prompt (asserted);
+    returns the largest |prompt or sampled logprob - transformers'|."""
+    outs = engine.generate(ps, greedy(max_tokens, logprobs=1, prompt_logprobs=1))
     worst = 0.0
     for p, o in zip(ps, outs):
         got = o.outputs[0].token_ids
         ids = torch.tensor([p])
-        ref_tokens = hf.generate(ids, max_new_tokens=8, do_sample=False, attention_mask=torch.ones_like(ids),
+        ref_tokens = hf.generate(ids, max_new_tokens=max_tokens, do_sample=False, attention_mask=torch.ones_like(ids),
                                  eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
         assert got == ref_tokens
         with torch.no_grad():
@@ -51,7 +50,12 @@ def test_logprobs_and_greedy_equal_transformers(family):
         for j, t in enumerate(got):
             worst = max(worst, abs(o.outputs[0].logprobs[j][t] - ref[len(p) - 1 + j, t].item()))
     print(f"max |logprob - transformers| = {worst:.2e}")
-    assert worst < LOGPROB_TOL
+    return worst
+
+
+def test_logprobs_and_greedy_equal_transformers(family):
+    path, hf = family
+    assert logprob_gap(llm(path), hf, token_prompts(6, 20, 50, seed=21)) < LOGPROB_TOL
 
 
 def test_chunked_prefill_with_decodes_equals_whole(family):
