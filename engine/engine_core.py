@@ -129,7 +129,7 @@ class EngineCore(Worker):
     def _init_speculation(self) -> None:
         if self.spec and self.plan.max_rollback is not None and self.plan.max_rollback < self.spec.num_speculative_tokens:
             raise ValueError(f"speculative decoding rolls back rejected drafts, and this model's cache can roll "
-                             f"back {self.plan.max_rollback} tokens (linear-attention state keeps no checkpoints)")
+                             f"back {self.plan.max_rollback} tokens (max_rollback_tokens)")
         self.proposer = make_proposer(self.spec, self.runner) if self.spec else None
         if self.spec:
             self.stats.spec_decode_num_accepted_tokens_per_pos = [0] * self.spec.num_speculative_tokens

@@ -148,28 +148,64 @@ class ModelRunner:
         np.add(np.arange(T), (start - qsl[:-1])[seq_of_tok], out=pos)
         first_row = np.cumsum(per) - per
         rows[:] = np.repeat(qsl[1:] - per, per) + np.arange(R) - np.repeat(first_row, per)
-        bs = self.kv.block_size
-        blk, off = pos // bs, pos % bs
         for g, (tg, ln, w) in enumerate(zip(tables, lens, widths)):
-            slots, bt = part[5 + 2 * g], part[6 + 2 * g].reshape(B, w)
-            if B == 1:
-                bt[0] = tg[0]
-            else:
-                bt.fill(0)
-                total = int(ln.sum())
-                flat = np.fromiter(chain.from_iterable(tg), np.int64, total)
-                first = np.cumsum(ln) - ln
-                bt[np.repeat(np.arange(B), ln), np.arange(total) - np.repeat(first, ln)] = flat
-            if self.kv.groups[g].per_seq:
-                slots[:] = bt[seq_of_tok, 0]      # a per-sequence state: its one slot
-            else:
-                np.add(bt[seq_of_tok, blk] * bs, off, out=slots)
-            np.maximum(bt, 0, out=bt)             # NULL_BLOCK -> 0, masked by position
+            self._fill_group(g, tg, ln, pos, seq_of_tok, part[5 + 2 * g], part[6 + 2 * g].reshape(B, w))
 
         plan = StepPlan(host, offs, widths, qsl.tolist(), seq_lens.tolist(),
                         num_decodes=int(np.count_nonzero(n == 1)),      # they lead (prepare sorts them first)
                         max_query_len=int(n.max()) if B else 0)
         return plan, [sched[i].req for i in np.flatnonzero(samples)]
+
+    def _fill_group(self, g: int, tg: list[list[int]], ln: np.ndarray, pos: np.ndarray, seq_of_tok: np.ndarray,
+                    slots: np.ndarray, bt: np.ndarray) -> None:
+        """Group g's block tables [B, W] and slot mapping [T] (filled in place)
+        from its per-sequence tables tg (lengths ln), for tokens at pos of
+        sequence seq_of_tok."""
+        B, bs = len(tg), self.kv.block_size
+        if B == 1:
+            bt[0] = tg[0]
+        else:
+            bt.fill(0)
+            total = int(ln.sum())
+            flat = np.fromiter(chain.from_iterable(tg), np.int64, total)
+            first = np.cumsum(ln) - ln
+            bt[np.repeat(np.arange(B), ln), np.arange(total) - np.repeat(first, ln)] = flat
+        if self.kv.groups[g].per_seq:
+            slots[:] = bt[seq_of_tok, 0]      # a per-sequence state: its one slot
+        else:
+            np.add(bt[seq_of_tok, pos // bs] * bs, pos % bs, out=slots)
+        np.maximum(bt, 0, out=bt)             # NULL_BLOCK -> 0, masked by position
+
+    def mtp_metadata(self, seqs: list[tuple[int, list[list[int]]]], qsl: list[int]):
+        """Attention metadata of an MTP head's pass: sequence i's tokens
+        qsl[i]..qsl[i + 1] at positions from seqs[i][0] (its block tables per
+        group: seqs[i][1]); sequences of one token first. DeepSeek-V4's pool
+        builds its own (the head's ring in the state slot)."""
+        if isinstance(self.kv_caches, DSV4PagedCache):
+            return self.kv_caches.mtp_batch(seqs, qsl)
+        B, q = len(seqs), np.asarray(qsl, np.int64)
+        n = np.diff(q)
+        start = np.fromiter((s for s, _ in seqs), np.int64, B)
+        seq_of_tok = np.repeat(np.arange(B), n)
+        pos = np.arange(int(q[-1])) + (start - q[:-1])[seq_of_tok]
+        groups = []
+        for g in range(len(self.kv.groups)):
+            tg = [t[g] for _, t in seqs]
+            ln = np.fromiter(map(len, tg), np.int64, B)
+            slots, bt = np.empty(len(pos), np.int64), np.empty((B, int(ln.max())), np.int64)
+            self._fill_group(g, tg, ln, pos, seq_of_tok, slots, bt)
+            groups.append(GroupMetadata(torch.from_numpy(slots).to(self.device),
+                                        torch.from_numpy(bt).to(self.device)))
+        return AttentionMetadata(list(qsl), (start + n).tolist(), int(np.count_nonzero(n == 1)), groups,
+                                 self.kv_caches, seq_lens_t=torch.from_numpy(start + n).to(self.device),
+                                 query_start_loc_t=torch.from_numpy(q).to(self.device))
+
+    def reserve_mtp_positions(self, req: Request, n: int) -> bool:
+        """Blocks for n positions past req's computed length, which an MTP
+        head's chained drafts write before they are scheduled (the next step
+        verifies there anyway). DeepSeek-V4's head keeps them in its ring."""
+        return isinstance(self.kv_caches, DSV4PagedCache) or \
+            self.kv.allocate(req.request_id, req.token_ids, req.num_computed_tokens, n)
 
     def prepare(self, out: SchedulerOutput) -> tuple[StepPlan, list[Request], list[tuple[Request, int, int]]]:
         """The leader's half of a step: the plan every rank runs, the requests

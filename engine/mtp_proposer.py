@@ -1,16 +1,20 @@
-"""Drafts from DeepSeek-V4's MTP head (multi-token prediction).
+"""Drafts from a model's MTP head (multi-token prediction): DeepSeek-V4's,
+Qwen3-Next's / Qwen3.5's.
 
-The head reads the target's pre-collapse streams at position p and the
-embedding of token p + 1, and predicts token p + 2. Its own cache (one
-sliding-window ring per sequence, in the sequence's state slot of the pool:
-kvcache/dsv4_paged.py mtp_batch) must see every position the target keeps,
+The head reads the target's hidden state at position p (DeepSeek-V4: its
+pre-collapse streams) and the embedding of token p + 1, and predicts token
+p + 2. Its own cache (DeepSeek-V4: a sliding-window ring per sequence in the
+sequence's state slot, kvcache/dsv4_paged.py mtp_batch; Qwen3-Next: a
+full-attention layer in the paged pool, sharing the model's block tables;
+ModelRunner.mtp_metadata) must see every position the target keeps,
 so after each step the head runs over the positions whose KV stayed (prefill
 chunks too, drafting or not); the last of them gives the first draft. Further
 drafts chain, as vLLM chains MTP: the head's own output streams stand in for
 the target's at the next position, fed the draft before. Those chained
 positions are rolled back by the next step, which starts the head at the
 sequence's computed length again (the ring keeps max_rollback extra
-positions). Drafts are the argmax: deterministic, so verification treats
+positions; a paged head's blocks for them are reserved, as the next step's
+verification needs them). Drafts are the argmax: deterministic, so verification treats
 them as one-hot."""
 import torch
 
@@ -20,7 +24,7 @@ from engine.speculative import Proposer
 
 class MtpProposer(Proposer):
     def __init__(self, runner):
-        self.runner = runner      # its model has an MTP head (EngineCore checked at load)
+        self.runner = runner      # its model has an MTP head (the worker checked at load)
         runner.keep_streams = True
 
     def _tables(self, req: Request) -> list[list[int]]:
@@ -29,47 +33,57 @@ class MtpProposer(Proposer):
 
     def _run(self, ids: list[int], streams: torch.Tensor, pos: list[int], seqs: list, qsl: list[int]):
         dev = self.runner.device
-        model = self.runner.model
-        return model.mtp_streams(torch.tensor(ids, dtype=torch.long, device=dev), streams,
-                                 torch.tensor(pos, dtype=torch.long, device=dev),
-                                 self.runner.kv_caches.mtp_batch(seqs, qsl))
+        return self.runner.model.mtp_streams(torch.tensor(ids, dtype=torch.long, device=dev), streams,
+                                             torch.tensor(pos, dtype=torch.long, device=dev),
+                                             self.runner.mtp_metadata(seqs, qsl))
 
     def _argmax(self, h: torch.Tensor) -> list[int]:
         model = self.runner.model
-        return model.compute_logits(model.mtp[0].collapse(h)).argmax(dim=-1).tolist()
+        return model.compute_logits(model.mtp_collapse(h)).argmax(dim=-1).tolist()
+
+    def _reserve(self, req: Request, k: int) -> int:
+        """Blocks for the positions chained drafts write (computed length ..
+        + k - 2; the next step verifies there anyway). Returns the drafts
+        the pool has room for."""
+        if k > 1 and not self.runner.reserve_mtp_positions(req, k - 1):
+            return 1
+        return k
 
     @torch.inference_mode()
     def propose(self, reqs: list[Request], max_drafts: list[int]) -> list[list[int]]:
         step, self.runner.last_step = self.runner.last_step, None
         if step is None:
             return [[] for _ in reqs]
-        # 1. The head over each running request's kept positions, true streams.
-        ids, rows, pos, seqs, qsl, last, tables = [], [], [], [], [0], {}, {}
+        # 1. The head over each running request's kept positions, true streams;
+        # sequences of one position first, as attention metadata lays them out.
+        spans = []
         for i, s in enumerate(step.sched):
-            req = s.req
-            kept = req.num_computed_tokens - s.start
-            if req.status != Status.RUNNING or kept <= 0:
-                continue
-            a = step.query_start_loc[i]
+            kept = s.req.num_computed_tokens - s.start
+            if s.req.status == Status.RUNNING and kept > 0:
+                spans.append((kept != 1, i, s, kept))
+        if not spans:
+            return [[] for _ in reqs]
+        ids, rows, pos, seqs, qsl, last = [], [], [], [], [0], {}
+        for _, i, s, kept in sorted(spans, key=lambda x: x[:2]):
+            req, a = s.req, step.query_start_loc[i]
             rows.extend(range(a, a + kept))
             ids.extend(req.token_ids[s.start + 1:s.start + kept + 1])
             pos.extend(range(s.start, s.start + kept))
-            tables[req.request_id] = self._tables(req)
-            seqs.append((s.start, tables[req.request_id]))
+            seqs.append((s.start, self._tables(req)))
             qsl.append(qsl[-1] + kept)
             last[req.request_id] = qsl[-1] - 1
-        if not seqs:
-            return [[] for _ in reqs]
         rows_t = torch.tensor(rows, dtype=torch.long, device=step.streams.device)
         h = self._run(ids, step.streams.index_select(0, rows_t), pos, seqs, qsl)
         # 2. Drafts: the first from the last kept position, then chained.
-        todo = [(i, r, k) for i, (r, k) in enumerate(zip(reqs, max_drafts)) if k > 0 and r.request_id in last]
+        todo = [(i, r, self._reserve(r, k)) for i, (r, k) in enumerate(zip(reqs, max_drafts))
+                if k > 0 and r.request_id in last]
         out = [[] for _ in reqs]
         if not todo:
             return out
         hs = h[[last[r.request_id] for _, r, _ in todo]]
         for j, t in enumerate(self._argmax(hs)):
             out[todo[j][0]].append(t)
+        tables = {r.request_id: self._tables(r) for _, r, k in todo if k > 1}
         for step_j in range(1, max(k for _, _, k in todo)):
             sel = [n for n, (_, _, k) in enumerate(todo) if k > step_j]
             todo, hs = [todo[n] for n in sel], hs[sel]

@@ -106,10 +106,10 @@ class Worker:
                              stored=blocks)
         if self._mtp_drafts:
             if not getattr(model, "has_mtp", False):
-                raise ValueError("speculative method 'mtp' needs a model with an MTP head "
-                                 "(DeepSeek-V4 with num_nextn_predict_layers > 0)")
+                raise ValueError("speculative method 'mtp' needs a model with an MTP head (DeepSeek-V4 with "
+                                 "num_nextn_predict_layers > 0, Qwen3-Next / Qwen3.5 with mtp_num_hidden_layers 1)")
             if not dummy and not model.mtp_loaded:
-                raise ValueError("speculative method 'mtp': the checkpoint has no MTP weights (mtp.0.*)")
+                raise ValueError("speculative method 'mtp': the checkpoint has no MTP weights (mtp.*)")
         if args.quantization == "int4":
             linears = [m for m in model.modules() if hasattr(m, "pack_int4")]
             packed = sum(m.pack_int4(dtype) for m in linears)

@@ -5,9 +5,15 @@ by the next sequence as it is: the layer starts from zeros when the
 sequence's first token is in the step (start 0), so nothing is cleared on
 free, and a preempted sequence recomputes its state from the start.
 
+A slot holds spec.checkpoints copies of the state: the state after position
+p is at index p % checkpoints, so a step writes the states after each of its
+last `checkpoints` positions and the next step reads the one after its start
+- 1. A rollback of up to checkpoints - 1 tokens (rejected speculative
+drafts) is then only a smaller start: nothing is copied back. Without
+speculation there is one copy.
+
 The state is not block-addressable (it sums the whole prefix), so a model
-with such layers runs without prefix caching (KVPlan.prefix_caching), and
-speculative rollback would need state checkpoints (not kept)."""
+with such layers runs without prefix caching (KVPlan.prefix_caching)."""
 import torch
 
 from kvcache.spec import LinearAttentionSpec
@@ -17,8 +23,10 @@ class LinearStateCache:
     def __init__(self, spec: LinearAttentionSpec, num_slots: int, group_id: int,
                  device: str | torch.device = "cpu"):
         self.spec, self.group_id = spec, group_id
-        self.conv = torch.zeros(num_slots, spec.conv_dim, spec.conv_kernel - 1, dtype=torch.float32, device=device)
-        self.recurrent = torch.zeros(num_slots, spec.num_heads, spec.k_head_dim, spec.v_head_dim,
+        self.checkpoints = P = spec.checkpoints
+        self.conv = torch.zeros(num_slots, P, spec.conv_dim, spec.conv_kernel - 1, dtype=torch.float32,
+                                device=device)
+        self.recurrent = torch.zeros(num_slots, P, spec.num_heads, spec.k_head_dim, spec.v_head_dim,
                                      dtype=torch.float32, device=device)
 
     @property

@@ -1,6 +1,6 @@
 """Size the KV pool from a memory budget, with bytes measured on real tensors;
 the budget itself from the host's or the card's memory."""
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -96,6 +96,7 @@ class KVPlan:
     prefix_caching: bool = True       # whether the pool's contents are block-addressable
     max_rollback: int | None = None   # tokens a sequence can be truncated by (None: any)
     f16_bytes_per_token: float = 0    # what bytes_per_token would be in 16-bit storage (measured)
+    mtp_specs: list = field(default_factory=list)   # an MTP head's layers, planned with the model's
 
     @property
     def capacity_tokens(self) -> int:
@@ -141,13 +142,15 @@ class KVPlan:
 def plan_kv_pool(specs: list[LayerSpec], budget_bytes: int, block_size: int, dtype: torch.dtype,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int = 1 << 30,
                  max_rollback: int = 0, mtp_specs: list[DSV4LayerSpec] | None = None) -> KVPlan:
-    """mtp_specs (DeepSeek-V4 only): the MTP head's cache, planned into each sequence's state slot."""
+    """mtp_specs: the MTP head's cache: DeepSeek-V4's in each sequence's state
+    slot; otherwise the head's layers join the pool like the model's own
+    (the plan keeps them, so that what is allocated is what was planned)."""
     if specs and isinstance(specs[0], DSV4LayerSpec):
         from kvcache.dsv4_paged import plan_dsv4_pool   # (it builds on this module)
         return plan_dsv4_pool(specs, budget_bytes, block_size, dtype, max_num_seqs, max_model_len, max_rollback,
                               mtp_specs)
-    if mtp_specs:
-        raise ValueError("mtp_specs is for DeepSeek-V4's pool only")
+    mtp_specs = list(mtp_specs or [])
+    specs = _checkpointed(specs + mtp_specs, max_rollback)
     groups = group_layers(specs)
     by_idx = {s.layer_idx: s for s in specs}
     # Measure one block of each layer's real storage.
@@ -197,8 +200,14 @@ def plan_kv_pool(specs: list[LayerSpec], budget_bytes: int, block_size: int, dty
     return KVPlan(groups, num_blocks, block_bytes, block_size,
                   {i: layer_block[i] // block_size for i in by_idx if not by_idx[i].per_seq},
                   prefix_caching=not any(g.per_seq for g in groups),
-                  max_rollback=0 if any(g.per_seq for g in groups) else None,
-                  f16_bytes_per_token=sum(f16_block[i] for i in groups[0].layer_ids) / block_size)
+                  max_rollback=max_rollback if any(g.per_seq for g in groups) else None,
+                  f16_bytes_per_token=sum(f16_block[i] for i in groups[0].layer_ids) / block_size,
+                  mtp_specs=mtp_specs)
+
+
+def _checkpointed(specs: list, max_rollback: int) -> list:
+    """Per-sequence states keep a checkpoint for each position a rollback may return to."""
+    return [s.with_rollback(max_rollback) if s.per_seq else s for s in specs]
 
 
 def allocate_kv_caches(specs: list[LayerSpec], plan: KVPlan, dtype: torch.dtype,
@@ -210,6 +219,7 @@ def allocate_kv_caches(specs: list[LayerSpec], plan: KVPlan, dtype: torch.dtype,
         from kvcache.dsv4_paged import DSV4PagedCache
         return DSV4PagedCache(specs, plan.groups, plan.num_blocks, plan.block_size, plan.max_rollback, dtype,
                               device, plan.mtp_specs)
+    specs = _checkpointed(specs + plan.mtp_specs, plan.max_rollback or 0)
     caches = [None] * (max(s.layer_idx for s in specs) + 1)
     by_idx = {s.layer_idx: s for s in specs}
     hot_gid = next((gi for gi, g in enumerate(plan.groups) if g.hot), None)

@@ -1,5 +1,5 @@
 """What a model asks of the KV cache, layer by layer."""
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -38,16 +38,23 @@ class LinearAttentionSpec:
     """One linear-attention layer's state (Gated DeltaNet: Qwen3-Next, Qwen3.5),
     a fixed size per sequence whatever its length (kvcache/linear_state.py):
     the last conv_kernel - 1 inputs of its causal conv over conv_dim channels,
-    and a [num_heads, k_head_dim, v_head_dim] recurrent state, both fp32."""
+    and a [num_heads, k_head_dim, v_head_dim] recurrent state, both fp32;
+    `checkpoints` copies of them (the states after a sequence's last positions:
+    1 + the tokens a speculative step may roll back)."""
     layer_idx: int
     conv_dim: int
     conv_kernel: int
     num_heads: int
     k_head_dim: int
     v_head_dim: int
+    checkpoints: int = 1
     sliding_window = None
     per_seq = True
 
     @property
     def state_bytes(self) -> int:
-        return 4 * (self.conv_dim * (self.conv_kernel - 1) + self.num_heads * self.k_head_dim * self.v_head_dim)
+        one = self.conv_dim * (self.conv_kernel - 1) + self.num_heads * self.k_head_dim * self.v_head_dim
+        return 4 * self.checkpoints * one
+
+    def with_rollback(self, max_rollback: int) -> "LinearAttentionSpec":
+        return replace(self, checkpoints=1 + max_rollback)

@@ -595,10 +595,13 @@ class DeepseekV4ForCausalLM(nn.Module):
     def mtp_forward(self, next_ids, streams, positions, attn_metadata):
         """Draft hidden states: next_ids[i] is the token after position positions[i],
         streams[i] the main model's pre-collapse state there. Feed to compute_logits."""
-        return self.mtp[0].collapse(self.mtp_streams(next_ids, streams, positions, attn_metadata))
+        return self.mtp_collapse(self.mtp_streams(next_ids, streams, positions, attn_metadata))
+
+    def mtp_collapse(self, h):
+        return self.mtp[0].collapse(h)
 
     def mtp_streams(self, next_ids, streams, positions, attn_metadata):
-        """mtp_forward before its collapse (mtp[0].collapse): [T, hc, D]."""
+        """mtp_forward before its collapse (mtp_collapse): [T, hc, D]."""
         self._check(positions, attn_metadata)
         h = self.mtp[0].draft_streams(self.model.embed_tokens(next_ids), streams, positions, next_ids,
                                       attn_metadata)

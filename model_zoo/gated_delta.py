@@ -10,7 +10,10 @@ token for a batch of sequences (decode); `chunked` does a whole span of one
 sequence in chunks of 64 (prefill): within a chunk the updates are solved at
 once (a unit lower-triangular system, the WY / UT form), between chunks the
 state carries. Both start from a given state, so a prompt prefilled in
-pieces gives the state of one whole prefill.
+pieces gives the state of one whole prefill. `span` is `chunked` that also
+returns the states after each of a span's last few tokens (the checkpoints a
+speculative step may roll back to): the head chunked, the tail one token at
+a time.
 """
 import torch
 import torch.nn.functional as F
@@ -74,13 +77,29 @@ def chunked(q, k, v, g, beta, state):
     return out.reshape(H, -1, dv)[:, :T].transpose(0, 1), s
 
 
-def conv_span(x, weight, state):
+def span(q, k, v, g, beta, state, keep: int = 1):
+    """`chunked` over T tokens -> (o [T, Hv, dv] fp32, states [keep, Hv, dk, dv]:
+    the state after each of the last keep tokens, 1 <= keep <= T)."""
+    head = q.shape[0] - keep + 1
+    out, s = chunked(q[:head], k[:head], v[:head], g[:head], beta[:head], state)
+    outs, states = [out], [s]
+    for t in range(head, q.shape[0]):
+        s = s.clone()[None]
+        outs.append(recurrent_step(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], s))
+        s = s[0]
+        states.append(s)
+    return torch.cat(outs), torch.stack(states)
+
+
+def conv_span(x, weight, state, keep: int = 1):
     """Causal depthwise conv + SiLU over T new inputs of one sequence.
     x [T, C]; weight [C, K]; state [C, K-1] (the previous K-1 inputs; zeros
-    at the start) -> (y [T, C], the new state)."""
+    at the start) -> (y [T, C], states [keep, C, K-1]: the state after each
+    of the last keep inputs)."""
     full = torch.cat((state.to(x.dtype), x.t()), dim=1)            # [C, K-1+T]
     y = F.conv1d(full[None].to(weight.dtype), weight[:, None, :], groups=weight.shape[0])[0]
-    return F.silu(y).t().to(x.dtype), full[:, full.shape[1] - state.shape[1]:]
+    windows = full.unfold(1, state.shape[1], 1)                    # [C, T+1, K-1]: after 0..T inputs
+    return F.silu(y).t().to(x.dtype), windows[:, windows.shape[1] - keep:].transpose(0, 1)
 
 
 def conv_step(x, weight, state):

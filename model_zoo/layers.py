@@ -219,14 +219,17 @@ def language_model_weights(weights: Iterable[tuple[str, torch.Tensor]], skip: tu
 
 
 def load_packed_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
-                        packed: dict[str, tuple[str, object]], ignore: tuple[str, ...] = ()) -> None:
+                        packed: dict[str, tuple[str, object]], ignore: tuple[str, ...] = (),
+                        optional: tuple[str, ...] = ()) -> set[str]:
     """Load HF-named tensors into `model`, whose module names mirror the HF ones
     except for fused projections.
 
     packed maps an HF sub-name to (our sub-name, shard id), e.g.
     {"q_proj": ("qkv_proj", "q"), "gate_proj": ("gate_up_proj", 0)}.
     Names ending in one of `ignore` are skipped. An unknown name, a wrong
-    shape, or an expected tensor that never arrives raises ValueError naming it.
+    shape, or an expected tensor that never arrives raises ValueError naming it;
+    a part under one of the `optional` prefixes (an MTP head) may be absent
+    whole, not in part. Returns the names loaded.
     """
     params = dict(model.named_parameters())
     unpacked: dict[str, list[tuple[str, object]]] = {}
@@ -280,6 +283,10 @@ def load_packed_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Ten
         seen.add(hf_name)
 
     missing = sorted(expected - seen)
+    for prefix in optional:
+        if not any(n.startswith(prefix) for n in seen):
+            missing = [n for n in missing if not n.startswith(prefix)]
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensor(s) for {type(model).__name__}: "
                          f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+    return seen

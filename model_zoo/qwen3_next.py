@@ -19,8 +19,10 @@ Numerics follow transformers' modeling_qwen3_next.py:
 The linear layers keep a fixed per-sequence state (conv inputs + recurrent
 state, kvcache/linear_state.py) in a slot of the pool's per-sequence group;
 the full-attention layers use the paged KV cache (any KV format). Prefix
-caching is off for this model (the state is not block-addressable) and its
-MTP head is not loaded yet. Tensor parallel: attention and MoE as Qwen3-MoE,
+caching is off for this model (the state is not block-addressable); the
+slot keeps the state after each of a sequence's last 1 + max_rollback
+positions, so speculative decoding rolls rejected drafts back. The MTP head
+(Qwen3NextMTP, `mtp_num_hidden_layers: 1`) drafts for it. Tensor parallel: attention and MoE as Qwen3-MoE,
 DeltaNet layers by key head (GatedDeltaNet).
 """
 import logging
@@ -136,9 +138,12 @@ class GatedDeltaNet(nn.Module):
     def _mix(self, mixed, g, beta, meta):
         """The conv + delta rule over the step's tokens -> [T, Hv, dv] fp32.
         meta None: one sequence from zero state. Otherwise each sequence
-        continues from its slot's state (zeros where its first token is in
-        this step): the decodes together, one token each, then each prefill
-        chunk whole."""
+        continues from its slot's checkpoint of the state after its position
+        start - 1 (zeros where its first token is in this step): the decodes
+        together, one token each, then each longer span (a prefill chunk, a
+        verification of drafts) whole. Each writes the state after each of its
+        last `checkpoints` positions (kvcache/linear_state.py), which is what
+        a rollback of rejected drafts resumes from."""
         w = self.conv1d.weight[:, 0]
         C = mixed.shape[1]
         if meta is None:
@@ -146,30 +151,33 @@ class GatedDeltaNet(nn.Module):
             out, _ = gated_delta.chunked(*self._heads(y), g, beta, self._zero_state(mixed.device))
             return out
         cache = meta.kv_caches[self.layer_idx]
-        slots = cache.slots(meta)
+        slots, P = cache.slots(meta), cache.checkpoints
         qsl, lens, nd = meta.query_start_loc, meta.seq_lens, meta.num_decodes
         out = torch.empty(mixed.shape[0], self.num_v_heads, self.v_dim, dtype=torch.float32, device=mixed.device)
         if nd:
-            s = slots[:nd]
+            s, pos = slots[:nd], meta.seq_lens_t[:nd] - 1
             # Gathered copies, zeroed for a sequence whose first token this is (a
             # one-token prompt): a device mask, no host branch on the batch's contents.
-            keep = (meta.seq_lens_t[:nd] > 1).to(torch.float32)
-            conv = cache.conv[s] * keep[:, None, None]
-            rec = cache.recurrent[s] * keep[:, None, None, None]
+            keep = (pos > 0).to(torch.float32)
+            before, after = (pos - 1) % P, pos % P
+            conv = cache.conv[s, before] * keep[:, None, None]
+            rec = cache.recurrent[s, before] * keep[:, None, None, None]
             y = gated_delta.conv_step(mixed[:nd], w, conv)
             out[:nd] = gated_delta.recurrent_step(*self._heads(y), g[:nd], beta[:nd], rec)
-            cache.conv[s], cache.recurrent[s] = conv, rec
+            cache.conv[s, after], cache.recurrent[s, after] = conv, rec
         for i in range(nd, len(lens)):
             a, e = qsl[i], qsl[i + 1]
-            slot = slots[i]
-            if lens[i] == e - a:       # the sequence starts here
+            slot, start, n = slots[i], lens[i] - (e - a), e - a
+            if start == 0:       # the sequence starts here
                 conv0 = mixed.new_zeros(C, self.conv_kernel - 1, dtype=torch.float32)
                 rec0 = self._zero_state(mixed.device)
             else:
-                conv0, rec0 = cache.conv[slot], cache.recurrent[slot]
-            y, conv1 = gated_delta.conv_span(mixed[a:e], w, conv0)
-            out[a:e], rec1 = gated_delta.chunked(*self._heads(y), g[a:e], beta[a:e], rec0)
-            cache.conv[slot], cache.recurrent[slot] = conv1, rec1
+                conv0, rec0 = cache.conv[slot, (start - 1) % P], cache.recurrent[slot, (start - 1) % P]
+            m = min(n, P)
+            y, conv1 = gated_delta.conv_span(mixed[a:e], w, conv0, m)
+            out[a:e], rec1 = gated_delta.span(*self._heads(y), g[a:e], beta[a:e], rec0, m)
+            at = [(start + n - m + j) % P for j in range(m)]
+            cache.conv[slot, at], cache.recurrent[slot, at] = conv1, rec1
         return out
 
     def _zero_state(self, device):
@@ -261,6 +269,27 @@ class Qwen3NextDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class Qwen3NextMTP(nn.Module):
+    """The MTP head (checkpoint `mtp.*`, as vLLM's Qwen3NextMultiTokenPredictor
+    reads it): the target's final (normed) hidden state at position p and the
+    embedding of token p + 1, each normed, joined by fc, one full-attention
+    decoder layer (its KV is pool layer num_hidden_layers) and a final norm;
+    the shared LM head then predicts token p + 2. Its output stands in for the
+    target's hidden state when drafts chain."""
+
+    def __init__(self, config: dict, layer: Qwen3NextDecoderLayer):
+        super().__init__()
+        H, eps = config["hidden_size"], config.get("rms_norm_eps", 1e-6)
+        self.pre_fc_norm_embedding, self.pre_fc_norm_hidden = GemmaRMSNorm(H, eps), GemmaRMSNorm(H, eps)
+        self.fc = ReplicatedLinear(2 * H, H, bias=False)
+        self.layers = nn.ModuleList([layer])
+        self.norm = GemmaRMSNorm(H, eps)
+
+    def forward(self, embeds, hidden, positions, meta):
+        x = self.fc(torch.cat((self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)), dim=-1))
+        return self.norm(self.layers[0](positions, x, meta))
+
+
 def layer_types(config: dict) -> list[str]:
     n = config["num_hidden_layers"]
     every = config.get("full_attention_interval", 4)
@@ -299,6 +328,15 @@ class Qwen3NextForCausalLM(nn.Module):
                                         else None, self._mlp(config, i))
                   for i, kind in enumerate(layer_types(config))]
         self.model = Qwen3NextModel(config, layers)
+        n_mtp = config.get("mtp_num_hidden_layers", config.get("num_nextn_predict_layers", 0))
+        if n_mtp > 1:
+            raise ValueError(f"{n_mtp} MTP layers: only one (mtp_num_hidden_layers 1, as released) is supported")
+        self.has_mtp, self.mtp_loaded = n_mtp == 1, False
+        if self.has_mtp:
+            i = config["num_hidden_layers"]
+            self.mtp = Qwen3NextMTP(config, Qwen3NextDecoderLayer(
+                config, i, "full_attention", self.linear_attn_class, GatedAttention(config, i, head_dim, rotary),
+                self._mlp(config, i)))
         self.tie_word_embeddings = config.get("tie_word_embeddings", False)
         self.lm_head = ParallelLMHead(config["vocab_size"], H)
         if self.tie_word_embeddings:
@@ -315,14 +353,33 @@ class Qwen3NextForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
+    # What an MTP proposer calls (engine/mtp_proposer.py): here the "streams"
+    # are the final hidden states themselves.
+    forward_streams = forward
+
+    def collapse(self, streams: torch.Tensor) -> torch.Tensor:
+        return streams
+
+    mtp_collapse = collapse
+
+    def mtp_streams(self, next_ids, hidden, positions, attn_metadata):
+        """Draft hidden states: next_ids[i] is the token after position
+        positions[i], hidden[i] the target's final hidden state there."""
+        return self.mtp(self.model.embed_tokens(next_ids), hidden, positions, attn_metadata)
+
+    def mtp_cache_spec(self) -> list[LayerSpec]:
+        layer = self.mtp.layers[0]
+        return [LayerSpec(layer.self_attn.attn.layer_idx, layer.self_attn.attn.num_kv_heads, self.head_dim)]
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        skipped = []    # the MTP head (not used yet), a vision tower
+        skipped = []    # a vision tower; the MTP head when the config has none
         ignore = ("rotary_emb.inv_freq",) + (("lm_head.weight",) if self.tie_word_embeddings else ())
-        load_packed_weights(self, language_model_weights(weights, ("mtp.", "model.visual."), skipped), PACKED,
-                            ignore)
+        skip = ("model.visual.",) + (() if self.has_mtp else ("mtp.",))
+        seen = load_packed_weights(self, language_model_weights(weights, skip, skipped), PACKED, ignore,
+                                   optional=("mtp.",))
+        self.mtp_loaded = any(n.startswith("mtp.") for n in seen)
         if skipped:
-            log.info("%s: %d MTP-head / vision tensors not loaded (text only; speculative decoding with the "
-                     "MTP head is not supported yet)", type(self).__name__, len(skipped))
+            log.info("%s: %d vision / MTP-head tensors not loaded (text only)", type(self).__name__, len(skipped))
 
     def kv_cache_spec(self) -> list:
         return [layer.linear_attn.spec() if layer.linear else

@@ -13,6 +13,7 @@ import torch
 import transformers
 from spawn_ranks import run_ranks
 from test_model_parity import assert_close
+from test_spec_decode import Fixed
 from tiny_models import save_tiny_qwen3_next, token_prompts
 
 from engine import LLM, SamplingParams
@@ -166,11 +167,39 @@ def test_plan_state_and_kv_bytes_match_the_pool(tmp_path):
     assert llm.core.plan.num_blocks[1] == 4                    # a state slot for each of max_num_seqs
 
 
-def test_speculative_decoding_is_refused_with_a_reason(tmp_path):
+def test_speculative_rollback_resumes_from_the_state_checkpoints(tmp_path):
+    """Drafts with 0..3 correct tokens then a wrong one (k = 3): each step
+    rolls the linear-attention state back to a different one of the step's
+    positions. Tokens and every reported logprob equal a run without drafts;
+    the slot keeps k + 1 checkpoints, which the plan counts."""
     save_tiny_qwen3_next(tmp_path)
-    with pytest.raises(ValueError, match="roll back 0 tokens"):
-        LLM(str(tmp_path), dtype="float32", quantization="none", block_size=4,
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    args = dict(dtype="float32", quantization="none", block_size=4, max_num_seqs=3)
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3)
+    ps = token_prompts(3, 9, 40, seed=3)
+    plain = LLM(str(tmp_path), **args)
+    ref = plain.generate(ps, sp)
+    cont = {tuple(p): o.outputs[0].token_ids + [0] * 4 for p, o in zip(ps, ref)}
+
+    def drafts(r):
+        c, j = cont[tuple(r.prompt_token_ids)], r.num_output_tokens
+        good = (j + len(r.prompt_token_ids)) % 4            # a different accepted count step to step
+        return c[j:j + good] + [(c[j + good] + 1) % 256] * 3
+
+    spec = LLM(str(tmp_path), speculative_config={"method": "ngram", "num_speculative_tokens": 3}, **args)
+    spec.core.proposer = Fixed(drafts)
+    out = spec.generate(ps, sp)
+    for a, b in zip(ref, out):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        worst = max(abs(la[t] - lb[t]) for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs) for t in la)
+        assert worst < 1e-4, worst
+    st = spec.core.get_stats()
+    assert 0 < st.spec_decode_num_accepted_tokens_total < st.spec_decode_num_draft_tokens_total
+    assert st.spec_decode_num_accepted_tokens_per_pos[2] > 0       # some steps kept 3 drafts of 3
+    assert spec.core.plan.state_bytes_per_seq == 4 * plain.core.plan.state_bytes_per_seq
+    assert spec.core.plan.max_rollback == 3
+    # the real n-gram proposer on looping greedy text
+    ngram = LLM(str(tmp_path), speculative_config={"method": "ngram", "num_speculative_tokens": 3}, **args)
+    assert [o.outputs[0].token_ids for o in ngram.generate(ps, sp)] == [o.outputs[0].token_ids for o in ref]
 
 
 def test_reused_slots_start_from_zero(tmp_path):

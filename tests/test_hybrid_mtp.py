@@ -1,0 +1,167 @@
+"""Qwen3-Next / Qwen3.5 MTP head (checkpoint `mtp.*`, mtp_num_hidden_layers 1)
+drafting for speculative decoding: every draft the engine proposes (the first
+from the target's hidden state, then chained on the head's own output) equals
+a reference built from transformers' own decoder layer and RMSNorm classes
+over the whole sequence without a cache; greedy tokens and logprobs equal a
+run without speculation, with chunked prefill and preemption; the head's KV
+layer is planned into the pool; a checkpoint without the head is refused."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_qwen3_next import make_hf
+from tiny_models import token_prompts
+
+from engine import LLM, SamplingParams
+
+MTP = {"method": "mtp", "num_speculative_tokens": 3}
+
+
+def add_mtp_head(path, hf, seed=1) -> dict:
+    """Random MTP tensors, named as the released checkpoints name them, into
+    path's model.safetensors and mtp_num_hidden_layers 1 into its config."""
+    cfg, H = hf.config, hf.config.hidden_size
+    torch.manual_seed(seed)
+    full = last_full_layer(cfg)
+    layer = type(hf.model.layers[full])(cfg, full).float()
+    sd = {f"mtp.layers.0.{k}": v * 3 for k, v in layer.state_dict().items()}
+    sd["mtp.fc.weight"] = torch.randn(H, 2 * H) * (2 * H) ** -0.5 * 2
+    for n in ("norm", "pre_fc_norm_embedding", "pre_fc_norm_hidden"):
+        sd[f"mtp.{n}.weight"] = torch.randn(H) * 0.2
+    w = load_file(path / "model.safetensors")
+    w.update({k: v.contiguous() for k, v in sd.items()})
+    save_file(w, path / "model.safetensors", metadata={"format": "pt"})
+    c = json.loads((path / "config.json").read_text())
+    c["mtp_num_hidden_layers"] = 1
+    (path / "config.json").write_text(json.dumps(c))
+    return sd
+
+
+def last_full_layer(cfg) -> int:
+    """A full-attention layer whose MLP is the head's (routed where the model routes: not in mlp_only_layers)."""
+    return max(i for i, t in enumerate(cfg.layer_types) if t == "full_attention")
+
+
+class ReferenceMTP:
+    """The head from transformers' classes: norms (1 + w), fc over
+    [embedding of token p + 1, target hidden at p], the model's full-attention
+    decoder layer (causal, rotary at p), a final norm, the model's LM head."""
+
+    def __init__(self, hf, sd):
+        cfg = hf.config
+        self.hf, full = hf, last_full_layer(cfg)
+        self.layer = type(hf.model.layers[full])(cfg, full).float().eval()
+        self.layer.load_state_dict({k[len("mtp.layers.0."):]: v for k, v in sd.items() if k.startswith("mtp.layers.0.")})
+        self.norms = {}
+        for n in ("norm", "pre_fc_norm_embedding", "pre_fc_norm_hidden"):
+            self.norms[n] = type(hf.model.norm)(cfg.hidden_size, eps=cfg.rms_norm_eps).float()
+            self.norms[n].weight.data.copy_(sd[f"mtp.{n}.weight"])
+        self.fc = sd["mtp.fc.weight"]
+
+    @torch.no_grad()
+    def forward(self, next_ids, hidden):
+        """Head outputs at positions 0..T-1 (next_ids[p]: the token after p)."""
+        T = len(next_ids)
+        e = self.norms["pre_fc_norm_embedding"](self.hf.model.embed_tokens(torch.tensor(next_ids)))
+        x = torch.cat((e, self.norms["pre_fc_norm_hidden"](hidden)), -1) @ self.fc.t()
+        pos = torch.arange(T)[None]
+        mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
+        y = self.layer(x[None], position_embeddings=self.hf.model.rotary_emb(x[None], pos), attention_mask=mask,
+                       position_ids=pos)
+        return self.norms["norm"](y[0] if isinstance(y, torch.Tensor) else y[0][0])
+
+    @torch.no_grad()
+    def drafts(self, token_ids, k):
+        """What the head drafts after the target computed token_ids[:-1]: the
+        first from the target's hidden states, the rest chained on its own."""
+        ids = torch.tensor([token_ids[:-1]])
+        hidden = self.hf.model(input_ids=ids).last_hidden_state[0]
+        nxt, out, margins = list(token_ids[1:]), [], []
+        for _ in range(k):
+            h = self.forward(nxt, hidden)
+            logits = self.hf.lm_head(h[-1])
+            top = logits.topk(2).values
+            margins.append(float(top[0] - top[1]))
+            out.append(int(logits.argmax()))
+            hidden = torch.cat((hidden, h[-1:]))
+            nxt.append(out[-1])
+        return out, margins
+
+
+@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5"])
+def model(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    hf = make_hf(request.param).float()
+    hf.save_pretrained(path, safe_serialization=True)
+    sd = add_mtp_head(path, hf)
+    return path, hf, sd
+
+
+def args(**kw):
+    return dict(dtype="float32", quantization="none", block_size=4, max_num_seqs=3, **kw)
+
+
+def test_drafts_equal_the_reference_head(model):
+    path, hf, sd = model
+    llm = LLM(str(path), speculative_config=MTP, **args())
+    assert llm.core.model.mtp_loaded
+    seen, propose = [], llm.core.proposer.propose
+
+    def recording(reqs, max_drafts):
+        out = propose(reqs, max_drafts)
+        seen.extend((list(r.token_ids), d) for r, d in zip(reqs, out) if d)
+        return out
+
+    llm.core.proposer.propose = recording
+    llm.generate(token_prompts(2, 9, 20, seed=4), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    ref, compared = ReferenceMTP(hf, sd), 0
+    assert len(seen) >= 6
+    for token_ids, drafts in seen:
+        want, margins = ref.drafts(token_ids, len(drafts))
+        for got, w, m in zip(drafts, want, margins):
+            if m > 1e-3:             # a near-tie may go either way at fp32 rounding
+                assert got == w, (token_ids, drafts, want)
+                compared += 1
+            else:
+                break                # later drafts chain on it
+    assert compared >= 0.8 * sum(len(d) for _, d in seen)
+
+
+def test_lossless_with_chunks_and_preemption(model):
+    path, _, _ = model
+    ps = token_prompts(5, 20, 60, seed=6)
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
+    ref = LLM(str(path), **args()).generate(ps, sp)
+    plain = LLM(str(path), **args())
+    spec = LLM(str(path), speculative_config=MTP, max_num_batched_tokens=16, **args())
+    small_mem = 100 * spec.core.plan.bytes_per_token + 3 * spec.core.plan.state_bytes_per_seq
+    small = LLM(str(path), speculative_config=MTP, kv_cache_memory=small_mem, max_model_len=90, **args())
+    for llm in (spec, small):
+        out = llm.generate(ps, sp)
+        for a, b in zip(ref, out):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            worst = max(abs(la[t] - lb[t]) for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs)
+                        for t in la)
+            assert worst < 1e-4, worst
+        assert llm.core.get_stats().spec_decode_num_draft_tokens_total > 0
+    assert small.core.get_stats().num_preemptions_total > 0
+    # the head's attention layer is one more full-attention layer in the pool
+    n_full = hf_full_layers(path)
+    assert spec.core.plan.bytes_per_token * n_full == plain.core.plan.bytes_per_token * (n_full + 1)
+    assert spec.core.plan.state_bytes_per_seq == 4 * plain.core.plan.state_bytes_per_seq   # k + 1 checkpoints
+
+
+def hf_full_layers(path) -> int:
+    return json.loads((path / "config.json").read_text())["layer_types"].count("full_attention")
+
+
+def test_checkpoint_without_the_head_is_refused(model, tmp_path):
+    path, hf, _ = model
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    c = json.loads((tmp_path / "config.json").read_text())
+    c["mtp_num_hidden_layers"] = 1
+    (tmp_path / "config.json").write_text(json.dumps(c))
+    assert LLM(str(tmp_path), **args()).core.model.has_mtp        # serves without drafting
+    with pytest.raises(ValueError, match="no MTP weights"):
+        LLM(str(tmp_path), speculative_config=MTP, **args())
