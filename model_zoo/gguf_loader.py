@@ -1,21 +1,42 @@
 """Open a .gguf file as a ModelSource: HF config, tokenizer, chat template,
 stop ids, and HF-named float32 weights dequantized one tensor at a time.
 
-What llama.cpp's converter changed, and is undone here (as transformers'
-modeling_gguf_pytorch_utils does):
+What llama.cpp's converter (convert_hf_to_gguf.py / conversion/*.py) changed,
+and is undone here (as transformers' modeling_gguf_pytorch_utils does):
 - names: GGUF `blk.N.attn_q.weight` style; inverted from gguf's own
-  TensorNameMap over the HF names each architecture has;
+  TensorNameMap over the HF names each architecture has, after the renames
+  the converter makes before mapping (below);
 - llama only: q_proj/k_proj rows are permuted (interleaved rotary halves ->
   llama.cpp's rope layout); reversed per head (k with the KV head count);
 - gemma3: every `*norm.weight` is stored as w+1 (HF Gemma3RMSNorm computes
   x*(1+w)), so 1 is subtracted, including q_norm/k_norm and the final norm;
+- qwen3next / qwen35 / qwen35moe (Qwen3NextModel.modify_tensors and
+  _LinearAttentionVReorderBase): every `*norm.weight` but the DeltaNet output
+  norm (linear_attn.norm) is stored as w+1; A_log as ssm_a = -exp(A_log);
+  dt_bias renamed dt_proj.bias (ssm_dt.bias); the conv1d kernel squeezed
+  [C, 1, K] -> [C, K]; qwen3next's in_proj_qkvz (grouped per key head:
+  [q, k, v, z] each) split into attn_qkv ([q of all heads, k..., v...]) and
+  attn_gate (z); Qwen3.5, when value heads outnumber key heads, has its value
+  heads reordered from grouped by key head to tiled (v0 of every key head,
+  then v1, ...) in in_proj_qkv's v rows, in_proj_z, in_proj_b/a, A_log,
+  dt_bias, the conv1d v channels and out_proj's columns; its MTP block is
+  appended as extra blocks (nextn_predict_layers), which are not loaded;
+- gemma4 (Gemma4Model): norms as they are (w, not w+1); router.scale stored
+  as ffn_gate_inp.scale, router.per_expert_scale as ffn_down_exps.scale,
+  layer_scalar as layer_output_scale.weight; the full layers' proportional
+  RoPE written as rope_freqs (1 for the rotated frequencies, 1e30 for the
+  rest), from which partial_rotary_factor is read back;
+- routed experts: one [E, ...] tensor per projection (ffn_*_exps), or gate
+  and up fused (ffn_gate_up_exps, [gate; up] rows: always for gemma4);
 - tied embeddings: no `output.weight` in the file means lm_head is the
   embedding; no lm_head tensor is emitted and tie_word_embeddings=True.
 """
 
 from __future__ import annotations
 
+import logging
 import re
+from collections import Counter
 from pathlib import Path
 from typing import Iterator
 
@@ -31,6 +52,8 @@ try:
     from gguf import GGMLQuantizationType as Q
 except ImportError as e:  # pragma: no cover - gguf is a hard dependency
     raise ImportError("model_zoo.gguf_loader needs the `gguf` package") from e
+
+log = logging.getLogger("tqserve.gguf")
 
 
 # Types this loader dequantizes (with gguf.quants.dequantize, numpy). The brief
@@ -49,7 +72,17 @@ ARCHS = {
     "qwen3": {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "rope_theta": 1000000.0},
     "gemma3": {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"], "rope_theta": 1000000.0},
     "qwen3moe": {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "rope_theta": 1000000.0},
+    "qwen3next": {"model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"], "rope_theta": 10000.0},
+    "qwen35": {"model_type": "qwen3_5_text", "architectures": ["Qwen3_5ForCausalLM"], "rope_theta": 10000.0},
+    "qwen35moe": {"model_type": "qwen3_5_moe_text", "architectures": ["Qwen3_5MoeForCausalLM"],
+                  "rope_theta": 10000.0},
+    "gemma4": {"model_type": "gemma4_text", "architectures": ["Gemma4ForCausalLM"], "rope_theta": 1000000.0},
 }
+HYBRID_QWEN = ("qwen3next", "qwen35", "qwen35moe")
+MOE_ARCHS = ("qwen3moe", "qwen3next", "qwen35moe")
+# Architectures whose models keep GGUF rows as stored (use_stored, --quantization gguf). The
+# Qwen3-Next / Qwen3.5 and Gemma 4 models cannot yet: their files load dequantized.
+_BLOCKS_ARCHS = frozenset({"llama", "qwen2", "qwen3", "gemma3", "qwen3moe"})
 
 _LAYER_PARAMS = {
     "base": [
@@ -77,32 +110,107 @@ EOG_TEXTS = frozenset({
 # experts as one [E, ...] tensor per projection (ffn_*_exps).
 _MLP = {"dense": ["mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"],
         "qwen3moe": ["mlp.gate.weight", "mlp.experts.gate_proj.weight", "mlp.experts.up_proj.weight",
-                     "mlp.experts.down_proj.weight"]}
-_STACKED_EXPERTS = re.compile(r"^(.*\.experts)\.(gate_proj|up_proj|down_proj)\.weight$")
+                     "mlp.experts.down_proj.weight"],
+        "shared": ["mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight",
+                   "mlp.shared_expert.down_proj.weight", "mlp.shared_expert_gate.weight"]}
+# Stacked experts [E, ...]; gate_up_proj: gate and up fused ([E, 2I, H], ffn_gate_up_exps).
+_STACKED_EXPERTS = re.compile(r"^(.*\.experts)\.(gate_proj|up_proj|down_proj|gate_up_proj)\.weight$")
+
+# HF names llama.cpp's converter renames before mapping them: HF suffix -> (the name it
+# maps, the suffix of the GGUF name).
+_RENAMED = {
+    "linear_attn.dt_bias": ("linear_attn.dt_proj", ".bias"),       # blk.N.ssm_dt.bias
+    "linear_attn.A_log": ("linear_attn.A_log", ""),                 # blk.N.ssm_a, no .weight
+    "layer_scalar": ("layer_scalar", ".weight"),                    # blk.N.layer_output_scale.weight
+    "router.scale": ("router.proj", ".scale"),                      # blk.N.ffn_gate_inp.scale
+    "router.per_expert_scale": ("experts.down_proj", ".scale"),     # blk.N.ffn_down_exps.scale
+}
+# HF tensors llama.cpp writes as two: qwen3next's in_proj_qkvz as attn_qkv + attn_gate.
+_SPLIT = {"linear_attn.in_proj_qkvz.weight": ("attn_qkv.weight", "attn_gate.weight")}
+# Tensors llama.cpp treats as optional (default 1), present in every file its converter writes.
+_OPTIONAL = ("layer_scalar",)
 
 
-def hf_param_names(arch: str, num_layers: int) -> list[str]:
-    """Every parameter name the HF model for `arch` has (lm_head included)."""
-    per_layer = _LAYER_PARAMS["base"] + _LAYER_PARAMS.get(arch, []) + _MLP.get(arch, _MLP["dense"])
+def _qwen_layer_params(arch: str, config: dict, i: int) -> list[str]:
+    p = ["input_layernorm.weight", "post_attention_layernorm.weight"]
+    if config["layer_types"][i] == "full_attention":
+        p += [f"self_attn.{x}.weight" for x in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")]
+    else:
+        proj = ("in_proj_qkvz", "in_proj_ba") if arch == "qwen3next" else \
+            ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+        p += [f"linear_attn.{x}.weight" for x in (*proj, "conv1d", "norm", "out_proj")]
+        p += ["linear_attn.dt_bias", "linear_attn.A_log"]
+    return p + (_MLP["dense"] if arch == "qwen35" else _MLP["qwen3moe"] + _MLP["shared"])
+
+
+def _gemma4_layer_params(config: dict, i: int) -> list[str]:
+    full = config["layer_types"][i] == "full_attention"
+    shared = i >= config["num_hidden_layers"] - config["num_kv_shared_layers"]
+    proj = ["q_proj", "o_proj"] + ([] if shared else ["k_proj"] if full and config["attention_k_eq_v"]
+                                   else ["k_proj", "v_proj"])
+    p = [f"self_attn.{x}.weight" for x in proj] + ["self_attn.q_norm.weight"]
+    p += [f"self_attn.{x}.bias" for x in proj if config["attention_bias"]]
+    p += [] if shared else ["self_attn.k_norm.weight"]
+    p += [f"{x}.weight" for x in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                                  "post_feedforward_layernorm")]
+    p += _MLP["dense"] + ["layer_scalar"]
+    if config["enable_moe_block"]:
+        p += ["router.proj.weight", "router.scale", "router.per_expert_scale", "experts.gate_proj.weight",
+              "experts.up_proj.weight", "experts.down_proj.weight", "pre_feedforward_layernorm_2.weight",
+              "post_feedforward_layernorm_1.weight", "post_feedforward_layernorm_2.weight"]
+    if config["hidden_size_per_layer_input"]:
+        p += ["per_layer_input_gate.weight", "per_layer_projection.weight", "post_per_layer_input_norm.weight"]
+    return p
+
+
+def hf_param_names(arch: str, config: dict) -> list[str]:
+    """Every parameter name the HF model for `arch` has (lm_head included);
+    routed experts as one stacked name per projection."""
     names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
-    for i in range(num_layers):
+    if arch == "gemma4" and config["hidden_size_per_layer_input"]:
+        names += ["model.embed_tokens_per_layer.weight", "model.per_layer_model_projection.weight",
+                  "model.per_layer_projection_norm.weight"]
+    for i in range(config["num_hidden_layers"]):
+        if arch in HYBRID_QWEN:
+            per_layer = _qwen_layer_params(arch, config, i)
+        elif arch == "gemma4":
+            per_layer = _gemma4_layer_params(config, i)
+        else:
+            per_layer = _LAYER_PARAMS["base"] + _LAYER_PARAMS.get(arch, []) + _MLP.get(arch, _MLP["dense"])
         names += [f"model.layers.{i}.{p}" for p in per_layer]
     return names
 
 
-def gguf_to_hf_names(arch: str, num_layers: int) -> dict[str, str]:
-    """GGUF tensor name -> HF name, by inverting gguf's own HF -> GGUF TensorNameMap."""
+def gguf_to_hf_names(arch: str, config: dict) -> dict[str, str]:
+    """GGUF tensor name -> HF name, by inverting gguf's own HF -> GGUF TensorNameMap.
+    Stacked gate and up experts may also come fused: ffn_gate_up_exps -> `experts.gate_up_proj.weight`."""
     arch_enum = next((k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), None)
     if arch_enum is None:
         raise ModelLoadError(f"gguf package does not know architecture {arch!r}")
-    name_map = gguf.get_tensor_name_map(arch_enum, num_layers)
+    name_map = gguf.get_tensor_name_map(arch_enum, config["num_hidden_layers"])
     out = {}
-    for hf_name in hf_param_names(arch, num_layers):
-        stem, suffix = hf_name.rsplit(".", 1)
+    for hf_name in hf_param_names(arch, config):
+        prefix, _, rest = hf_name.partition(".layers.")
+        bid, _, sub = rest.partition(".")
+        if sub in _SPLIT:
+            for part in _SPLIT[sub]:
+                out[f"blk.{bid}.{part}"] = hf_name
+            continue
+        if sub in _RENAMED:
+            stem, suffix = f"{prefix}.layers.{bid}.{_RENAMED[sub][0]}", _RENAMED[sub][1]
+        else:
+            stem, suffix = hf_name.rsplit(".", 1)
+            suffix = "." + suffix
+        stacked = _STACKED_EXPERTS.match(hf_name)
         gguf_stem = name_map.get_name(stem)
-        if gguf_stem is None:
+        if gguf_stem is not None:
+            out[gguf_stem + suffix] = hf_name
+        elif not (stacked and stacked[2] in ("gate_proj", "up_proj")):     # gemma4's map: only fused
             raise ModelLoadError(f"no GGUF name for {hf_name} in gguf's {arch} tensor map")
-        out[f"{gguf_stem}.{suffix}"] = hf_name
+        if stacked and stacked[2] == "gate_proj":
+            fused = name_map.get_name(f"{stacked[1]}.gate_up_proj")
+            if fused is not None:
+                out[f"{fused}.weight"] = f"{stacked[1]}.gate_up_proj.weight"
     return out
 
 
@@ -112,12 +220,70 @@ def reverse_llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def untile_v_heads(a: np.ndarray, axis: int, num_k_heads: int, head_dim: int) -> np.ndarray:
+    """Undo llama.cpp's Qwen3.5 value-head reorder along `axis` (value heads of
+    head_dim each): tiled (v0 of every key head, then v1, ...) -> grouped by key head."""
+    a = np.moveaxis(a, axis, 0)
+    shape = a.shape
+    per_k = shape[0] // head_dim // num_k_heads
+    a = a.reshape(per_k, num_k_heads, head_dim, *shape[1:]).swapaxes(0, 1).reshape(shape)
+    return np.moveaxis(a, 0, axis)
+
+
+def merge_qkvz(qkv: np.ndarray, z: np.ndarray, config: dict) -> np.ndarray:
+    """qwen3next's in_proj_qkvz back from attn_qkv ([q of all key heads, k..., v...])
+    and attn_gate (z): rows grouped per key head as [q, k, v, z]."""
+    nk, dk = config["linear_num_key_heads"], config["linear_key_head_dim"]
+    q, k, v = np.split(qkv, [nk * dk, 2 * nk * dk])
+    parts = [x.reshape(nk, -1, x.shape[-1]) for x in (q, k, v, z)]
+    return np.concatenate(parts, axis=1).reshape(-1, qkv.shape[-1])
+
+
+def _qwen_undo(arch: str, config: dict):
+    """The value transforms of llama.cpp's Qwen3NextModel (and Qwen3.5's V reorder), undone."""
+    nk, nv = config["linear_num_key_heads"], config["linear_num_value_heads"]
+    dk, dv = config["linear_key_head_dim"], config["linear_value_head_dim"]
+    tiled = arch != "qwen3next" and nk != nv
+
+    def undo(hf: str, a: np.ndarray) -> np.ndarray:
+        if ".linear_attn." not in hf:
+            if hf.endswith("norm.weight"):
+                return a - np.float32(1.0)
+            if hf.endswith("shared_expert_gate.weight"):
+                return a.reshape(1, -1)     # [1, H]; older converters squeezed it to [H]
+            return a
+        leaf = hf.split(".linear_attn.")[1]
+        if tiled:
+            if leaf == "in_proj_qkv.weight" or leaf == "conv1d.weight":
+                a = np.concatenate([a[:2 * nk * dk], untile_v_heads(a[2 * nk * dk:], 0, nk, dv)])
+            elif leaf == "in_proj_z.weight":
+                a = untile_v_heads(a, 0, nk, dv)
+            elif leaf in ("in_proj_b.weight", "in_proj_a.weight", "A_log", "dt_bias"):
+                a = untile_v_heads(a, 0, nk, 1)
+            elif leaf == "out_proj.weight":
+                a = untile_v_heads(a, 1, nk, dv)
+        if leaf == "A_log":
+            return np.log(-a)               # stored as ssm_a = -exp(A_log)
+        if leaf == "conv1d.weight":
+            return a.reshape(a.shape[0], 1, -1)     # stored squeezed [C, K]
+        return a
+
+    return undo
+
+
 def _meta_get(meta: dict, arch: str, key: str, default=None):
     return meta.get(f"{arch}.{key}", default)
 
 
-def build_config(meta: dict, tensor_names: set[str], path: Path) -> dict:
-    """HF config.json-shaped dict from GGUF metadata.
+def _rows(tensors: dict, name: str) -> int | None:
+    """Rows of a GGUF tensor as HF shapes it (its last GGUF dimension), or None when absent."""
+    t = tensors.get(name)
+    return None if t is None else int(t.shape[-1])
+
+
+def build_config(meta: dict, tensors: dict, path: Path) -> dict:
+    """HF config.json-shaped dict from GGUF metadata (and, where llama.cpp reads a
+    fact from the tensors, their names and shapes: {name: ReaderTensor}).
 
     Key names and meanings follow transformers' config classes (v5:
     `rope_parameters`), plus flat `rope_theta` (and gemma3
@@ -135,7 +301,7 @@ def build_config(meta: dict, tensor_names: set[str], path: Path) -> dict:
     hidden = int(need("embedding_length"))
     heads = int(need("attention.head_count"))
     kv_heads = _meta_get(meta, arch, "attention.head_count_kv", heads)
-    if isinstance(kv_heads, list):  # some files store one count per layer
+    if isinstance(kv_heads, list) and arch != "gemma4":  # some files store one count per layer
         kv_heads = max(kv_heads)
     layers = int(need("block_count"))
     head_dim = _meta_get(meta, arch, "attention.key_length")
@@ -147,22 +313,27 @@ def build_config(meta: dict, tensor_names: set[str], path: Path) -> dict:
     if vocab_size is None:
         raise ModelLoadError(f"{path}: GGUF states no {arch}.vocab_size and has no tokenizer.ggml.tokens")
     rope_theta = float(_meta_get(meta, arch, "rope.freq_base", facts["rope_theta"]))
+    ffn = _meta_get(meta, arch, "feed_forward_length")
+    if arch in MOE_ARCHS:
+        ffn = ffn if arch != "qwen3moe" and ffn is not None else need("expert_feed_forward_length")
+    elif ffn is None:
+        need("feed_forward_length")
 
     config: dict = {
         "model_type": facts["model_type"],
         "architectures": list(facts["architectures"]),
         "hidden_size": hidden,
-        "intermediate_size": int(need("expert_feed_forward_length" if arch == "qwen3moe" else "feed_forward_length")),
+        "intermediate_size": ffn if isinstance(ffn, list) else int(ffn),
         "num_hidden_layers": layers,
         "num_attention_heads": heads,
-        "num_key_value_heads": int(kv_heads),
+        "num_key_value_heads": kv_heads if isinstance(kv_heads, list) else int(kv_heads),
         "head_dim": head_dim,
         "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
         "rope_theta": rope_theta,
         "vocab_size": int(vocab_size),
         "max_position_embeddings": int(_meta_get(meta, arch, "context_length", 2048)),
         # llama.cpp writes output.weight only when it differs from the embedding
-        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "tie_word_embeddings": "output.weight" not in tensors,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
@@ -190,19 +361,129 @@ def build_config(meta: dict, tensor_names: set[str], path: Path) -> dict:
                 "full_attention": {**(rope_scaling or {"rope_type": "default"}), "rope_theta": rope_theta},
             },
         )
+    elif arch == "gemma4":
+        config.update(_gemma4_config(meta, tensors, path, config, need))
     else:
         config["rope_parameters"] = {**(rope_scaling or {"rope_type": "default"}), "rope_theta": rope_theta}
         config["hidden_act"] = "silu"
-        if arch in ("llama", "qwen3", "qwen3moe"):
+        if arch in ("llama", "qwen3", "qwen3moe") + HYBRID_QWEN:
             config["attention_bias"] = False
-        if arch == "qwen3moe":
+        if arch in MOE_ARCHS:
             # llama.cpp: every layer routed, top-k weights renormalised (its norm_w = true)
             config.update(num_experts=int(need("expert_count")), num_experts_per_tok=int(need("expert_used_count")),
                           moe_intermediate_size=int(need("expert_feed_forward_length")), norm_topk_prob=True,
                           decoder_sparse_step=1, mlp_only_layers=[])
+        if arch in HYBRID_QWEN:
+            config.update(_qwen_hybrid_config(meta, tensors, config, need))
         if arch == "llama":
             config["mlp_bias"] = False
     return config
+
+
+def _qwen_hybrid_config(meta: dict, tensors: dict, config: dict, need) -> dict:
+    arch = meta["general.architecture"]
+    # The MTP block(s) are appended after the main layers (Qwen3.5's converter).
+    layers = config["num_hidden_layers"] - int(_meta_get(meta, arch, "nextn_predict_layers", 0))
+    # llama.cpp: linear attention except every full_attention_interval-th layer, 4 when unstated
+    every = int(_meta_get(meta, arch, "full_attention_interval", 4))
+    nv = int(need("ssm.time_step_rank"))
+    rotary = int(_meta_get(meta, arch, "rope.dimension_count", config["head_dim"]))
+    rope = dict(config["rope_parameters"], partial_rotary_factor=rotary / config["head_dim"])
+    sections = _meta_get(meta, arch, "rope.dimension_sections")
+    if sections is not None:     # Qwen3.5's multimodal rotary; text positions make it the plain one
+        rope["mrope_section"] = [int(s) for s in sections if s][:3]
+    out = dict(
+        num_hidden_layers=layers,
+        full_attention_interval=every,
+        layer_types=["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(layers)],
+        linear_conv_kernel_dim=int(need("ssm.conv_kernel")),
+        linear_key_head_dim=int(need("ssm.state_size")),
+        linear_num_key_heads=int(need("ssm.group_count")),
+        linear_num_value_heads=nv,
+        linear_value_head_dim=int(need("ssm.inner_size")) // nv,
+        partial_rotary_factor=rope["partial_rotary_factor"],
+        rope_parameters=rope,
+    )
+    if arch in MOE_ARCHS:
+        shared = (_meta_get(meta, arch, "expert_shared_feed_forward_length")
+                  or _rows(tensors, "blk.0.ffn_up_shexp.weight"))
+        out["shared_expert_intermediate_size"] = int(shared)
+    return out
+
+
+def _gemma4_config(meta: dict, tensors: dict, path: Path, config: dict, need) -> dict:
+    arch, layers = "gemma4", config["num_hidden_layers"]
+    types = _gemma3_layer_types(meta, arch, layers, need("attention.sliding_window_pattern"))
+    full_dim = config["head_dim"]
+    swa_dim = int(_meta_get(meta, arch, "attention.key_length_swa", full_dim))
+    shared = int(_meta_get(meta, arch, "attention.shared_kv_layers", 0))
+    first_shared = layers - shared
+    kv = config["num_key_value_heads"]
+    kv = kv if isinstance(kv, list) else [kv] * layers
+    kv_of = {t: {kv[i] for i, ti in enumerate(types) if ti == t} for t in set(types)}
+    if any(len(v) > 1 for v in kv_of.values()):
+        raise ModelLoadError(f"{path}: gemma4 KV-head counts {kv} differ within a layer type; not supported")
+    ffn = config["intermediate_size"]
+    ffn = ffn if isinstance(ffn, list) else [ffn] * layers
+    double = shared > 0 and ffn[-1] == 2 * ffn[0]
+    if ffn != [ffn[0] * (2 if double and i >= first_shared else 1) for i in range(layers)]:
+        raise ModelLoadError(f"{path}: gemma4 per-layer feed_forward_length {ffn} is not a Gemma 4 shape "
+                             f"(the same in every layer, doubled in the KV-shared ones)")
+    rot = int(_meta_get(meta, arch, "rope.dimension_count", full_dim))
+    rot_swa = int(_meta_get(meta, arch, "rope.dimension_count_swa", swa_dim))
+    if rot != full_dim or rot_swa != swa_dim:
+        raise ModelLoadError(f"{path}: gemma4 rope.dimension_count {rot} / _swa {rot_swa} rotate part of a head "
+                             f"({full_dim} / {swa_dim}); only rope_freqs' proportional RoPE is supported")
+    rope_theta = config["rope_theta"]
+    # llama.cpp: the sliding layers' base is the full layers' unless the file says otherwise
+    swa_theta = float(_meta_get(meta, arch, "rope.freq_base_swa", rope_theta))
+    # K = V full layers have no attn_v (llama.cpp then uses K's projection as V)
+    k_eq_v = not any(f"blk.{i}.attn_v.weight" in tensors for i, t in enumerate(types)
+                     if t == "full_attention" and i < first_shared)
+    moe = bool(_meta_get(meta, arch, "expert_count", 0))
+    per_layer = int(_meta_get(meta, arch, "embedding_length_per_layer_input", 0))
+    out = dict(
+        hidden_activation="gelu_pytorch_tanh",
+        intermediate_size=ffn[0],
+        use_double_wide_mlp=double,
+        head_dim=swa_dim,
+        num_key_value_heads=next(iter(kv_of.get("sliding_attention", kv_of["full_attention"]))),
+        # transformers >= 5.23's shape for the full layers' own head_dim / KV heads
+        per_layer_config={str(i): {"head_dim": full_dim, "num_key_value_heads": kv[i]}
+                          for i, t in enumerate(types) if t == "full_attention"},
+        layer_types=types,
+        sliding_window=int(need("attention.sliding_window")),
+        attention_k_eq_v=k_eq_v,
+        num_kv_shared_layers=shared,
+        hidden_size_per_layer_input=per_layer,
+        vocab_size_per_layer_input=_rows(tensors, "per_layer_token_embd.weight") or config["vocab_size"],
+        final_logit_softcapping=_meta_get(meta, arch, "final_logit_softcapping"),
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        enable_moe_block=moe,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": swa_theta},
+            "full_attention": {"rope_type": "proportional", "rope_theta": rope_theta,
+                               "partial_rotary_factor": _proportional_factor(tensors, full_dim, path)},
+        },
+    )
+    if moe:
+        out.update(num_experts=int(need("expert_count")), top_k_experts=int(need("expert_used_count")),
+                   moe_intermediate_size=int(need("expert_feed_forward_length")))
+    return out
+
+
+def _proportional_factor(tensors: dict, head_dim: int, path: Path) -> float:
+    """The full layers' partial_rotary_factor from rope_freqs: llama.cpp's
+    converter writes 1 for each rotated frequency, then 1e30 (no rotation)."""
+    t = tensors.get("rope_freqs.weight")
+    if t is None:
+        return 1.0
+    f = gguf.quants.dequantize(t.data, t.tensor_type).reshape(-1)
+    rotated = int((f == 1.0).sum())
+    if len(f) != head_dim // 2 or not (f[:rotated] == 1.0).all() or not (f[rotated:] >= 1e29).all():
+        raise ModelLoadError(f"{path}: rope_freqs.weight is not Gemma 4's proportional RoPE (1 then 1e30 per "
+                             f"frequency of a {head_dim}-dim head); other frequency factors are not supported")
+    return rotated / (head_dim // 2)
 
 
 def _rope_scaling(meta: dict, arch: str) -> dict | None:
@@ -217,8 +498,9 @@ def _rope_scaling(meta: dict, arch: str) -> dict | None:
     return out
 
 
-def _gemma3_layer_types(meta: dict, arch: str, layers: int) -> list[str]:
-    pattern = _meta_get(meta, arch, "attention.sliding_window_pattern", 6)
+def _gemma3_layer_types(meta: dict, arch: str, layers: int, pattern=None) -> list[str]:
+    if pattern is None:
+        pattern = _meta_get(meta, arch, "attention.sliding_window_pattern", 6)
     if isinstance(pattern, list):  # newer files: one flag per layer, true = sliding
         return ["sliding_attention" if p else "full_attention" for p in pattern][:layers]
     pattern = int(pattern)
@@ -259,44 +541,72 @@ def _open_reader(path: Path) -> "gguf.GGUFReader":
     return reader
 
 
+def _unmapped(path: Path, name: str, arch: str) -> ModelLoadError:
+    if name == "rope_freqs.weight":
+        return ModelLoadError(
+            f"{path}: has rope_freqs.weight (llama3-style rope scaling), which this loader does not support")
+    if name.startswith(("v.", "mm.", "a.")):
+        return ModelLoadError(f"{path}: tensor {name} is a vision / audio tower's; only the language model "
+                              f"of a GGUF file is supported")
+    return ModelLoadError(f"{path}: tensor {name} has no Hugging Face name for architecture {arch}")
+
+
 def open_gguf(path: str | Path) -> ModelSource:
     path = Path(path)
     reader = _open_reader(path)
     # Vocab arrays are needed whole for the tokenizer; everything else is small.
     meta = gguf_metadata(reader)
     arch = meta.get("general.architecture")
+    if arch == "clip":
+        raise ModelLoadError(f"{path}: a multimodal projector (mmproj) file; pass the language model's GGUF")
     if arch not in ARCHS:
         raise ModelLoadError(
             f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(sorted(ARCHS))})"
         )
 
     tensors = {t.name: t for t in reader.tensors}
-    config = build_config(meta, set(tensors), path)
+    config = build_config(meta, tensors, path)
     layers = config["num_hidden_layers"]
-    to_hf = gguf_to_hf_names(arch, layers)
+    to_hf = gguf_to_hf_names(arch, config)
 
-    plan = []  # (gguf tensor, hf name), in file order
+    plan: dict[str, list] = {}  # hf name -> its GGUF tensor(s), in file order
+    skipped = []                # Qwen3.5's MTP block(s): the blocks after the main layers
     for name, t in tensors.items():
         hf = to_hf.get(name)
         if hf is None:
-            if name == "rope_freqs.weight":
-                raise ModelLoadError(
-                    f"{path}: has rope_freqs.weight (llama3-style rope scaling), which this loader does not support"
-                )
-            raise ModelLoadError(f"{path}: tensor {name} has no Hugging Face name for architecture {arch}")
+            m = re.match(r"blk\.(\d+)\.", name)
+            if arch in HYBRID_QWEN and m and int(m[1]) >= layers:
+                skipped.append(name)
+                continue
+            if arch == "gemma4" and name == "rope_freqs.weight":
+                continue    # read into the config (partial_rotary_factor)
+            raise _unmapped(path, name, arch)
         if t.tensor_type not in SUPPORTED_TYPES:
             raise ModelLoadError(
                 f"{path}: tensor {name} has quant type {t.tensor_type.name}, which is not supported "
                 f"(supported: {', '.join(sorted(q.name for q in SUPPORTED_TYPES))})"
             )
-        plan.append((t, hf))
-    present = {hf for _, hf in plan}
-    missing = [hf for hf in to_hf.values() if hf not in present and hf != "lm_head.weight"]
+        plan.setdefault(hf, []).append(t)
+    if skipped:
+        log.info("%s: %d tensors of the MTP block (nextn_predict_layers) not loaded: speculative decoding with "
+                 "the MTP head is not supported", path.name, len(skipped))
+    wanted = Counter(to_hf.values())    # GGUF tensors per HF name: 2 for a split one
+    present = {hf for hf, ts in plan.items() if len(ts) == wanted[hf]}
+    for hf in list(present):    # fused gate and up experts stand for the two, and the two for them
+        m = _STACKED_EXPERTS.match(hf)
+        if m and m[2] == "gate_up_proj":
+            present |= {f"{m[1]}.gate_proj.weight", f"{m[1]}.up_proj.weight"}
+        elif m and m[2] == "gate_proj" and f"{m[1]}.up_proj.weight" in present:
+            present.add(f"{m[1]}.gate_up_proj.weight")
+    missing = [hf for hf in dict.fromkeys(to_hf.values())
+               if hf not in present and hf != "lm_head.weight" and not hf.endswith(_OPTIONAL)]
     if missing:
-        inverse = {v: k for k, v in to_hf.items()}
+        inverse = {v: k for k, v in to_hf.items() if k not in tensors}
         raise ModelLoadError(
             f"{path}: missing {len(missing)} tensors, first {inverse[missing[0]]} ({missing[0]})"
         )
+    # Optional tensors llama.cpp defaults when absent (Gemma 4's layer_scalar: 1).
+    absent = [hf for hf in dict.fromkeys(to_hf.values()) if hf.endswith(_OPTIONAL) and hf not in plan]
 
     try:
         tokenizer = Tokenizer.from_gguf(meta) if "tokenizer.ggml.tokens" in meta else None
@@ -307,14 +617,15 @@ def open_gguf(path: str | Path) -> ModelSource:
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     permute = arch == "llama"
     norm_offset = arch == "gemma3"
+    undo = _qwen_undo(arch, config) if arch in HYBRID_QWEN else None
 
     from parallel.quant.base import QuantizedTensor
     from parallel.quant.gguf import qtype_name
     # Linear weights in a type the GGUF kernels take: kept as stored with --quantization gguf.
     # Routed experts stay stacked ([E, rows, row bytes]) as parallel.quant.base.GGUFExperts holds them.
-    blocks = {hf: qtype_name(int(t.tensor_type)) for t, hf in plan
-              if hf.endswith(("proj.weight", "embed_tokens.weight", "lm_head.weight"))
-              and qtype_name(int(t.tensor_type))}
+    blocks = {hf: qtype_name(int(ts[0].tensor_type)) for hf, ts in plan.items()
+              if arch in _BLOCKS_ARCHS and hf.endswith(("proj.weight", "embed_tokens.weight", "lm_head.weight"))
+              and qtype_name(int(ts[0].tensor_type))}
 
     def permuted(arr: np.ndarray, name: str) -> np.ndarray:
         # Rows are output features, dense or blocks alike.
@@ -325,10 +636,11 @@ def open_gguf(path: str | Path) -> ModelSource:
         return arr
 
     def gguf_blocks() -> Iterator[tuple[str, object]]:
-        for t, hf in plan:
+        for hf, ts in plan.items():
             if hf not in blocks:
-                yield from dense(t, hf)
+                yield from dense(ts, hf)
                 continue
+            t = ts[0]
             if _STACKED_EXPERTS.match(hf):      # [E, rows, row bytes]
                 shape = tuple(int(d) for d in reversed(t.shape.tolist()))
                 raw = np.asarray(t.data).reshape(shape[0], shape[1], -1)
@@ -337,31 +649,54 @@ def open_gguf(path: str | Path) -> ModelSource:
             raw = np.ascontiguousarray(permuted(np.asarray(t.data).reshape(int(t.shape[1]), -1), t.name))
             yield hf, QuantizedTensor(blocks[hf], torch.from_numpy(raw.copy()),
                                       (int(t.shape[1]), int(t.shape[0])))
+        yield from ones()
 
     def weights() -> Iterator[tuple[str, torch.Tensor]]:
-        for t, hf in plan:
-            yield from dense(t, hf)
+        for hf, ts in plan.items():
+            yield from dense(ts, hf)
+        yield from ones()
 
-    def dense(t, hf: str) -> Iterator[tuple[str, torch.Tensor]]:
+    def ones() -> Iterator[tuple[str, torch.Tensor]]:
+        for hf in absent:
+            yield hf, torch.ones(1)
+
+    def dequantized(t) -> np.ndarray:
         try:
             arr = gguf.quants.dequantize(t.data, t.tensor_type)
-            arr = arr.reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
+            return arr.reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
         except Exception as e:
             raise ModelLoadError(
                 f"{path}: cannot dequantize tensor {t.name} ({t.tensor_type.name}): {type(e).__name__}: {e}"
             ) from e
-        arr = permuted(arr, t.name)
-        if norm_offset and t.name.endswith("norm.weight"):
+
+    def dense(ts: list, hf: str) -> Iterator[tuple[str, torch.Tensor]]:
+        if len(ts) == 2:    # qwen3next's in_proj_qkvz from attn_qkv and attn_gate
+            part = {t.name.rsplit(".", 2)[1]: dequantized(t) for t in ts}
+            arr = merge_qkvz(part["attn_qkv"], part["attn_gate"], config)
+        else:
+            arr = permuted(dequantized(ts[0]), ts[0].name)
+        if norm_offset and hf.endswith("norm.weight"):
             arr = arr - np.float32(1.0)
+        if undo is not None:
+            arr = undo(hf, arr)
         if arr.dtype != np.float32 or not arr.flags.writeable or not arr.flags.c_contiguous:
             # F32 tensors are views into the read-only memmap: copy those only
             arr = np.array(arr, dtype=np.float32, copy=True, order="C")
         stacked = _STACKED_EXPERTS.match(hf)
         if stacked:     # [E, ...] -> one tensor per expert, as HF checkpoints name them
-            for e in range(arr.shape[0]):
-                yield f"{stacked[1]}.{e}.{stacked[2]}.weight", torch.from_numpy(arr[e])
+            parts = [stacked[2]] if stacked[2] != "gate_up_proj" else ["gate_proj", "up_proj"]
+            for p, a in zip(parts, np.split(arr, len(parts), axis=1)):     # fused: [gate; up] rows
+                for e in range(arr.shape[0]):
+                    yield f"{stacked[1]}.{e}.{p}.weight", torch.from_numpy(np.ascontiguousarray(a[e]))
         else:
             yield hf, torch.from_numpy(arr)
+
+    def count(hf: str, ts: list) -> int:
+        """How many tensors dense() yields for hf: one per expert (and projection, fused)."""
+        stacked = _STACKED_EXPERTS.match(hf)
+        if not stacked:
+            return 1
+        return int(ts[0].shape[-1]) * (2 if stacked[2] == "gate_up_proj" else 1)
 
     return ModelSource(
         path=path,
@@ -372,7 +707,7 @@ def open_gguf(path: str | Path) -> ModelSource:
         eos_token_ids=eos_ids(meta, tokenizer),
         _weights_fn=weights,
         # what the streams yield: stacked experts come one expert at a time
-        num_tensors=sum(int(t.shape[-1]) if _STACKED_EXPERTS.match(hf) else 1 for t, hf in plan),
+        num_tensors=sum(count(hf, ts) for hf, ts in plan.items()) + len(absent),
         stored=blocks,
         _stored_fn=gguf_blocks,
     )
