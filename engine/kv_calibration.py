@@ -29,6 +29,7 @@ from kvcache.attention import Attention
 from kvcache.dense_cache import expand_kv
 from kvcache.kv_formats import KV_MENU, KVPolicy, choose_split, layer_seed
 from kvcache.turboquant import Codec, tq
+from parallel.linear import ParallelLMHead, VocabParallelEmbedding
 
 log = logging.getLogger("tqserve.engine")
 
@@ -96,7 +97,8 @@ def capture_qkv(model, token_ids: list[int], grads: bool = False) -> dict[int, t
         if grads:
             hooks.append(m.register_forward_hook(post))
     if grads:
-        emb = next(m for m in model.modules() if "Embedding" in type(m).__name__)
+        emb = next(m for m in model.modules()
+                   if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead))
         hooks.append(emb.register_forward_hook(leaf))
     device = next(model.parameters()).device
     ids = torch.tensor(token_ids, device=device)

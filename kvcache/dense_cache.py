@@ -66,25 +66,45 @@ class DenseTorchBackend(AttentionBackend):
     Runs on any device; its decode reads seq_lens.max() back (a sync on CUDA,
     where dense-triton is the default)."""
 
+    def forward(self, cache, q, meta, scale):
+        if meta.num_decodes != meta.num_seqs:
+            return super().forward(cache, q, meta, scale)
+        # A decode-only step: the batch needs no split, and the read indices,
+        # the same for every layer of a group and window, are computed once.
+        key = ("dense-decode", cache.group_id, cache.sliding_window)
+        index = meta.memo.get(key)
+        if index is None:
+            index = meta.memo[key] = self._decode_index(cache, meta.groups[cache.group_id].block_tables,
+                                                        meta.seq_lens_t.to(q.device))
+        return self._attend(cache, q, *index, scale)
+
     def decode(self, cache, q, block_tables, seq_lens, scale):
-        B, Hq, D = q.shape
-        H, bs, dev = cache.num_kv_heads, cache.block_size, q.device
-        seq_lens = seq_lens.to(dev)
+        return self._attend(cache, q, *self._decode_index(cache, block_tables, seq_lens.to(q.device)), scale)
+
+    @staticmethod
+    def _decode_index(cache, block_tables, seq_lens):
+        """(slots [B * L] of the keys each sequence reads, valid-key mask [B, 1, 1, L])."""
+        bs, dev = cache.block_size, block_tables.device
         cols = cache.decode_columns(block_tables, seq_lens)
         blocks = block_tables.gather(1, cols)
-        slots = (blocks.unsqueeze(-1) * bs + torch.arange(bs, device=dev)).flatten()
-        pos = (cols.unsqueeze(-1) * bs + torch.arange(bs, device=dev)).flatten(1)
-        L = pos.shape[1]
+        offs = torch.arange(bs, device=dev)
+        slots = (blocks.unsqueeze(-1) * bs + offs).flatten()
+        pos = (cols.unsqueeze(-1) * bs + offs).flatten(1)
+        valid = pos < seq_lens[:, None]
+        if cache.sliding_window is not None:
+            valid &= pos > (seq_lens[:, None] - 1 - cache.sliding_window)
+        return slots, valid[:, None, None, :]
+
+    @staticmethod
+    def _attend(cache, q, slots, mask, scale):
+        B, Hq, D = q.shape
+        H, L = cache.num_kv_heads, mask.shape[-1]
         # index_select is ~10x faster than advanced indexing on CPU; the
         # [B, H, L, D] views need no copy.
         k = cache.k.index_select(0, slots).view(B, L, H, D).transpose(1, 2).to(q.dtype)
         v = cache.v.index_select(0, slots).view(B, L, H, D).transpose(1, 2).to(q.dtype)
-        valid = pos < seq_lens[:, None]
-        if cache.sliding_window is not None:
-            valid &= pos > (seq_lens[:, None] - 1 - cache.sliding_window)
         # GQA without copying K/V: a KV head's G query heads act as G queries.
-        o = F.scaled_dot_product_attention(q.view(B, H, Hq // H, D), k, v,
-                                           attn_mask=valid[:, None, None, :], scale=scale)
+        o = F.scaled_dot_product_attention(q.view(B, H, Hq // H, D), k, v, attn_mask=mask, scale=scale)
         return o.reshape(B, Hq, D)
 
     def prefill(self, cache, q, block_table, seq_len, scale):

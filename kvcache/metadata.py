@@ -33,6 +33,9 @@ class AttentionMetadata:
     query_start_loc_t: torch.Tensor | None = None   # [B + 1] long, same as query_start_loc
     max_seq_len: int | None = None                  # max(seq_lens)
     max_query_len: int | None = None                # the longest sequence's query_len
+    # Values every layer of a group computes alike in this step (a backend's
+    # decode indices), computed by the first layer that needs them.
+    memo: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.seq_lens_t is None:

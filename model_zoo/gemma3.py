@@ -114,6 +114,7 @@ class Gemma3Model(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config["vocab_size"], hidden)
         self.embed_scale = hidden ** 0.5
         ropes = {t: RotaryEmbedding(config.get("head_dim", 256), p) for t, p in rope_parameters(config).items()}
+        self.ropes = list(ropes.values())
         window = config.get("sliding_window", 4096)
         self.layers = nn.ModuleList(
             Gemma3DecoderLayer(config, i, ropes[t], window if t == SLIDING else None)
@@ -121,6 +122,8 @@ class Gemma3Model(nn.Module):
         self.norm = GemmaRMSNorm(hidden, config.get("rms_norm_eps", 1e-6))
 
     def forward(self, input_ids, positions, attn_metadata):
+        for rope in self.ropes:
+            rope.begin(positions)
         x = self.embed_tokens(input_ids)
         # transformers rounds the scale to the weight dtype first (sqrt(640) in
         # bf16 is 25.25, not 25.298); match it.

@@ -135,11 +135,7 @@ class Gemma4Rotary(RotaryEmbedding):
         self.inv_freq = rope_inv_freq_gemma4(head_dim, rope)
 
     def forward(self, positions, *xs):
-        if self.inv_freq.device != positions.device:
-            self.inv_freq = self.inv_freq.to(positions.device)
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(xs[0].dtype)[:, None, :], emb.sin().to(xs[0].dtype)[:, None, :]
+        cos, sin = self._cos_sin(positions, xs[0].dtype)
         return tuple(self._rotate(x, cos, sin) for x in xs)
 
 

@@ -120,9 +120,10 @@ def rope_parameters(config: dict, default_theta: float = 10000.0) -> dict:
 class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding (rotate_half over the whole head), as HF llama.
 
-    cos/sin are computed per call from the positions, in fp32 like
-    transformers, then cast to the activations' dtype: exact at any position
-    without a table sized by max_position_embeddings.
+    cos/sin are computed from the positions, in fp32 like transformers, then
+    cast to the activations' dtype: exact at any position without a table
+    sized by max_position_embeddings. A model that calls begin(positions) at
+    the start of its forward gets them computed once for all its layers.
     """
 
     def __init__(self, head_dim: int, rope: dict):
@@ -131,25 +132,40 @@ class RotaryEmbedding(nn.Module):
         # A plain attribute, not a buffer, so model.to(bfloat16) cannot round
         # the frequencies; it follows the positions' device on first use.
         self.inv_freq = rope_inv_freq(head_dim, rope)
+        self._step: torch.Tensor | None = None      # this forward's positions (begin)
+        self._memo: tuple | None = None
 
     def init_constants(self, device) -> None:
         self.inv_freq = self.inv_freq.to(device)
 
+    def begin(self, positions: torch.Tensor) -> None:
+        """A forward over `positions` starts: its layers share one cos / sin."""
+        self._step, self._memo = positions, None
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """positions [T]; q [T, Hq*D], k [T, Hkv*D] -> rotated q, k (same shapes)."""
+        memo = self._memo
+        if memo is None or memo[0] is not positions or memo[1] != q.dtype:
+            memo = (positions, q.dtype, *self._cos_sin(positions, q.dtype))
+            if positions is self._step:
+                self._memo = memo
+        cos, sin = memo[2], memo[3]
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _cos_sin(self, positions, dtype):
+        """cos [T, 1, D] and sin with rotate_half's sign folded in ([-sin, sin])."""
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(q.dtype)[:, None, :], emb.sin().to(q.dtype)[:, None, :]
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        cos, sin = freqs.cos(), freqs.sin()
+        return (torch.cat((cos, cos), dim=-1).to(dtype)[:, None, :],
+                torch.cat((-sin, sin), dim=-1).to(dtype)[:, None, :])
 
     def _rotate(self, x, cos, sin):
+        # rotate_half(x) * sin == roll(x, D/2) * [-sin, sin]: the same products, fewer ops.
         T = x.shape[0]
         x = x.view(T, -1, self.head_dim)
-        x1, x2 = x.chunk(2, dim=-1)
-        rotated = torch.cat((-x2, x1), dim=-1)
-        return (x * cos + rotated * sin).view(T, -1)
+        return (x * cos + x.roll(self.head_dim // 2, -1) * sin).view(T, -1)
 
 
 # ---------------------------------------------------------------- loading

@@ -112,7 +112,7 @@ class LlamaForCausalLM(nn.Module):
         mlp_bias = config.get("mlp_bias", False)
 
         # One rotary module shared by all layers: they all use the same frequencies.
-        rope = RotaryEmbedding(head_dim, rope_parameters(config))
+        rope = self.rotary = RotaryEmbedding(head_dim, rope_parameters(config))
         self.sliding_windows = self._sliding_windows(config)
         self.head_dim = head_dim
         layers = []
@@ -142,6 +142,7 @@ class LlamaForCausalLM(nn.Module):
         return [window if t == "sliding_attention" else None for t in types]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata) -> torch.Tensor:
+        self.rotary.begin(positions)
         return self.model(input_ids, positions, attn_metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

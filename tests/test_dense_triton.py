@@ -8,7 +8,9 @@ starting mid-sequence, a mixed decode + prefill batch in the backend's two
 launches, rows without keys, and block-table entries a sequence must not
 read pointing at NaN blocks. The interpreter's tl.dot multiplies bf16 as raw
 bits (numpy has no bf16), so 16-bit queries are fp16 here; bf16 queries are
-covered by compiling the kernels for sm_90 (H100/H200) and sm_121 (GB10)."""
+covered by compiling the kernels for sm_90 (H100/H200) and sm_121 (GB10).
+Also dense-cpu (the compiled CPU kernel's decodes over dense K/V) against
+the same reference, its per-step shared indices and its torch fallback."""
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"     # before triton is first imported: CPU tensors
@@ -36,8 +38,7 @@ def paged(H, D, lens, dtype=torch.float32, window=None, seed=0):
     g = torch.Generator().manual_seed(seed)
     W = max(-(-L // BS) for L in lens) + 1
     nblocks = W * len(lens) + 2
-    c = DenseLayerCache(nblocks, BS, H, D, dtype, 0, window)
-    assert c.backend.name == "dense-torch"
+    c = DenseLayerCache(nblocks, BS, H, D, dtype, 0, window, backend="dense-torch")
     bt = torch.randperm(nblocks - 1, generator=g)[:W * len(lens)].view(len(lens), W)
     slots = torch.cat([bt[i, torch.arange(L) // BS] * BS + torch.arange(L) % BS for i, L in enumerate(lens)])
     c.write(slots, torch.randn(len(slots), H, D, generator=g) * 2 + 0.5, torch.randn(len(slots), H, D, generator=g))
@@ -215,3 +216,36 @@ def test_kernels_compile_for_gpus(arch):
     r = subprocess.run([sys.executable, "-c", _COMPILE, str(arch), *_SPECS[arch]], capture_output=True,
                        text=True, env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+# -- dense-cpu: the compiled CPU kernel over dense K/V ---------------------------------
+@pytest.mark.parametrize("H,G,D,window,dtype", [(2, 1, 64, None, torch.float32), (2, 3, 128, None, torch.bfloat16),
+                                                (1, 8, 256, None, torch.float16), (2, 3, 64, 20, torch.float32)])
+def test_dense_cpu_decode_equals_torch(H, G, D, window, dtype):
+    lens = [1, 16, 17, 40] if window is None else [5, 20, 37, 64]
+    c, bt, nan = paged(H, D, lens, dtype, window)
+    q = _q(len(lens), H * G, D, 7, dtype)
+    ref = c._decode(q, bt, torch.tensor(lens), D ** -0.5)
+    out = get_backend("dense-cpu").decode(c, q, poisoned(bt, lens, nan, window), torch.tensor(lens), D ** -0.5)
+    assert out.dtype == dtype
+    assert_close(out, ref, 1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_dense_cpu_step_shares_indices_across_layers(monkeypatch):
+    """A decode-only step: two layers of one group read the indices the first
+    built (AttentionMetadata.memo), each its own K/V; TQSERVE_TQ_CPU=torch runs
+    dense-torch's code instead, with the same result."""
+    lens = [9, 33, 16]
+    (c1, bt, _), (c2, _, _) = paged(2, 64, lens, seed=1), paged(2, 64, lens, seed=2)
+    c1.backend = c2.backend = None                 # the default on CPU
+    assert c1.backend.name == "dense-cpu"
+    meta = AttentionMetadata([0, 1, 2, 3], lens, 3, [GroupMetadata(torch.zeros(3, dtype=torch.long), bt)], [c1, c2])
+    q = _q(3, 6, 64, 4)
+    outs = [c.attention(q, meta, 0.125) for c in (c1, c2)]
+    assert list(meta.memo) == [("dense-cpu-decode", 0, None)]
+    for c, out in zip((c1, c2), outs):
+        assert_close(out, get_backend("dense-torch").decode(c, q, bt, torch.tensor(lens), 0.125), 1e-5)
+    monkeypatch.setenv("TQSERVE_TQ_CPU", "torch")
+    fresh = AttentionMetadata([0, 1, 2, 3], lens, 3, [GroupMetadata(torch.zeros(3, dtype=torch.long), bt)], [c1, c2])
+    assert_close(c1.attention(q, fresh, 0.125), outs[0], 1e-5)
+    assert list(fresh.memo) == [("dense-decode", 0, None)]

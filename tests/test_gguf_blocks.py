@@ -54,6 +54,9 @@ def test_layers_hold_the_files_bytes(pair):
             bpp = s.data.numel() / (s.rows * q.k)
             assert bpp == QTYPES[s.fmt].type_size / QTYPES[s.fmt].block, (n, s.fmt, bpp)
         assert m.weight.numel() == 0                     # no dense copy beside the blocks
+        fmts_in_order = [s.fmt for s in q.shards.values()]
+        # neighbouring shards of one type were joined (q, k, v in one GEMV call)
+        assert all(a != b for a, b in zip(fmts_in_order, fmts_in_order[1:])), (n, fmts_in_order)
     dense_bytes = sum(p.numel() * 4 for p in dense.core.model.parameters())
     resident = blocks.core.resident_bytes
     print(f"{name}: formats {sorted(fmts)}; resident {resident / 2**20:.1f} MiB vs fp32 {dense_bytes / 2**20:.1f} MiB")

@@ -6,11 +6,13 @@ f16, k8v4, tq4 and tq3 keep test_tq_engine's invariants."""
 import pytest
 import torch
 from test_tq_engine import preset_invariants
-from tiny_models import save_tiny_gemma4, save_tiny_qwen3_moe, save_tiny_qwen3_next, token_prompts
+from tiny_models import save_tiny_gemma4, save_tiny_qwen3_5, save_tiny_qwen3_moe, save_tiny_qwen3_next, token_prompts
 
 from engine import LLM, SamplingParams
 
-FAMILIES = {"qwen3_moe": save_tiny_qwen3_moe, "gemma4": save_tiny_gemma4, "qwen3_next": save_tiny_qwen3_next}
+FAMILIES = {"qwen3_moe": save_tiny_qwen3_moe, "gemma4": save_tiny_gemma4,
+            "gemma4_dense": lambda d: save_tiny_gemma4(d, moe=False), "qwen3_next": save_tiny_qwen3_next,
+            "qwen3_5": save_tiny_qwen3_5, "qwen3_5_moe": lambda d: save_tiny_qwen3_5(d, moe=True)}
 LOGPROB_TOL = 1e-4
 
 

@@ -393,3 +393,22 @@ def test_tensor_parallel_2_ranks_match_transformers():
     produce transformers' logits on both ranks."""
     for lines in run_ranks(_tp_rank):
         assert [line.split()[0] for line in lines] == TP_KEYS
+
+
+def test_rotary_cos_sin_are_shared_within_one_forward_only():
+    """A model's begin(positions) lets its layers share one cos / sin; the next
+    forward's begin drops them, even for the same tensor with new values."""
+    from model_zoo.layers import RotaryEmbedding
+    rope_args = (8, {"rope_type": "default", "rope_theta": 10000.0})
+    q, k = torch.randn(4, 16), torch.randn(4, 8)
+    rope, pos = RotaryEmbedding(*rope_args), torch.arange(4)
+    rope.begin(pos)
+    first = rope(pos, q, k)
+    assert rope._memo is not None and rope._memo[0] is pos
+    assert all(torch.equal(a, b) for a, b in zip(rope(pos, q, k), first))
+    pos.add_(7)
+    rope.begin(pos)
+    again = rope(pos, q, k)
+    fresh = RotaryEmbedding(*rope_args)(pos.clone(), q, k)       # no begin: nothing kept
+    assert all(torch.equal(a, b) for a, b in zip(again, fresh))
+    assert not all(torch.equal(a, b) for a, b in zip(again, first))

@@ -70,10 +70,29 @@ def token_prompts(n, lo=5, hi=60, seed=0):
     return [[rng.randrange(3, 256) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
 
 
-def save_tiny_gemma4(path, hybrid=False):
+def save_tiny_qwen3_5(path, moe=False):
+    """A 6-layer Qwen3.5 (split DeltaNet projections, mrope for text), dense or
+    with a shared-expert MoE in every layer, shaped as save_tiny_qwen3_next."""
+    import transformers
+    torch.manual_seed(0)
+    kind = "Qwen3_5Moe" if moe else "Qwen3_5"
+    extra = dict(moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8,
+                 num_experts_per_tok=2) if moe else dict(intermediate_size=96)
+    cfg = getattr(transformers, f"{kind}TextConfig")(
+        vocab_size=256, hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=24,
+        linear_num_key_heads=2, linear_num_value_heads=4,
+        layer_types=["linear_attention", "linear_attention", "full_attention"] * 2,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25,
+                             mrope_section=[2, 1, 1]),
+        max_position_embeddings=512, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, **extra)
+    return _save_sharpened(getattr(transformers, f"{kind}ForCausalLM")(cfg), path)
+
+
+def save_tiny_gemma4(path, hybrid=False, moe=True):
     """A tiny Gemma 4 text model with K = V full layers (head_dim 512),
     per-layer inputs, KV sharing (the last layer reads layer 1's K/V) and
-    routed experts (4, top 2) beside each MLP, sharpened as the llama;
+    routed experts (4, top 2; moe=False: none) beside each MLP, sharpened as the llama;
     returns it (eager attention: modeling_gemma4's reference math).
 
     Default: 3 full-attention layers, 1 KV head. The engine tests size pools
@@ -90,7 +109,7 @@ def save_tiny_gemma4(path, hybrid=False):
     cfg = Gemma4TextConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=2,
                            num_key_value_heads=1, head_dim=256, global_head_dim=512, attention_k_eq_v=True,
                            sliding_window=16, hidden_size_per_layer_input=16, vocab_size_per_layer_input=256,
-                           enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32,
+                           enable_moe_block=moe, num_experts=4, top_k_experts=2, moe_intermediate_size=32,
                            max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
                            tie_word_embeddings=True, **shape)
     # transformers' defaults (sdpa, grouped_mm experts) differ from its own eager code by

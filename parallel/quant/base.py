@@ -120,6 +120,24 @@ class GGUFBlocks(QuantMethod):
         self.shards[shard_id] = Shard(offset, rows, fmt, data.to(device).contiguous())
         # Kept in row order, so a forward walks them as they are.
         self.shards = dict(sorted(self.shards.items(), key=lambda kv: kv[1].offset))
+        if sum(s.rows for s in self.shards.values()) == self.n:
+            self._coalesce()
+
+    def _coalesce(self) -> None:
+        """Once every row is loaded: neighbouring shards in the same GGUF type
+        become one (q, k, v of one type: one GEMV call per step, not three)."""
+        runs: list[list] = []
+        for key, s in self.shards.items():
+            if runs and s.fmt and runs[-1][-1][1].fmt == s.fmt:
+                runs[-1].append((key, s))
+            else:
+                runs.append([(key, s)])
+        self.shards = {
+            run[0][0] if len(run) == 1 else tuple(k for k, _ in run):
+                run[0][1] if len(run) == 1 else
+                Shard(run[0][1].offset, sum(s.rows for _, s in run), run[0][1].fmt,
+                      torch.cat([s.data for _, s in run]))
+            for run in runs}
 
     def matmul(self, layer, x):
         shards = self.shards.values()

@@ -18,15 +18,15 @@ import subprocess
 import textwrap
 import time
 
-from bench_paths import OUT, log, machine, make_prompts  # puts the repo on sys.path
+from bench_paths import OUT, log, machine, make_prompts, variant_args  # puts the repo on sys.path
 
 
-def bench_tqserve(model, prompts, out_len, threads, dtype, quantization=None):
+def bench_tqserve(model, prompts, out_len, threads, variant):
     import torch
     from engine import LLM, SamplingParams
     torch.set_num_threads(threads)
     llm = LLM(model, max_num_seqs=64, max_num_batched_tokens=2048, kv_cache_memory=4 << 30,
-              enable_prefix_caching=False, dtype=dtype, quantization=quantization)
+              enable_prefix_caching=False, **variant_args(variant))
     sp = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
     t0 = time.perf_counter()
@@ -44,8 +44,10 @@ def bench_tqserve(model, prompts, out_len, threads, dtype, quantization=None):
         if llm.step():
             times.append(time.perf_counter())
     decode = (len(times) - 1) / (times[-1] - times[0])
+    a = llm.core.args
     res = {"output_tok_s": n_out / dt, "total_s": dt, "prefill_tok_s": sum(map(len, prompts)) / pdt,
-           "single_stream_decode_tok_s": decode, "weights_mib": llm.core.resident_bytes / 2**20}
+           "single_stream_decode_tok_s": decode, "weights_mib": llm.core.resident_bytes / 2**20,
+           "resolves_to": f"{a.dtype}, {a.quantization or 'dense'}, KV {a.kv_cache_dtype}"}
     llm.close()
     return res
 
@@ -117,9 +119,8 @@ def bench_model(model, args, res):
     prompts = make_prompts(tok, args.num_prompts, args.min_len, args.max_len, args.seed)
     out = res.setdefault(model, {})
     for variant in args.dtypes.split(","):
-        dtype, _, quant = variant.partition(":")
         log(f"{model} {label(variant)}: {len(prompts)} prompts ...")
-        out[label(variant)] = bench_tqserve(model, prompts, args.output_len, args.threads, dtype, quant or None)
+        out[label(variant)] = bench_tqserve(model, prompts, args.output_len, args.threads, variant)
         log(f"{model} {label(variant)}: {out[label(variant)]}")
     if args.hf_prompts:
         out["transformers"] = bench_transformers(model, prompts[:args.hf_prompts], args.output_len, args.threads,
