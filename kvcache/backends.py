@@ -6,9 +6,7 @@ backend is registered by name for one format, and a layer cache takes its
 backend from the registry by its format and its device:
 
     name            format  default on   what runs
-    dense-cpu       dense   cpu          decodes in the compiled CPU kernel, prefills as
-                                         dense-torch (dense_cpu.py)
-    dense-torch     dense   -            torch SDPA over gathered blocks (dense_cache.py)
+    dense-torch     dense   cpu          torch SDPA over gathered blocks (dense_cache.py)
     dense-triton    dense   cuda         Triton paged attention, one launch for the
                                          decodes and one for all prefills (dense_triton.py)
     tq-cpu          tq      cpu          the compiled C++ kernel (tq_cpu.py; the torch
@@ -37,10 +35,10 @@ import os
 import torch
 
 _REGISTRY: dict = {}
-_DEFAULTS = {("dense", "cpu"): "dense-cpu", ("dense", "cuda"): "dense-triton",
+_DEFAULTS = {("dense", "cpu"): "dense-torch", ("dense", "cuda"): "dense-triton",
              ("tq", "cpu"): "tq-cpu", ("tq", "cuda"): "tq-triton"}
 _FALLBACK = {"dense": "dense-torch", "tq": "tq-torch"}
-_BUILTIN = ("kvcache.dense_cache", "kvcache.dense_cpu", "kvcache.dense_triton", "kvcache.tq_cache", "kvcache.tq_cpu",
+_BUILTIN = ("kvcache.dense_cache", "kvcache.dense_triton", "kvcache.tq_cache", "kvcache.tq_cpu",
             "kvcache.tq_triton")
 
 

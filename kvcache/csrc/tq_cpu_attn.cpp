@@ -21,7 +21,7 @@
 extern "C" {
 
 struct TQComp {
-    int32_t kind;    // 0 f16, 1 int8, 2 tq, 3 bf16, 4 f32 (dense caches: kvcache/dense_cpu.py)
+    int32_t kind;    // 0 f16, 1 int8, 2 tq
     int32_t bits;
     int32_t group;   // values per scale (tq); head_dim for int8
     int32_t pad;
@@ -103,18 +103,6 @@ struct Decoder {
         if (c.kind == 0) {
             const uint16_t* x = (const uint16_t*)c.data + slot * c.d_slot + h * c.d_head;
             for (int d = 0; d < DD; d++) out[d] = h2f(x[d]);
-            return;
-        }
-        if (c.kind == 3) {   // bf16: the high half of a float
-            const uint16_t* x = (const uint16_t*)c.data + slot * c.d_slot + h * c.d_head;
-            for (int d = 0; d < DD; d++) {
-                const uint32_t u = (uint32_t)x[d] << 16;
-                std::memcpy(out + d, &u, 4);
-            }
-            return;
-        }
-        if (c.kind == 4) {
-            std::memcpy(out, (const float*)c.data + slot * c.d_slot + h * c.d_head, DD * sizeof(float));
             return;
         }
         const uint16_t* sc = c.scale + slot * c.s_slot + h * c.s_head;
