@@ -117,6 +117,9 @@ class GGUFBlocks(QuantMethod):
         if cols != self.k or offset + rows > self.n:
             raise ValueError(f"shape mismatch: rows {offset}..{offset + rows} x {cols} do not fit "
                              f"[{self.n}, {self.k}]")
+        if fmt and tuple(data.shape) != (rows, gguf.row_bytes(fmt, cols)):
+            raise ValueError(f"{fmt} rows of {cols}: expected {rows} x {gguf.row_bytes(fmt, cols)} bytes, "
+                             f"got {tuple(data.shape)}")
         self.shards[shard_id] = Shard(offset, rows, fmt, data.to(device).contiguous())
         # Kept in row order, so a forward walks them as they are.
         self.shards = dict(sorted(self.shards.items(), key=lambda kv: kv[1].offset))
@@ -145,15 +148,15 @@ class GGUFBlocks(QuantMethod):
             return torch.cat([gguf.matmul(x, s.data, s.fmt, self.k) if s.fmt else F.linear(x, s.data.to(x.dtype))
                               for s in shards], dim=-1)
         x2 = x.reshape(-1, self.k)
-        if x2.shape[0] <= gguf_cpu.GEMV_MAX_M and x.device.type == "cpu" and gguf_cpu.reason(x.dtype) is None:
-            # A few rows (decode): the compiled fused GEMV per shard, into its columns of y.
-            if len(self.shards) == 1 and (s := next(iter(shards))).fmt and s.rows == self.n:
-                return gguf_cpu.gemv(x2, s.data, s.fmt, self.k).view(*x.shape[:-1], self.n)
+        if 0 < x2.shape[0] <= gguf_cpu.GEMV_MAX_M and x.device.type == "cpu" and gguf_cpu.reason(x.dtype) is None:
+            # A few rows (decode): the compiled fused GEMV per shard, into its columns of y
+            # (the shards' shapes were checked at load).
             y = torch.empty(x2.shape[0], self.n, dtype=x.dtype)
+            whole = len(self.shards) == 1
             for s in shards:
-                cols = y[:, s.offset:s.offset + s.rows]
+                cols = y if whole else y[:, s.offset:s.offset + s.rows]
                 if s.fmt:
-                    gguf_cpu.gemv(x2, s.data, s.fmt, self.k, out=cols)
+                    gguf_cpu.gemv_checked(x2, s.data, gguf_cpu.type_id(s.fmt), self.k, cols)
                 else:
                     cols.copy_(F.linear(x2, s.data.to(x.dtype)))
             return y.view(*x.shape[:-1], self.n)

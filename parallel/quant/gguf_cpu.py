@@ -87,10 +87,16 @@ def reason(dtype: torch.dtype = torch.float32) -> str | None:
     return None if err is None else err
 
 
-def _check(raw: torch.Tensor, qtype: str, k: int) -> int:
+def type_id(qtype: str) -> int:
+    """ggml's id of a type the kernel decodes (ValueError otherwise)."""
     if qtype not in _TYPES:
         raise ValueError(f"unsupported GGUF type {qtype!r}")
-    g, block, size = _TYPES[qtype]
+    return _TYPES[qtype][0]
+
+
+def _check(raw: torch.Tensor, qtype: str, k: int) -> int:
+    g = type_id(qtype)
+    _, block, size = _TYPES[qtype]
     if k <= 0 or k % block:
         raise ValueError(f"{qtype}: row length {k} is not a positive multiple of the block ({block})")
     if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != k // block * size \
@@ -136,6 +142,15 @@ def gemv(x: torch.Tensor, raw: torch.Tensor, qtype: str, k: int, out: torch.Tens
                          f"{out.dtype} {tuple(out.shape)} strides {out.stride()}")
     if m == 0 or n == 0:
         return out
+    return gemv_checked(x, raw, g, k, out)
+
+
+def gemv_checked(x: torch.Tensor, raw: torch.Tensor, g: int, k: int, out: torch.Tensor) -> torch.Tensor:
+    """gemv past its argument checks, for a caller that made them once
+    (GGUFBlocks at load: raw's type id g, its shape; out [M, N] as gemv's):
+    a decode step runs ~120 of these, and the checks cost as much as a
+    small layer's kernel."""
+    m, n = x.shape[0], raw.shape[0]
     if x.dtype == out.dtype == torch.bfloat16:
         xb = x if x.stride(1) == 1 else x.contiguous()
         rc = _lib().gguf_gemv_bf16(xb.data_ptr(), xb.stride(0), m, raw.data_ptr(), raw.stride(0), n, g, k,
