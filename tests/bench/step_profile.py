@@ -24,8 +24,9 @@ from bench_paths import OUT, log, machine, make_prompts, variant_args  # puts th
 # The compiled CPU kernels are called through ctypes, not as torch ops: the
 # profiler would count them as host time. Each call gets a record_function
 # range here (bench only), so their time counts as op time.
-KERNELS = [("parallel.quant.gguf_cpu", "gemv"), ("parallel.quant.gguf_cpu", "dequantize_into"),
-           ("kvcache.tq_cpu", "attend"), ("kvcache.tq_cpu", "attend_passes")]
+KERNELS = [("parallel.quant.gguf_cpu", "gemv"), ("parallel.quant.gguf_cpu", "gemv_checked"),
+           ("parallel.quant.gguf_cpu", "dequantize_into"), ("kvcache.tq_cpu", "attend"),
+           ("kvcache.tq_cpu", "attend_passes")]
 
 
 def label_kernels():
