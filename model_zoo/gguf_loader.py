@@ -19,8 +19,20 @@ and is undone here (as transformers' modeling_gguf_pytorch_utils does):
   attn_gate (z); Qwen3.5, when value heads outnumber key heads, has its value
   heads reordered from grouped by key head to tiled (v0 of every key head,
   then v1, ...) in in_proj_qkv's v rows, in_proj_z, in_proj_b/a, A_log,
-  dt_bias, the conv1d v channels and out_proj's columns; its MTP block is
-  appended as extra blocks (nextn_predict_layers), which are not loaded;
+  dt_bias, the conv1d v channels and out_proj's columns;
+- qwen35 / qwen35moe MTP head (_Qwen35MtpMixin): with
+  `<arch>.nextn_predict_layers` 1 the block count includes it, as block
+  N = the main layers' count; its decoder layer `mtp.layers.0.*` is written
+  as `model.layers.N.*` (so blk.N.attn_q ... like a main full-attention
+  layer, same transforms), and mtp.fc / pre_fc_norm_embedding /
+  pre_fc_norm_hidden / norm as blk.N.nextn.eh_proj / enorm / hnorm /
+  shared_head_norm. eh_proj keeps fc's [embedding, hidden] input order (no
+  transform); the three norms' converter-side names (model.layers.N.enorm /
+  hnorm / shared_head.norm.weight) end in `norm.weight`, so like every
+  (1 + w) norm they are stored as w+1. Loaded back as `mtp.*`, with mtp_num_hidden_layers 1 and
+  num_hidden_layers excluding the block (llama.cpp's Qwen3NextModel writes
+  no MTP block for qwen3next; one there would load the same way). More
+  than one nextn layer is not supported: those blocks are skipped;
 - gemma4 (Gemma4Model): norms as they are (w, not w+1); router.scale stored
   as ffn_gate_inp.scale, router.per_expert_scale as ffn_down_exps.scale,
   layer_scalar as layer_output_scale.weight; the full layers' proportional
@@ -163,9 +175,26 @@ def _gemma4_layer_params(config: dict, i: int) -> list[str]:
     return p
 
 
+# The MTP head's own tensors: HF name -> llama.cpp's NEXTN tensor (_Qwen35MtpMixin's remapper).
+_MTP_NEXTN = {"mtp.fc.weight": gguf.MODEL_TENSOR.NEXTN_EH_PROJ,
+              "mtp.pre_fc_norm_embedding.weight": gguf.MODEL_TENSOR.NEXTN_ENORM,
+              "mtp.pre_fc_norm_hidden.weight": gguf.MODEL_TENSOR.NEXTN_HNORM,
+              "mtp.norm.weight": gguf.MODEL_TENSOR.NEXTN_SHARED_HEAD_NORM}
+
+_MTP_PRE_FC_NORMS = ("mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight")
+
+
+def _mtp_param_names(arch: str, config: dict) -> list[str]:
+    """The MTP head's HF names (mtp_num_hidden_layers 1): its full-attention layer and its own tensors."""
+    if not config.get("mtp_num_hidden_layers"):
+        return []
+    full = dict(config, layer_types=["full_attention"])
+    return list(_MTP_NEXTN) + [f"mtp.layers.0.{p}" for p in _qwen_layer_params(arch, full, 0)]
+
+
 def hf_param_names(arch: str, config: dict) -> list[str]:
-    """Every parameter name the HF model for `arch` has (lm_head included);
-    routed experts as one stacked name per projection."""
+    """Every parameter name the HF model for `arch` has (lm_head and an MTP
+    head included); routed experts as one stacked name per projection."""
     names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
     if arch == "gemma4" and config["hidden_size_per_layer_input"]:
         names += ["model.embed_tokens_per_layer.weight", "model.per_layer_model_projection.weight",
@@ -178,7 +207,7 @@ def hf_param_names(arch: str, config: dict) -> list[str]:
         else:
             per_layer = _LAYER_PARAMS["base"] + _LAYER_PARAMS.get(arch, []) + _MLP.get(arch, _MLP["dense"])
         names += [f"model.layers.{i}.{p}" for p in per_layer]
-    return names
+    return names + (_mtp_param_names(arch, config) if arch in HYBRID_QWEN else [])
 
 
 def gguf_to_hf_names(arch: str, config: dict) -> dict[str, str]:
@@ -187,10 +216,16 @@ def gguf_to_hf_names(arch: str, config: dict) -> dict[str, str]:
     arch_enum = next((k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), None)
     if arch_enum is None:
         raise ModelLoadError(f"gguf package does not know architecture {arch!r}")
-    name_map = gguf.get_tensor_name_map(arch_enum, config["num_hidden_layers"])
+    n_mtp = int(config.get("mtp_num_hidden_layers", 0))
+    name_map = gguf.get_tensor_name_map(arch_enum, config["num_hidden_layers"] + n_mtp)
     out = {}
     for hf_name in hf_param_names(arch, config):
-        prefix, _, rest = hf_name.partition(".layers.")
+        if hf_name in _MTP_NEXTN:
+            out[gguf.TENSOR_NAMES[_MTP_NEXTN[hf_name]].format(bid=config["num_hidden_layers"]) + ".weight"] = hf_name
+            continue
+        # the MTP layer is mapped as the converter names it: the block after the main layers
+        mapped = hf_name.replace("mtp.layers.0.", f"model.layers.{config['num_hidden_layers']}.", 1)
+        prefix, _, rest = mapped.partition(".layers.")
         bid, _, sub = rest.partition(".")
         if sub in _SPLIT:
             for part in _SPLIT[sub]:
@@ -199,9 +234,9 @@ def gguf_to_hf_names(arch: str, config: dict) -> dict[str, str]:
         if sub in _RENAMED:
             stem, suffix = f"{prefix}.layers.{bid}.{_RENAMED[sub][0]}", _RENAMED[sub][1]
         else:
-            stem, suffix = hf_name.rsplit(".", 1)
+            stem, suffix = mapped.rsplit(".", 1)
             suffix = "." + suffix
-        stacked = _STACKED_EXPERTS.match(hf_name)
+        stacked = _STACKED_EXPERTS.match(mapped)
         gguf_stem = name_map.get_name(stem)
         if gguf_stem is not None:
             out[gguf_stem + suffix] = hf_name
@@ -210,7 +245,7 @@ def gguf_to_hf_names(arch: str, config: dict) -> dict[str, str]:
         if stacked and stacked[2] == "gate_proj":
             fused = name_map.get_name(f"{stacked[1]}.gate_up_proj")
             if fused is not None:
-                out[f"{fused}.weight"] = f"{stacked[1]}.gate_up_proj.weight"
+                out[f"{fused}.weight"] = hf_name.replace(".gate_proj.weight", ".gate_up_proj.weight")
     return out
 
 
@@ -247,7 +282,9 @@ def _qwen_undo(arch: str, config: dict):
 
     def undo(hf: str, a: np.ndarray) -> np.ndarray:
         if ".linear_attn." not in hf:
-            if hf.endswith("norm.weight"):
+            # the MTP head's pre-fc norms too: the converter adds 1 under their GGUF-bound
+            # names (model.layers.N.enorm / hnorm.weight), which end in norm.weight
+            if hf.endswith("norm.weight") or hf in _MTP_PRE_FC_NORMS:
                 return a - np.float32(1.0)
             if hf.endswith("shared_expert_gate.weight"):
                 return a.reshape(1, -1)     # [1, H]; older converters squeezed it to [H]
@@ -383,7 +420,8 @@ def build_config(meta: dict, tensors: dict, path: Path) -> dict:
 def _qwen_hybrid_config(meta: dict, tensors: dict, config: dict, need) -> dict:
     arch = meta["general.architecture"]
     # The MTP block(s) are appended after the main layers (Qwen3.5's converter).
-    layers = config["num_hidden_layers"] - int(_meta_get(meta, arch, "nextn_predict_layers", 0))
+    n_mtp = int(_meta_get(meta, arch, "nextn_predict_layers", 0))
+    layers = config["num_hidden_layers"] - n_mtp
     # llama.cpp: linear attention except every full_attention_interval-th layer, 4 when unstated
     every = int(_meta_get(meta, arch, "full_attention_interval", 4))
     nv = int(need("ssm.time_step_rank"))
@@ -404,6 +442,8 @@ def _qwen_hybrid_config(meta: dict, tensors: dict, config: dict, need) -> dict:
         partial_rotary_factor=rope["partial_rotary_factor"],
         rope_parameters=rope,
     )
+    if n_mtp == 1:      # the head the model code loads (`mtp.*`); more nextn layers are skipped
+        out["mtp_num_hidden_layers"] = 1
     if arch in MOE_ARCHS:
         shared = (_meta_get(meta, arch, "expert_shared_feed_forward_length")
                   or _rows(tensors, "blk.0.ffn_up_shexp.weight"))
@@ -570,12 +610,13 @@ def open_gguf(path: str | Path) -> ModelSource:
     to_hf = gguf_to_hf_names(arch, config)
 
     plan: dict[str, list] = {}  # hf name -> its GGUF tensor(s), in file order
-    skipped = []                # Qwen3.5's MTP block(s): the blocks after the main layers
+    skipped = []                # MTP blocks past the one loaded as `mtp.*` (nextn_predict_layers > 1)
+    first_skipped = layers + int(config.get("mtp_num_hidden_layers", 0))
     for name, t in tensors.items():
         hf = to_hf.get(name)
         if hf is None:
             m = re.match(r"blk\.(\d+)\.", name)
-            if arch in HYBRID_QWEN and m and int(m[1]) >= layers:
+            if arch in HYBRID_QWEN and m and int(m[1]) >= first_skipped:
                 skipped.append(name)
                 continue
             if arch == "gemma4" and name == "rope_freqs.weight":
@@ -588,8 +629,9 @@ def open_gguf(path: str | Path) -> ModelSource:
             )
         plan.setdefault(hf, []).append(t)
     if skipped:
-        log.info("%s: %d tensors of the MTP block (nextn_predict_layers) not loaded: speculative decoding with "
-                 "the MTP head is not supported", path.name, len(skipped))
+        log.info("%s: %d tensors of %d MTP blocks (nextn_predict_layers) not loaded: only a single MTP "
+                 "block is supported", path.name, len(skipped),
+                 int(_meta_get(meta, arch, "nextn_predict_layers", 0)))
     wanted = Counter(to_hf.values())    # GGUF tensors per HF name: 2 for a split one
     present = {hf for hf, ts in plan.items() if len(ts) == wanted[hf]}
     for hf in list(present):    # fused gate and up experts stand for the two, and the two for them

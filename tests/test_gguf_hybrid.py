@@ -100,16 +100,28 @@ def tile_v_heads(a: np.ndarray, axis: int, nk: int, head_dim: int) -> np.ndarray
     return np.moveaxis(a, 0, axis)
 
 
-def write_qwen(path, hf, arch: str, qtype: str, fused: bool = False, mtp: bool = False, edit=None) -> None:
+# The MTP head's own tensors as _Qwen35MtpMixin renames them before mapping (then
+# model.layers.N.eh_proj -> blk.N.nextn.eh_proj, ...); its layer mtp.layers.0.* is model.layers.N.*.
+MTP_RENAMED = {"mtp.fc": "eh_proj", "mtp.pre_fc_norm_embedding": "enorm", "mtp.pre_fc_norm_hidden": "hnorm",
+               "mtp.norm": "shared_head.norm"}
+NEXTN = {"eh_proj": "NEXTN_EH_PROJ", "enorm": "NEXTN_ENORM", "hnorm": "NEXTN_HNORM",
+         "shared_head.norm": "NEXTN_SHARED_HEAD_NORM"}
+
+
+def write_qwen(path, hf, arch: str, qtype: str, fused: bool = False, mtp=False, edit=None) -> None:
     """mtp: append an MTP block as Qwen3.5's converter does (one more block,
-    nextn_predict_layers 1): here a copy of the last layer plus the nextn tensors."""
+    nextn_predict_layers 1): True: a copy of the last layer plus nextn tensors of
+    ones; a dict: that `mtp.*` state dict, converted as _Qwen35MtpMixin does
+    (the layer as block N with every transform of a main layer, fc as eh_proj
+    unchanged, the (1 + w) norms stored as w + 1)."""
     c = hf.config
-    names = gguf.get_tensor_name_map(ARCH[arch], c.num_hidden_layers)
+    n = c.num_hidden_layers
+    names = gguf.get_tensor_name_map(ARCH[arch], n + bool(mtp))
     nk, nv = c.linear_num_key_heads, c.linear_num_value_heads
     dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
     rope = c.rope_parameters
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(c.num_hidden_layers + mtp)
+    w.add_block_count(n + bool(mtp))
     if mtp:
         w.add_nextn_predict_layers(1)
     w.add_context_length(512)
@@ -144,7 +156,14 @@ def write_qwen(path, hf, arch: str, qtype: str, fused: bool = False, mtp: bool =
         stem, suffix = hf_name.rsplit(".", 1)
         out[f"{names.get_name(stem)}.{suffix}"] = a
 
-    for k, v in hf.state_dict().items():
+    state = list(hf.state_dict().items())
+    if isinstance(mtp, dict):
+        for k, v in mtp.items():
+            stem, suffix = k.rsplit(".", 1)
+            k = f"model.layers.{n}.{MTP_RENAMED[stem]}.{suffix}" if stem in MTP_RENAMED else \
+                k.replace("mtp.layers.0.", f"model.layers.{n}.")
+            state.append((k, v))
+    for k, v in state:
         a = v.detach().float().numpy()
         leaf = k.split(".linear_attn.")[-1]
         if arch != "qwen3next" and nk != nv and ".linear_attn." in k:   # Qwen3.5: value heads tiled
@@ -180,10 +199,14 @@ def write_qwen(path, hf, arch: str, qtype: str, fused: bool = False, mtp: bool =
                 put(k.replace("gate_up_proj", "up_proj.weight"), u)
         elif k.endswith("experts.down_proj"):
             put(k + ".weight", a)
+        elif k.startswith(f"model.layers.{n}.") and k.rsplit(".", 1)[0].split(".", 3)[3] in NEXTN:
+            stem, suffix = k.rsplit(".", 1)         # not in this gguf package's qwen35 tensor map
+            out[gguf.TENSOR_NAMES[getattr(gguf.MODEL_TENSOR, NEXTN[stem.split(".", 3)[3]])].format(bid=n)
+                + "." + suffix] = a
         else:
             put(k, a)
-    if mtp:
-        last, n = f"blk.{c.num_hidden_layers - 1}.", c.num_hidden_layers
+    if mtp is True:
+        last = f"blk.{n - 1}."
         out.update({f"blk.{n}." + k[len(last):]: a for k, a in list(out.items()) if k.startswith(last)})
         for t in ("NEXTN_EH_PROJ", "NEXTN_ENORM", "NEXTN_HNORM", "NEXTN_SHARED_HEAD_NORM"):
             shape = (c.hidden_size, 2 * c.hidden_size) if t == "NEXTN_EH_PROJ" else (c.hidden_size,)
@@ -271,7 +294,7 @@ def check_against_transformers(src, hf, what: str) -> None:
     assert d < TOL, f"{what}: max |logit diff| {d:.2e} >= {TOL}"
 
 
-# qwen35 with an MTP block appended (not loaded: the main layers' logits are the model's).
+# qwen35 with an MTP block appended (loaded as the model's `mtp.*`, which the main logits do not use).
 @pytest.mark.parametrize("arch,fused,mtp", [("qwen3next", False, False), ("qwen35", False, True),
                                             ("qwen35moe", False, False), ("qwen35moe", True, False)])
 def test_qwen_f32_file_matches_transformers(arch, fused, mtp, tmp_path):
@@ -288,6 +311,70 @@ def test_qwen_f32_file_matches_transformers(arch, fused, mtp, tmp_path):
     assert c["model_type"] == h.model_type and c["partial_rotary_factor"] == 0.25
     assert not src.stored       # these models cannot keep GGUF rows: the file loads dequantized
     check_against_transformers(src, hf, f"{arch}{' fused experts' if fused else ''} gguf F32")
+
+
+def mtp_head(hf, seed: int = 1) -> dict:
+    """A random `mtp.*` state dict named as released checkpoints name it (test_hybrid_mtp's
+    add_mtp_head): the model's last full-attention layer as mtp.layers.0, fc [H, 2H] and
+    three norms. Norm weights on a 1/256 grid, so w + 1 - 1 is w exactly in fp32."""
+    cfg, H = hf.config, hf.config.hidden_size
+    torch.manual_seed(seed)
+    full = max(i for i, t in enumerate(cfg.layer_types) if t == F)
+    layer = type(hf.model.layers[full])(cfg, full).float()
+    sd = {f"mtp.layers.0.{k}": v.detach() * 3 for k, v in layer.state_dict().items()}
+    sd["mtp.fc.weight"] = torch.randn(H, 2 * H) * (2 * H) ** -0.5 * 2
+    for n in ("norm", "pre_fc_norm_embedding", "pre_fc_norm_hidden"):
+        sd[f"mtp.{n}.weight"] = torch.randn(H) * 0.2
+    return {k: (torch.round(v * 256) / 256 if "norm" in k else v).contiguous() for k, v in sd.items()}
+
+
+def as_loaded(sd: dict) -> dict:
+    """HF state-dict names as the loader yields them: stacked experts one per expert."""
+    out = {}
+    for k, v in sd.items():
+        if k.endswith("experts.gate_up_proj"):
+            for e, (g, u) in enumerate(zip(*torch.chunk(v, 2, dim=1))):
+                out[k.replace("gate_up_proj", f"{e}.gate_proj.weight")] = g
+                out[k.replace("gate_up_proj", f"{e}.up_proj.weight")] = u
+        elif k.endswith("experts.down_proj"):
+            for e, d in enumerate(v):
+                out[k.replace("down_proj", f"{e}.down_proj.weight")] = d
+        else:
+            out[k] = v
+    return out
+
+
+@pytest.mark.parametrize("arch", ["qwen35", "qwen35moe"])
+def test_qwen35_mtp_block_loads_as_the_mtp_head(arch, tmp_path):
+    """The MTP block _Qwen35MtpMixin appends (blk.N, nextn_predict_layers 1) comes back
+    as the `mtp.*` tensors it was written from, exactly, with mtp_num_hidden_layers 1 and
+    the main layers' count; the engine drafts with it, tokens as without speculation."""
+    hf = qwen_hf(arch)
+    sd = mtp_head(hf)
+    path = tmp_path / f"tiny-{arch}-mtp.gguf"
+    write_qwen(path, hf, arch, "F32", mtp=sd)
+    src = open_gguf(path)
+    assert src.config["mtp_num_hidden_layers"] == 1
+    assert src.config["num_hidden_layers"] == hf.config.num_hidden_layers == len(src.config["layer_types"])
+    got = {k: v for k, v in src.weights() if k.startswith("mtp.")}
+    want = as_loaded(sd)
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert torch.equal(got[k], v.float()), k
+    if arch != "qwen35":
+        return      # the engine run once, on the dense model
+    args = dict(dtype="float32", quantization="none", block_size=4, kv_cache_memory=4 << 20, max_model_len=128,
+                max_num_seqs=2)
+    spec = LLM(str(path), speculative_config={"method": "mtp", "num_speculative_tokens": 2}, **args)
+    assert spec.core.model.mtp_loaded
+    vocab = src.config["vocab_size"]
+    prompts = [[int(t) for t in torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(n))]
+               for n in (7, 13)]
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    ref = LLM(str(path), **args).generate(prompts, sp)
+    out = spec.generate(prompts, sp)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
+    assert spec.core.get_stats().spec_decode_num_draft_tokens_total > 0
 
 
 @pytest.mark.parametrize("key", list(GEMMA4))
