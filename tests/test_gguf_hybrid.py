@@ -18,6 +18,7 @@ from fixtures_models import write_tiny_gguf
 from test_gemma4 import CONFIGS as GEMMA4_CONFIGS
 from test_gemma4 import make_hf as make_gemma4
 from test_model_parity import assert_close
+from test_hybrid_mtp import mtp_state_dict
 from test_qwen3_next import FLAVOURS, make_hf
 
 from engine import LLM, SamplingParams
@@ -314,17 +315,9 @@ def test_qwen_f32_file_matches_transformers(arch, fused, mtp, tmp_path):
 
 
 def mtp_head(hf, seed: int = 1) -> dict:
-    """A random `mtp.*` state dict named as released checkpoints name it (test_hybrid_mtp's
-    add_mtp_head): the model's last full-attention layer as mtp.layers.0, fc [H, 2H] and
-    three norms. Norm weights on a 1/256 grid, so w + 1 - 1 is w exactly in fp32."""
-    cfg, H = hf.config, hf.config.hidden_size
-    torch.manual_seed(seed)
-    full = max(i for i, t in enumerate(cfg.layer_types) if t == F)
-    layer = type(hf.model.layers[full])(cfg, full).float()
-    sd = {f"mtp.layers.0.{k}": v.detach() * 3 for k, v in layer.state_dict().items()}
-    sd["mtp.fc.weight"] = torch.randn(H, 2 * H) * (2 * H) ** -0.5 * 2
-    for n in ("norm", "pre_fc_norm_embedding", "pre_fc_norm_hidden"):
-        sd[f"mtp.{n}.weight"] = torch.randn(H) * 0.2
+    """test_hybrid_mtp's random `mtp.*` state dict, norm weights on a 1/256 grid
+    (so w + 1 - 1 is w exactly in fp32)."""
+    sd = mtp_state_dict(hf, seed)
     return {k: (torch.round(v * 256) / 256 if "norm" in k else v).contiguous() for k, v in sd.items()}
 
 

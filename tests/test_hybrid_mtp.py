@@ -18,17 +18,29 @@ from engine import LLM, SamplingParams
 MTP = {"method": "mtp", "num_speculative_tokens": 3}
 
 
-def add_mtp_head(path, hf, seed=1) -> dict:
-    """Random MTP tensors, named as the released checkpoints name them, into
-    path's model.safetensors and mtp_num_hidden_layers 1 into its config."""
+def mtp_state_dict(hf, seed=1) -> dict:
+    """Random MTP tensors named as the released checkpoints name them: the
+    model's (routed, where it routes) full-attention layer as mtp.layers.0,
+    fc [H, 2H] and three (1 + w) norms. Every value is drawn here: a layer
+    built outside its model holds uninitialised experts."""
     cfg, H = hf.config, hf.config.hidden_size
     torch.manual_seed(seed)
     full = last_full_layer(cfg)
     layer = type(hf.model.layers[full])(cfg, full).float()
-    sd = {f"mtp.layers.0.{k}": v * 3 for k, v in layer.state_dict().items()}
+    sd = {}
+    for k, v in layer.state_dict().items():
+        scale = 0.2 if "norm" in k else 3 * v.shape[-1] ** -0.5
+        sd[f"mtp.layers.0.{k}"] = torch.randn(v.shape) * scale
     sd["mtp.fc.weight"] = torch.randn(H, 2 * H) * (2 * H) ** -0.5 * 2
     for n in ("norm", "pre_fc_norm_embedding", "pre_fc_norm_hidden"):
         sd[f"mtp.{n}.weight"] = torch.randn(H) * 0.2
+    return sd
+
+
+def add_mtp_head(path, hf, seed=1) -> dict:
+    """mtp_state_dict's tensors into path's model.safetensors and
+    mtp_num_hidden_layers 1 into its config."""
+    sd = mtp_state_dict(hf, seed)
     w = load_file(path / "model.safetensors")
     w.update({k: v.contiguous() for k, v in sd.items()})
     save_file(w, path / "model.safetensors", metadata={"format": "pt"})
