@@ -12,10 +12,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model_zoo import cpu_ops
 from model_zoo.fused_moe import EXPERT_PARTS
 
 
-class RMSNorm(nn.Module):
+class CpuOp(nn.Module):
+    """A layer with a compiled CPU form (model_zoo/cpu_ops.py) next to its
+    torch form: forward_cpu for the tensors the kernels serve (CPU fp32 /
+    bf16), forward_native, the reference, for everything else."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_cpu(x) if cpu_ops.runs(x) else self.forward_native(x)
+
+
+class RMSNorm(CpuOp):
     """Llama/Qwen RMSNorm: normalise in fp32, cast back, then scale by w."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
@@ -26,13 +36,16 @@ class RMSNorm(nn.Module):
     def init_dummy(self, generator, low, high):
         self.weight.fill_(1.0)    # identity scale (models.init_dummy_weights)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_ops.rms_norm(x, self.weight, self.eps)
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
 
-class GemmaRMSNorm(nn.Module):
+class GemmaRMSNorm(CpuOp):
     """Gemma RMSNorm: scale by (1 + w), all in fp32, cast back at the end.
 
     The stored weight is the offset from 1 (HF checkpoints; GGUF stores w + 1).
@@ -46,7 +59,10 @@ class GemmaRMSNorm(nn.Module):
     def init_dummy(self, generator, low, high):
         self.weight.zero_()       # identity scale 1 + 0 (models.init_dummy_weights)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_ops.rms_norm(x, self.weight, self.eps, gemma=True)
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * (1.0 + self.weight.float())).to(x.dtype)
@@ -57,18 +73,24 @@ def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
     return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
-class SiluAndMul(nn.Module):
+class SiluAndMul(CpuOp):
     """[..., 2n] (gate, up) -> silu(gate) * up."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_ops.act_and_mul(x, cpu_ops.SILU)
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
 
-class GeluAndMul(nn.Module):
+class GeluAndMul(CpuOp):
     """[..., 2n] (gate, up) -> gelu_tanh(gate) * up (Gemma's gelu_pytorch_tanh)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_ops.act_and_mul(x, cpu_ops.GELU_TANH)
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
 
@@ -163,6 +185,8 @@ class RotaryEmbedding(nn.Module):
 
     def _rotate(self, x, cos, sin):
         # rotate_half(x) * sin == roll(x, D/2) * [-sin, sin]: the same products, fewer ops.
+        if cpu_ops.runs(x):
+            return cpu_ops.rope(x, self.head_dim, cos, sin)
         T = x.shape[0]
         x = x.view(T, -1, self.head_dim)
         return (x * cos + x.roll(self.head_dim // 2, -1) * sin).view(T, -1)
