@@ -6,7 +6,9 @@ backend is registered by name for one format, and a layer cache takes its
 backend from the registry by its format and its device:
 
     name            format  default on   what runs
-    dense-torch     dense   cpu          torch SDPA over gathered blocks (dense_cache.py)
+    dense-cpu       dense   cpu          the compiled C++ decode kernel over the cache rows
+                                         in place (dense_cpu.py); prefill as dense-torch
+    dense-torch     dense   -            torch SDPA over gathered blocks (dense_cache.py)
     dense-triton    dense   cuda         Triton paged attention, one launch for the
                                          decodes and one for all prefills (dense_triton.py)
     tq-cpu          tq      cpu          the compiled C++ kernel (tq_cpu.py; the torch
@@ -19,7 +21,8 @@ first: an explicit name (DenseLayerCache(backend=...), `cache.backend =
 name`); TQSERVE_ATTN_BACKEND, a comma-separated list of names, each applying
 to its own format (e.g. `dense-torch` to run SDPA on CUDA). TQSERVE_TQ_CPU=torch
 stays what it was: tq-cpu reads it at every call and then runs tq-torch's
-code.
+code; TQSERVE_DENSE_CPU=torch likewise makes dense-cpu run dense-torch's
+attention (read at each step).
 
 A backend is stateless (one shared instance per name): everything per step
 comes in the AttentionMetadata, everything per layer in the cache. The
@@ -35,11 +38,11 @@ import os
 import torch
 
 _REGISTRY: dict = {}
-_DEFAULTS = {("dense", "cpu"): "dense-torch", ("dense", "cuda"): "dense-triton",
+_DEFAULTS = {("dense", "cpu"): "dense-cpu", ("dense", "cuda"): "dense-triton",
              ("tq", "cpu"): "tq-cpu", ("tq", "cuda"): "tq-triton"}
 _FALLBACK = {"dense": "dense-torch", "tq": "tq-torch"}
-_BUILTIN = ("kvcache.dense_cache", "kvcache.dense_triton", "kvcache.tq_cache", "kvcache.tq_cpu",
-            "kvcache.tq_triton")
+_BUILTIN = ("kvcache.dense_cache", "kvcache.dense_cpu", "kvcache.dense_triton", "kvcache.tq_cache",
+            "kvcache.tq_cpu", "kvcache.tq_triton")
 
 
 class AttentionBackend:
@@ -73,6 +76,12 @@ class AttentionBackend:
 
     def decode(self, cache, q, block_tables, seq_lens, scale, *extra_tables):
         raise NotImplementedError
+
+    def store(self, cache, slot_mapping, k, v) -> bool:
+        """Write a step's new K/V rows into cache, if this backend has a
+        faster way than the cache's own write (dense-cpu); False: it wrote
+        nothing and the cache writes them."""
+        return False
 
     def prefill(self, cache, q, block_table, seq_len, scale, *extra_tables):
         raise NotImplementedError

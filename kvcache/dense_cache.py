@@ -1,7 +1,7 @@
 """Uncompressed (f32 / f16 / bf16) paged KV storage for one layer, and its
-torch attention backend (dense-torch: SDPA over gathered blocks, the default
-on CPU and the reference the Triton backend, dense_triton.py, is tested
-against).
+torch attention backend (dense-torch: SDPA over gathered blocks, the
+reference the compiled CPU backend, dense_cpu.py, and the Triton backend,
+dense_triton.py, are tested against).
 
 This is the reference format: TurboQuant formats keep the same interface
 (write / attention / nbytes) so the pool never changes shape for them.
@@ -43,6 +43,10 @@ class DenseLayerCache(LayerCache):
         return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
 
     def write(self, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        # A backend with a store of its own (dense-cpu: both in one compiled
+        # call, bitwise the same) writes them; it returns False when it cannot.
+        if self.backend.store(self, slot_mapping, k, v):
+            return
         self.k.index_copy_(0, slot_mapping, k.to(self.k.dtype))
         self.v.index_copy_(0, slot_mapping, v.to(self.v.dtype))
 

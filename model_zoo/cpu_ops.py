@@ -62,8 +62,10 @@ ENABLED = os.environ.get("TQSERVE_CPU_OPS", "kernel").lower() != "torch"
 
 def runs(x: torch.Tensor) -> bool:
     """Whether the kernels serve x: a CPU fp32 / bf16 tensor with unit last
-    stride, the kernel built, ENABLED."""
-    return ENABLED and x.is_cpu and x.dtype in _DTYPES and x.stride(-1) == 1 and _lib() is not None
+    stride that autograd does not track (KV calibration differentiates
+    through the layers: the kernels have no backward), the kernel built, ENABLED."""
+    return (ENABLED and x.is_cpu and x.dtype in _DTYPES and not x.requires_grad and x.stride(-1) == 1
+            and _lib() is not None)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = False) -> torch.Tensor:

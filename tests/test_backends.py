@@ -24,9 +24,9 @@ from tq_paged import paged_cache
 
 def test_defaults_by_format_and_device(monkeypatch):
     monkeypatch.delenv("TQSERVE_ATTN_BACKEND", raising=False)
-    assert backend_names("dense") == ["dense-torch", "dense-triton"]
+    assert backend_names("dense") == ["dense-cpu", "dense-torch", "dense-triton"]
     assert backend_names("tq") == ["tq-cpu", "tq-torch", "tq-triton"]
-    want = {("dense", "cpu"): "dense-torch", ("dense", "cuda"): "dense-triton", ("dense", "meta"): "dense-torch",
+    want = {("dense", "cpu"): "dense-cpu", ("dense", "cuda"): "dense-triton", ("dense", "meta"): "dense-torch",
             ("tq", "cpu"): "tq-cpu", ("tq", "cuda:1"): "tq-triton", ("tq", "mps"): "tq-torch"}
     for (fmt, dev), name in want.items():
         b = backend_for(fmt, dev)
@@ -50,7 +50,7 @@ def test_overrides(monkeypatch):
 def test_caches_take_their_backend(monkeypatch):
     monkeypatch.delenv("TQSERVE_ATTN_BACKEND", raising=False)
     c = DenseLayerCache(4, 16, 1, 64, torch.float32, 0)
-    assert c.backend.name == "dense-torch"
+    assert c.backend.name == "dense-cpu"
     assert DenseLayerCache(4, 16, 1, 64, torch.float32, 0, backend="dense-triton").backend.name == "dense-triton"
     t, _ = paged_cache(tq(4), tq(3), 1, 64, [20])
     assert t.backend.name == "tq-cpu"                 # looked up on first use

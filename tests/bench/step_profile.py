@@ -26,7 +26,8 @@ from bench_paths import OUT, log, machine, make_prompts, variant_args  # puts th
 # range here (bench only), so their time counts as op time.
 KERNELS = [("parallel.quant.gguf_cpu", "gemv"), ("parallel.quant.gguf_cpu", "gemv_checked"),
            ("parallel.quant.gguf_cpu", "dequantize_into"), ("kvcache.tq_cpu", "attend"),
-           ("kvcache.tq_cpu", "attend_passes")]
+           ("kvcache.tq_cpu", "attend_passes"), ("kvcache.dense_cpu", "decode"), ("kvcache.dense_cpu", "store"),
+           ("model_zoo.cpu_ops", "rms_norm"), ("model_zoo.cpu_ops", "rope"), ("model_zoo.cpu_ops", "act_and_mul")]
 
 
 def label_kernels():
