@@ -107,6 +107,7 @@ class GGUFBlocks(QuantMethod):
     def __init__(self, out_features: int, in_features: int):
         self.n, self.k = out_features, in_features
         self.shards: dict[object, Shard] = {}
+        self._gemv: list | None = None     # _gemv_args(), built at the first decode
 
     def load(self, shard_id, offset: int, loaded, device, dtype) -> None:
         if isinstance(loaded, QuantizedTensor):
@@ -121,6 +122,7 @@ class GGUFBlocks(QuantMethod):
             raise ValueError(f"{fmt} rows of {cols}: expected {rows} x {gguf.row_bytes(fmt, cols)} bytes, "
                              f"got {tuple(data.shape)}")
         self.shards[shard_id] = Shard(offset, rows, fmt, data.to(device).contiguous())
+        self._gemv = None
         # Kept in row order, so a forward walks them as they are.
         self.shards = dict(sorted(self.shards.items(), key=lambda kv: kv[1].offset))
         if sum(s.rows for s in self.shards.values()) == self.n:
@@ -144,22 +146,26 @@ class GGUFBlocks(QuantMethod):
 
     def matmul(self, layer, x):
         shards = self.shards.values()
-        if x.device.type == "cuda":
+        if x.is_cuda:
             return torch.cat([gguf.matmul(x, s.data, s.fmt, self.k) if s.fmt else F.linear(x, s.data.to(x.dtype))
                               for s in shards], dim=-1)
-        x2 = x.reshape(-1, self.k)
-        if 0 < x2.shape[0] <= gguf_cpu.GEMV_MAX_M and x.device.type == "cpu" and gguf_cpu.reason(x.dtype) is None:
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.k)
+        m = x2.shape[0]
+        if 0 < m <= gguf_cpu.GEMV_MAX_M and x.is_cpu and gguf_cpu.reason(x.dtype) is None:
             # A few rows (decode): the compiled fused GEMV per shard, into its columns of y
-            # (the shards' shapes were checked at load).
-            y = torch.empty(x2.shape[0], self.n, dtype=x.dtype)
-            whole = len(self.shards) == 1
-            for s in shards:
-                cols = y if whole else y[:, s.offset:s.offset + s.rows]
-                if s.fmt:
-                    gguf_cpu.gemv_checked(x2, s.data, gguf_cpu.type_id(s.fmt), self.k, cols)
-                else:
-                    cols.copy_(F.linear(x2, s.data.to(x.dtype)))
-            return y.view(*x.shape[:-1], self.n)
+            # (the shards' shapes were checked at load). ~120 calls per decode step: the
+            # per-shard arguments are built once (_gemv_args).
+            y = torch.empty(m, self.n, dtype=x.dtype)
+            args = self._gemv or self._gemv_args()
+            if len(args) == 1 and args[0][1] is not None:
+                gguf_cpu.gemv_checked(x2, args[0][0], args[0][1], self.k, y)
+            else:
+                for data, g, lo, hi in args:
+                    if g is not None:
+                        gguf_cpu.gemv_checked(x2, data, g, self.k, y[:, lo:hi])
+                    else:
+                        y[:, lo:hi].copy_(F.linear(x2, data.to(x.dtype)))
+            return y if x.dim() == 2 else y.view(*x.shape[:-1], self.n)
         # More rows: the layer dequantized (compiled kernel when built, else
         # the torch reference) into the shared buffer, then F.linear.
         w = scratch(self.n * self.k, x.dtype, x.device).view(self.n, self.k)
@@ -170,6 +176,12 @@ class GGUFBlocks(QuantMethod):
             else:
                 rows.copy_(s.data)
         return F.linear(x, w)
+
+    def _gemv_args(self) -> list:
+        """[(rows, ggml type id or None for dense rows, first column, end column)] per shard."""
+        self._gemv = [(s.data, gguf_cpu.type_id(s.fmt) if s.fmt else None, s.offset, s.offset + s.rows)
+                      for s in self.shards.values()]
+        return self._gemv
 
     def embed(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` of the weight, dequantized (an embedding held as GGUF blocks)."""

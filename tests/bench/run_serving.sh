@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# One run of the serving benchmark: tqserve (fp32, bf16, bf16 + int4) and llama.cpp's
-# llama-server (same GGUF, -np 16), one after another on this machine.
+# One run of the serving benchmark: tqserve with its DEFAULT settings (`--launch-tqserve`:
+# `tqserve serve --model smollm2-135m --max-num-seqs 64 --max-queue 0`, dtype / weights / KV
+# chosen for this machine and logged at startup) and llama.cpp's llama-server (same GGUF,
+# -np 16), one after another on this machine.
 #   LLAMA_SERVER=/path/to/llama-server tests/bench/run_serving.sh [extra `tqserve bench serve` args]
-# Results: tests/bench/results/serving.{json,md}
+# e.g. `--concurrency 1 16`. Results: tests/bench/results/serving.{json,md}.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=.venv/bin/python
@@ -16,22 +18,7 @@ if [ -n "${LLAMA_SERVER:-}" ]; then
       > tests/bench/results/llama-server.log 2>&1 &
   pids+=($!)
   targets+=(--target "llama-server=http://127.0.0.1:8091/v1")
+  for _ in $(seq 120); do curl -sf http://127.0.0.1:8091/health >/dev/null && break; sleep 1; done
 fi
-.venv/bin/tqserve serve --model smollm2-135m --dtype bfloat16 --port 8092 --max-num-seqs 64 --max-queue 0 \
-    > tests/bench/results/tqserve-bf16.log 2>&1 &
-pids+=($!)
-targets+=(--target "tqserve-bf16=http://127.0.0.1:8092/v1")
-.venv/bin/tqserve serve --model smollm2-135m --dtype bfloat16 --quantization int4 --port 8093 --max-num-seqs 64 \
-    --max-queue 0 > tests/bench/results/tqserve-bf16-int4.log 2>&1 &
-pids+=($!)
-targets+=(--target "tqserve-bf16-int4=http://127.0.0.1:8093/v1")
-for _ in $(seq 120); do
-  ok=1
-  curl -sf http://127.0.0.1:8092/health >/dev/null || ok=0
-  curl -sf http://127.0.0.1:8093/health >/dev/null || ok=0
-  if [ -n "${LLAMA_SERVER:-}" ]; then curl -sf http://127.0.0.1:8091/health >/dev/null || ok=0; fi
-  [ $ok = 1 ] && break
-  sleep 1
-done
 .venv/bin/tqserve bench serve --launch-tqserve "${targets[@]}" --dataset-path tests/data/tinyshakespeare.txt \
     --tokenizer smollm2-135m --ignore-eos --out tests/bench/results/serving "$@"
