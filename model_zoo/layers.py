@@ -37,6 +37,8 @@ class RMSNorm(CpuOp):
         self.weight.fill_(1.0)    # identity scale (models.init_dummy_weights)
 
     def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.dtype != x.dtype:
+            return self.forward_native(x)       # torch promotes w * x to the wider dtype
         return cpu_ops.rms_norm(x, self.weight, self.eps)
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:

@@ -116,3 +116,5 @@ def test_dispatch():
     finally:
         cpu_ops.ENABLED = True
     assert n(torch.empty(0, 64)).shape == (0, 64)
+    # fp32 weight, bf16 activations: torch's product is fp32, and so is the layer's.
+    assert n(x.bfloat16()).dtype == torch.float32
