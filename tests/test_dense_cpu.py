@@ -19,6 +19,8 @@ from kvcache import dense_cpu
 from kvcache.backends import backend_for, get_backend
 from kvcache.dense_cache import DenseLayerCache
 from kvcache.metadata import AttentionMetadata, GroupMetadata
+from test_dense_triton import paged as dense_paged
+from test_dense_triton import poisoned
 from tq_paged import assert_close
 
 BS = 16
@@ -27,26 +29,13 @@ TORCH, CPU = get_backend("dense-torch"), get_backend("dense-cpu")
 
 
 def paged(H, D, lens, dtype=torch.float32, window=None, seed=0, backend="dense-cpu"):
-    """A dense cache holding len tokens of each sequence in shuffled blocks,
-    with its last block NaN; returns (cache, block_tables [B, W] with a spare
-    column, the block tables with every entry a sequence must not read (past
-    its length, wholly before its window) pointing at the NaN block)."""
-    g = torch.Generator().manual_seed(seed)
-    W = max(-(-L // BS) for L in lens) + 1
-    nblocks = W * len(lens) + 2
-    c = DenseLayerCache(nblocks, BS, H, D, dtype, 0, window, backend=backend)
-    bt = torch.randperm(nblocks - 1, generator=g)[:W * len(lens)].view(len(lens), W)
-    slots = torch.cat([bt[i, torch.arange(L) // BS] * BS + torch.arange(L) % BS for i, L in enumerate(lens)])
-    c.write(slots, torch.randn(len(slots), H, D, generator=g) * 2 + 0.5, torch.randn(len(slots), H, D, generator=g))
-    nan = nblocks - 1
-    c.k[nan * BS:] = float("nan")
-    c.v[nan * BS:] = float("nan")
-    bad = bt.clone()
-    for i, L in enumerate(lens):
-        bad[i, -(-L // BS):] = nan
-        if window is not None:
-            bad[i, :max(0, L - window) // BS] = nan
-    return c, bt, bad
+    """test_dense_triton's cache (len tokens of each sequence in shuffled blocks,
+    its last block NaN) on `backend`; returns (cache, block_tables [B, W] with a
+    spare column, the block tables with every entry a sequence must not read
+    pointing at the NaN block)."""
+    c, bt, nan = dense_paged(H, D, lens, dtype, window, seed)
+    c.backend = backend
+    return c, bt, poisoned(bt, lens, nan, window)
 
 
 def _q(B, Hq, D, seed, dtype=torch.float32):
