@@ -115,7 +115,8 @@ class EngineCore(Worker):
         self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.max_num_batched_tokens,
                                    args.long_prefill_token_threshold)
         self.runner = ModelRunner(self.model, self.kv, caches,
-                                  followers=Followers(self.args.distributed_timeout) if self.tp > 1 else None)
+                                  followers=Followers(self.args.distributed_timeout) if self.tp > 1 else None,
+                                  graphs=self.graphs)
         self._grammars: GrammarCompiler | None = None    # at prepare_grammars or the first constrained request
         self.stats = EngineStats()
         self.info = ModelInfo(

@@ -86,7 +86,7 @@ def run_follower(args: EngineArgs, rank: int) -> None:
     from engine.model_runner import ModelRunner
     from engine.worker import Worker
     worker = Worker(args, rank=rank)
-    runner = ModelRunner(worker.model, None, worker.caches)
+    runner = ModelRunner(worker.model, None, worker.caches, graphs=worker.graphs)
     distributed.startup_done()
     log.info("rank %d ready: %d KV blocks per group, waiting for the leader's steps", rank,
              worker.plan.num_blocks[0])

@@ -12,6 +12,7 @@ from itertools import accumulate, chain
 import numpy as np
 import torch
 
+from engine.cuda_graph import DecodeGraphs
 from engine.request import Request
 from engine.sampler import DraftRow, batch_token_logprobs, sample
 from engine.scheduler import SchedulerOutput, ScheduledRequest
@@ -95,11 +96,14 @@ class StepPlan:
     max_query_len: int
     dsv4_seqs: list | None = None    # DeepSeek-V4's pool: (start, block tables) per sequence
     prompt_rows: list[tuple[int, int]] = field(default_factory=list)   # hidden rows scoring prompt tokens
+    graph_batch: int = 0             # > 0: a decode step padded to this captured size, replayed as a CUDA graph
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv: KVCacheManager | None, kv_caches: list, followers=None):
+    def __init__(self, model: torch.nn.Module, kv: KVCacheManager | None, kv_caches: list, followers=None,
+                 graphs: DecodeGraphs | None = None):
         self.model = model
+        self.graphs = graphs           # captured decode steps (CUDA graphs), or None: always eager
         self.kv = kv                   # the leader's block tables (None on a follower rank)
         self.followers = followers     # tensor parallel: where the leader sends each step's plan
         self.kv_caches = kv_caches     # indexed by layer, or one DSV4PagedCache
@@ -109,7 +113,8 @@ class ModelRunner:
         self.last_step: StepRecord | None = None
         self.sched: list[ScheduledRequest] = []   # the prepared step's requests, in batch order
 
-    def _pack(self, sched: list[ScheduledRequest], tables: list[list[list[int]]]) -> tuple[StepPlan, list]:
+    def _pack(self, sched: list[ScheduledRequest], tables: list[list[list[int]]],
+              pad_to: int = 0) -> tuple[StepPlan, list]:
         """The step's integer inputs, packed into the step buffer.
 
         tables: per KV-cache group, each sequence's block table (lists from
@@ -117,8 +122,11 @@ class ModelRunner:
         positions [T], query_start_loc [B + 1], seq_lens [B], logits rows
         [R], then per group slot_mapping [T] and block_tables [B, W_g].
         Slots of tokens in a NULL block are negative (a hot group's skipped
-        blocks: not stored); block-table entries are clamped to 0. Returns
-        the plan and the requests that sample, in row order."""
+        blocks: not stored); block-table entries are clamped to 0. pad_to >
+        B (a decode step for a CUDA graph of that size): pad_to - B more
+        rows of one token each, id 0 at position 0, sequence length 0 and
+        slot -1, which read and write nothing. Returns the plan and the
+        requests that sample, in row order."""
         B = len(sched)
         n = np.fromiter((s.num_new_tokens for s in sched), np.int64, B)
         start = np.fromiter((s.start for s in sched), np.int64, B)
@@ -129,31 +137,40 @@ class ModelRunner:
         samples = ends == np.fromiter((s.req.num_tokens for s in sched), np.int64, B) + nd
         per = np.where(samples, nd + 1, 0)
         T, R = int(n.sum()), int(per.sum())
+        P = max(pad_to - B, 0)
         lens = [np.fromiter(map(len, tg), np.int64, B) for tg in tables]
         widths = [int(x.max()) if B else 0 for x in lens]
         # Layout of the packed buffer.
-        sizes = [T, T, B + 1, B, R] + [m for w in widths for m in (T, B * w)]
+        sizes = [T + P, T + P, B + P + 1, B + P, R] + [m for w in widths for m in (T + P, (B + P) * w)]
         offs = list(accumulate(sizes, initial=0))
         host = self.buf.host(offs[-1])
         part = [host[a:b] for a, b in zip(offs, offs[1:])]
         ids, pos, qsl, seq_lens, rows = part[:5]
 
-        ids[:] = np.fromiter(chain.from_iterable(
+        ids[:T] = np.fromiter(chain.from_iterable(
             chain(s.req.token_ids[s.start:s.start + s.num_new_tokens - len(s.spec_token_ids)], s.spec_token_ids)
             for s in sched), np.int64, T)
         qsl[0] = 0
-        np.cumsum(n, out=qsl[1:])
-        seq_lens[:] = ends
+        np.cumsum(n, out=qsl[1:B + 1])
+        seq_lens[:B] = ends
         seq_of_tok = np.repeat(np.arange(B), n)
-        np.add(np.arange(T), (start - qsl[:-1])[seq_of_tok], out=pos)
+        np.add(np.arange(T), (start - qsl[:B])[seq_of_tok], out=pos[:T])
         first_row = np.cumsum(per) - per
-        rows[:] = np.repeat(qsl[1:] - per, per) + np.arange(R) - np.repeat(first_row, per)
+        rows[:] = np.repeat(qsl[1:B + 1] - per, per) + np.arange(R) - np.repeat(first_row, per)
         for g, (tg, ln, w) in enumerate(zip(tables, lens, widths)):
-            self._fill_group(g, tg, ln, pos, seq_of_tok, part[5 + 2 * g], part[6 + 2 * g].reshape(B, w))
+            slots, bt = part[5 + 2 * g], part[6 + 2 * g].reshape(B + P, w)
+            self._fill_group(g, tg, ln, pos[:T], seq_of_tok, slots[:T], bt[:B])
+            slots[T:] = -1
+            bt[B:] = 0
+        if P:
+            ids[T:] = 0
+            pos[T:] = 0
+            qsl[B + 1:] = T + np.arange(1, P + 1)
+            seq_lens[B:] = 0
 
-        plan = StepPlan(host, offs, widths, qsl.tolist(), seq_lens.tolist(),
+        plan = StepPlan(host, offs, widths, qsl[:B + 1].tolist(), seq_lens[:B].tolist(),
                         num_decodes=int(np.count_nonzero(n == 1)),      # they lead (prepare sorts them first)
-                        max_query_len=int(n.max()) if B else 0)
+                        max_query_len=int(n.max()) if B else 0, graph_batch=pad_to)
         return plan, [sched[i].req for i in np.flatnonzero(samples)]
 
     def _fill_group(self, g: int, tg: list[list[int]], ln: np.ndarray, pos: np.ndarray, seq_of_tok: np.ndarray,
@@ -216,7 +233,7 @@ class ModelRunner:
         dsv4 = isinstance(self.kv_caches, DSV4PagedCache)
         groups = range(len(self.kv.groups))
         tables = [] if dsv4 else [[self.kv.block_table(s.req.request_id, g) for s in sched] for g in groups]
-        plan, sampled = self._pack(sched, tables)
+        plan, sampled = self._pack(sched, tables, self._graph_size(sched, tables))
         if dsv4:
             # Stateful (DeepSeek-V4) pool: its metadata is per-sequence views
             # of it, built from the manager's lists (DSV4PagedCache.batch).
@@ -236,6 +253,22 @@ class ModelRunner:
                 jobs.append((req, s.start + first, s.start + n))
         self.sched = sched
         return plan, sampled, jobs
+
+    def _graph_size(self, sched: list[ScheduledRequest], tables) -> int:
+        """The captured batch size this step replays at, or 0: eager. Only
+        plain decodes (one token, no drafts to verify, no prompt logprob to
+        score, no hidden streams kept for a proposer) whose block tables fit
+        the captured width."""
+        g = self.graphs
+        if g is None or self.keep_streams:
+            return 0
+        for s in sched:
+            if s.num_new_tokens != 1 or s.spec_token_ids or (
+                    s.req.prompt_logprobs is not None and s.start < s.req.num_prompt_tokens - 1):
+                return 0
+        if any(len(t) > w.shape[1] for tg, w in zip(tables, g.tables) for t in tg):
+            return 0
+        return g.size_for(len(sched)) or 0
 
     def stage(self, plan: StepPlan) -> StepPlan:
         """A plan received from the leader, moved into this rank's step buffer."""
@@ -262,6 +295,13 @@ class ModelRunner:
         """What every rank runs (its collectives in the same order on all):
         the model over the step, the logits of the plan's prompt-logprob rows,
         then of its sampling rows (None when nothing samples)."""
+        if plan.graph_batch:
+            d = self.buf.send(plan.offs)
+            b = plan.graph_batch
+            groups = [GroupMetadata(d[5 + 2 * g], d[6 + 2 * g].view(b, w)) for g, w in enumerate(plan.widths)]
+            hidden = self.graphs.run(b, d[0], d[1], d[3], groups)
+            rows = d[4]
+            return (self.model.compute_logits(hidden[rows]) if len(rows) else None), []
         input_ids, positions, meta, rows = self.inputs(plan)
         if self.keep_streams:
             streams = self.model.forward_streams(input_ids, positions, meta)

@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from engine.cuda_graph import DecodeGraphs, why_not_capturable
 from engine.engine_args import EngineArgs
 from engine.kv_calibration import calibrate, set_key_means
 from kvcache.kv_formats import KVPolicy
@@ -44,7 +45,8 @@ def stored_weights(source, quantization: str | None) -> dict[str, str]:
 class Worker:
     """Startup in phases (vLLM's EngineCore shape): join the other ranks,
     load the model (this rank's shard) onto the device, set up the KV caches
-    (calibrate, measure the budget, plan, allocate)."""
+    (calibrate, measure the budget, plan, allocate), capture CUDA graphs of
+    decode steps."""
 
     def __init__(self, args: EngineArgs, source=None, rank: int = 0, start_local_ranks: bool = True):
         args.validate()
@@ -64,6 +66,7 @@ class Worker:
         self._init_distributed(start_local_ranks)
         self.model = self._load_model()
         self.caches = self._init_kv_caches()
+        self.graphs = self._capture_graphs() if self.device.type == "cuda" and not args.enforce_eager else None
 
     @property
     def tp(self) -> int:
@@ -157,6 +160,35 @@ class Worker:
         else:
             self.max_model_len = min(model_len, self.plan.capacity_tokens)
         return caches
+
+    def _capture_graphs(self, emulate: bool = False) -> DecodeGraphs | None:
+        """One CUDA graph per padded decode batch size (engine/cuda_graph.py),
+        or None, said in one line, when this model's decode cannot be
+        captured. emulate: the same static buffers and frozen metadata, with
+        replay re-running the forward (tests, on CPU)."""
+        why = why_not_capturable(self.caches, self.plan.groups)
+        if why:
+            log.info("CUDA graphs off: %s", why)
+            return None
+        args, t0 = self.args, time.monotonic()
+        widths = [-(-self.max_model_len // args.block_size)] * len(self.plan.groups)
+        graphs = DecodeGraphs(self.model, self.caches, widths, self.max_model_len, args.max_num_seqs,
+                              self.device, emulate=emulate)
+        used = torch.cuda.memory_allocated(self.device) if not emulate else 0
+        try:
+            graphs.capture()
+        except Exception as e:   # stay correct and say so: eager steps still work
+            log.warning("CUDA graphs off: capturing a decode step failed: %s: %s", type(e).__name__,
+                        str(e).splitlines()[0] if str(e) else "")
+            graphs = None
+        if self.tp > 1 and not distributed.min_over_ranks(int(graphs is not None)):
+            graphs = None        # a padded plan needs every rank's graphs: all replay or none
+        if graphs is None:
+            return None
+        log.info("CUDA graphs: decode batch sizes %s captured in %.1fs%s", ",".join(map(str, graphs.sizes)),
+                 time.monotonic() - t0, "" if emulate else
+                 f" ({(torch.cuda.memory_allocated(self.device) - used) / 2**20:.0f} MiB)")
+        return graphs
 
     @property
     def _mtp_drafts(self) -> bool:

@@ -58,6 +58,10 @@ class AttentionBackend:
     """
     name: str = ""
     format: str = ""
+    # A decode-only step through this backend (its forward and the cache
+    # writes it does) may be captured in a CUDA graph: static shapes from the
+    # metadata's tensors only, no host syncs, no host-to-device copies.
+    capturable: bool = False
 
     def forward(self, cache, q: torch.Tensor, meta, scale: float) -> torch.Tensor:
         group = meta.groups[cache.group_id]

@@ -33,6 +33,20 @@ def _kernels():
     return dense_paged_attn_kernel, merge_splits_kernel
 
 
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    """k, v [T, Hkv, D] (last dim contiguous) into the caches' rows
+    slot_mapping [T] in one launch; negative slots are skipped, with no sync
+    (a padded CUDA-graph batch writes nothing for its pad rows)."""
+    from kvcache.dense_triton_kernels import store_kv_kernel
+    T, H, D = k.shape
+    if T == 0:
+        return
+    store_kv_kernel[(T,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0),
+                          v.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+                          H=H, H_PAD=_next_pow2(H), D=D, D_PAD=_next_pow2(D), num_warps=4 if H * D >= 2048 else 2)
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
@@ -176,7 +190,20 @@ def dense_paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 @register_backend("dense-triton", "dense")
 class DenseTritonBackend(AttentionBackend):
     """A step in two launches: the decodes (batched, split-K) and every
-    prefill chunk (varlen); no per-sequence Python loop, no host sync."""
+    prefill chunk (varlen); no per-sequence Python loop, no host sync. The
+    new K/V go in with one more (store_kv)."""
+    capturable = True
+
+    def store(self, cache, slot_mapping, k, v):
+        if k.stride(-1) != 1 or v.stride(-1) != 1:
+            return False
+        if cache.k.dtype == torch.bfloat16 and k.dtype != torch.bfloat16:
+            # Rounded by torch (to nearest even, as index_copy_ after .to()):
+            # Triton's interpreter truncates to bf16, so its cast would be
+            # checked against nothing in CI. Rare: a bf16 cache of an fp32 model.
+            k, v = k.to(torch.bfloat16), v.to(torch.bfloat16)
+        store_kv(cache.k, cache.v, slot_mapping, k, v)
+        return True
 
     def forward(self, cache, q, meta, scale):
         group = meta.groups[cache.group_id]

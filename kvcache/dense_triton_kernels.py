@@ -136,3 +136,22 @@ def merge_splits_kernel(o_part, lse_part, out_ptr, lse_ptr, sp_s, sp_t, sp_h, sp
     if WRITE_LSE:
         tl.store(lse_ptr + t * sl_t + qh * sl_h, tl.where(ws > 0, mx + tl.log(tl.where(ws > 0, ws, 1.0)),
                                                           -float("inf")))
+
+
+@triton.jit
+def store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, sk_t, sk_h, sv_t, sv_h, skc_s, skc_h, svc_s, svc_h,
+                    H: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr):
+    """Grid (tokens,): token t's K and V rows [H, D] into the caches at row
+    slot_mapping[t], cast to the cache dtype (round to nearest even, as
+    torch's .to()). A negative slot writes nothing: a padded row of a
+    captured batch, or a token whose block is not held."""
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t)
+    if slot >= 0:
+        h = tl.arange(0, H_PAD)[:, None]
+        d = tl.arange(0, D_PAD)[None, :]
+        m = (h < H) & (d < D)
+        k = tl.load(k_ptr + t * sk_t + h * sk_h + d, mask=m)
+        tl.store(kc_ptr + slot * skc_s + h * skc_h + d, k.to(kc_ptr.dtype.element_ty), mask=m)
+        v = tl.load(v_ptr + t * sv_t + h * sv_h + d, mask=m)
+        tl.store(vc_ptr + slot * svc_s + h * svc_h + d, v.to(vc_ptr.dtype.element_ty), mask=m)

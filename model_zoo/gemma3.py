@@ -19,8 +19,8 @@ from torch import nn
 
 from kvcache.attention import Attention
 from kvcache.spec import LayerSpec
-from model_zoo.layers import (PACKED, GeluAndMul, GemmaRMSNorm, RotaryEmbedding, load_packed_weights, soft_cap,
-                              use_gguf_blocks)
+from model_zoo.layers import (PACKED, GeluAndMul, GemmaRMSNorm, RotaryEmbedding, load_packed_weights, rounded_to,
+                              soft_cap, use_gguf_blocks)
 from parallel.linear import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                              RowParallelLinear, VocabParallelEmbedding)
 
@@ -127,7 +127,7 @@ class Gemma3Model(nn.Module):
         x = self.embed_tokens(input_ids)
         # transformers rounds the scale to the weight dtype first (sqrt(640) in
         # bf16 is 25.25, not 25.298); match it.
-        x = x * torch.tensor(self.embed_scale, dtype=torch.float32).to(x.dtype)
+        x = x * rounded_to(self.embed_scale, x.dtype)
         for layer in self.layers:
             x = layer(positions, x, attn_metadata)
         return self.norm(x)

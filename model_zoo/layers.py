@@ -4,6 +4,7 @@ gated activations, and the checkpoint load loop.
 Numerics follow transformers' modeling code exactly (which dtype each step
 runs in), because logit parity with it is the model zoo's contract.
 """
+import functools
 import math
 import re
 from collections.abc import Iterable
@@ -14,6 +15,14 @@ from torch import nn
 
 from model_zoo import cpu_ops
 from model_zoo.fused_moe import EXPERT_PARTS
+
+
+@functools.lru_cache(maxsize=64)
+def rounded_to(value: float, dtype: torch.dtype) -> float:
+    """value rounded to dtype, as a Python float: a constant factor as
+    transformers applies it (a tensor of the weight dtype), without building
+    a tensor in the forward (a host-to-device copy per step on a GPU)."""
+    return torch.tensor(value, dtype=torch.float32).to(dtype).item()
 
 
 class CpuOp(nn.Module):

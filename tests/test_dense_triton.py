@@ -195,6 +195,10 @@ for spec in sys.argv[2:]:
     build(k, ptrs, const, int(warps))
 build(mk, dict(o_part="fp32", lse_part="fp32", out_ptr="bf16", lse_ptr="fp32"),
       dict(S_PAD=8, D=128, D_PAD=128, WRITE_LSE=True), 2)
+from kvcache.dense_triton_kernels import store_kv_kernel as sk
+for src, dst in (("bf16", "bf16"), ("fp32", "bf16"), ("fp32", "fp32")):
+    build(sk, dict(k_ptr=src, v_ptr=src, kc_ptr=dst, vc_ptr=dst, slot_ptr="i64"),
+          dict(H=8, H_PAD=8, D=128, D_PAD=128), 4)
 """
 
 # q dtype, storage, head_dim, rows, block_n, splits, decode, window, warps: the
@@ -215,6 +219,26 @@ def test_kernels_compile_for_gpus(arch):
                        text=True, env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert r.returncode == 0, r.stderr[-3000:]
 
+
+
+@pytest.mark.parametrize("src, dst", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                      (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float16)])
+def test_store_equals_index_copy_and_skips_negative_slots(src, dst):
+    """dense-triton's one-launch K/V store: the bits index_copy_ after .to()
+    writes (round to nearest even), strided views of a fused projection as
+    input, nothing written for a negative slot (a CUDA graph's pad rows)."""
+    g = torch.Generator().manual_seed(0)
+    T, H, D = 7, 3, 40
+    kv = torch.randn(T, 2 * H * D + 8, generator=g).to(src)     # q | k | v style rows
+    k, v = kv[:, 8:8 + H * D].view(T, H, D), kv[:, 8 + H * D:].view(T, H, D)
+    slots = torch.tensor([5, 0, -1, 17, 3, -1, 11])
+    ref = DenseLayerCache(5, 4, H, D, dst, 0, backend="dense-torch")
+    keep = slots >= 0
+    ref.write(slots[keep], k[keep], v[keep])
+    c = DenseLayerCache(5, 4, H, D, dst, 0, backend="dense-triton")
+    c.write(slots, k, v)
+    assert torch.equal(c.k, ref.k) and torch.equal(c.v, ref.v)
+    assert int(c.k.flatten(1).ne(0).any(1).sum()) == 5
 
 
 def test_decode_only_step_shares_indices_across_layers():

@@ -117,3 +117,14 @@ def save_tiny_gemma4(path, hybrid=False, moe=True):
     cfg._attn_implementation = "eager"
     cfg._experts_implementation = "eager"
     return _save_sharpened(Gemma4ForCausalLM(cfg), path)
+
+
+def save_tiny_gemma3(path, sliding_window=8):
+    """A 6-layer Gemma 3 (five sliding-window layers to one full, MQA, head_dim
+    32), sharpened as the llama; returns it."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    torch.manual_seed(1)
+    cfg = Gemma3TextConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=sliding_window,
+                           max_position_embeddings=1024, query_pre_attn_scalar=32, bos_token_id=1, eos_token_id=2)
+    return _save_sharpened(Gemma3ForCausalLM(cfg), path)

@@ -288,6 +288,10 @@ def main():
                 llm = engine(path, device, enforce_eager=eager, max_num_seqs=8)
                 rate = decode_rate(llm, vocab, args.output_len)
                 out["eager" if eager else "cuda_graphs"] = {"tok_s": rate, "step_ms": 1e3 / rate}
+                if not eager:
+                    g = llm.core.graphs
+                    out["cuda_graphs"]["captured"] = g is not None
+                    out["cuda_graphs"]["replays"] = g.replays if g is not None else 0
                 del llm
                 free(device)
             out["step_time_ratio"] = out["cuda_graphs"]["step_ms"] / out["eager"]["step_ms"]

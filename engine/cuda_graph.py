@@ -1,0 +1,172 @@
+"""CUDA graphs for decode-only steps (vLLM's approach).
+
+A decode step of a small model is mostly kernel-launch overhead on a GPU:
+hundreds of small launches of a few microseconds each. The model's forward
+over a decode batch is captured once per padded batch size (1, 2, 4, 8, then
+every multiple of 8 up to max_num_seqs) into a CUDA graph that reads its
+inputs from static device buffers; a step copies its inputs there and
+replays the graph of the smallest size that holds its batch. Pad rows have
+sequence length 0 and slot -1: the attention reads no key for them and the
+cache store writes nothing. Steps with a prefill chunk, drafts to verify,
+prompt logprobs or an MTP proposer's hidden streams run eagerly, as do
+models whose caches hold per-sequence state (linear attention, DeepSeek-V4's
+pool) or whose attention backend cannot be captured (AttentionBackend.capturable).
+
+The captured metadata's host-side values are fixed at capture: every
+sequence counts as a decode, seq_lens (the host list) is max_model_len for
+every row, the block tables are max_model_len wide. A capturable backend
+therefore sizes its launches from those bounds and reads the real lengths
+from seq_lens_t on the device. `emulate=True` (tests, on CPU) replays by
+running the forward again over the static buffers with that same frozen
+metadata and with every host sync forbidden (forbid_host_syncs), which
+checks all of this without a GPU; only the capture itself needs CUDA.
+"""
+import logging
+from contextlib import contextmanager
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from kvcache.metadata import AttentionMetadata, GroupMetadata
+
+log = logging.getLogger("tqserve.engine")
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """Padded batch sizes that get a graph: 1, 2, 4, then multiples of 8, up
+    to max_num_seqs (included)."""
+    sizes = [b for b in (1, 2, 4) if b < max_num_seqs] + list(range(8, max_num_seqs, 8))
+    return sorted(set(sizes + [max_num_seqs]))
+
+
+class HostSyncError(RuntimeError):
+    pass
+
+
+# Ops that read a device value on the host (a sync on CUDA, an error under
+# stream capture) or build a tensor from Python data (a host-to-device copy).
+_SYNCING = {"aten::_local_scalar_dense", "aten::nonzero", "aten::is_nonzero", "aten::equal", "aten::item",
+            "aten::masked_select", "aten::lift_fresh", "aten::lift_fresh_copy", "aten::_unique", "aten::_unique2",
+            "aten::unique_dim", "aten::unique_consecutive", "aten::bincount"}
+
+
+class _ForbidSyncs(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name
+        if name in _SYNCING:
+            raise HostSyncError(f"{func} syncs with the host")
+        if name == "aten::index" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
+                                         for i in args[1] if i is not None):
+            raise HostSyncError(f"{func} with a boolean mask syncs with the host (nonzero)")
+        if name == "aten::repeat_interleave" and func._overloadname == "Tensor" and \
+                (kwargs or {}).get("output_size") is None:
+            raise HostSyncError(f"{func} with tensor repeats and no output_size syncs with the host")
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def forbid_host_syncs():
+    """Raise HostSyncError at any torch op inside that would read a device
+    value on the host or copy Python data to the device (what stream capture
+    refuses). Works on any device, so a CPU run proves a step capturable as
+    far as torch ops go (Triton launches are not torch ops)."""
+    with _ForbidSyncs():
+        yield
+
+
+class DecodeGraphs:
+    """Static input buffers and one graph per padded batch size.
+
+    groups: per KV-cache group, the widest block table a sequence can have
+    (blocks of max_model_len tokens). run() takes a step's device inputs
+    (padded by the runner to a captured size) and returns the hidden states
+    of all its rows."""
+
+    def __init__(self, model: torch.nn.Module, kv_caches: list, widths: list[int], max_model_len: int,
+                 max_num_seqs: int, device: torch.device, emulate: bool = False):
+        self.model, self.kv_caches, self.device, self.emulate = model, kv_caches, device, emulate
+        self.sizes = capture_sizes(max_num_seqs)
+        n = self.sizes[-1]
+        z = dict(dtype=torch.long, device=device)
+        self.ids = torch.zeros(n, **z)
+        self.pos = torch.zeros(n, **z)
+        self.seq_lens = torch.zeros(n, **z)
+        self.qsl = torch.arange(n + 1, **z)
+        self.slots = [torch.full((n,), -1, **z) for _ in widths]
+        self.tables = [torch.zeros(n, w, **z) for w in widths]
+        self.max_model_len = max_model_len
+        self.graphs: dict[int, tuple] = {}    # size -> (graph or None when emulated, metadata, hidden)
+        self.pool = None
+        self.replays = 0
+
+    def size_for(self, batch: int) -> int | None:
+        """The captured size a decode batch of this many sequences pads to."""
+        return next((b for b in self.sizes if b >= batch), None)
+
+    def _meta(self, b: int) -> AttentionMetadata:
+        groups = [GroupMetadata(s[:b], t[:b]) for s, t in zip(self.slots, self.tables)]
+        return AttentionMetadata(list(range(b + 1)), [self.max_model_len] * b, b, groups, self.kv_caches,
+                                 seq_lens_t=self.seq_lens[:b], query_start_loc_t=self.qsl[:b + 1],
+                                 max_seq_len=self.max_model_len, max_query_len=1)
+
+    def _forward(self, b: int, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(self.ids[:b], self.pos[:b], meta)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Largest size first, all graphs sharing one memory pool (vLLM's
+        order: smaller graphs reuse the larger ones' blocks)."""
+        for b in reversed(self.sizes):
+            meta = self._meta(b)
+            # Warm-up, eagerly: compiles kernels and moves lazily placed
+            # constants before capture; with syncs forbidden, a step that
+            # cannot be captured fails here with the op's name.
+            with forbid_host_syncs():
+                self._forward(b, meta)
+            if self.emulate:
+                self.graphs[b] = (None, meta, None)
+                continue
+            meta.memo.clear()
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                hidden = self._forward(b, meta)
+            self.pool = graph.pool()
+            self.graphs[b] = (graph, meta, hidden)
+        if not self.emulate:
+            torch.cuda.synchronize(self.device)
+
+    def run(self, b: int, ids: torch.Tensor, pos: torch.Tensor, seq_lens: torch.Tensor,
+            groups: list[GroupMetadata]) -> torch.Tensor:
+        """Replay size b's graph on a step's inputs (b rows, pads included;
+        block tables up to their own width, which the captured ones bound).
+        Returns the hidden states [b, hidden]: valid until the next run."""
+        graph, meta, hidden = self.graphs[b]
+        self.replays += 1
+        self.ids[:b].copy_(ids, non_blocking=True)
+        self.pos[:b].copy_(pos, non_blocking=True)
+        self.seq_lens[:b].copy_(seq_lens, non_blocking=True)
+        for s, t, g in zip(self.slots, self.tables, groups):
+            s[:b].copy_(g.slot_mapping, non_blocking=True)
+            # Columns past the step's width keep older entries: never read,
+            # since a row reads only the blocks of its seq_len.
+            t[:b, :g.block_tables.shape[1]].copy_(g.block_tables, non_blocking=True)
+        if graph is not None:
+            graph.replay()
+            return hidden
+        meta.memo.clear()
+        with forbid_host_syncs():
+            return self._forward(b, meta)
+
+
+def why_not_capturable(kv_caches, groups) -> str | None:
+    """Why decode steps over these caches must stay eager (None: they can be
+    captured). groups: the KV manager's group specs."""
+    if not isinstance(kv_caches, list):
+        return f"{type(kv_caches).__name__} keeps per-sequence state outside the block tables"
+    if any(g.per_seq for g in groups):
+        return "linear-attention layers keep per-sequence state slots (padded rows would write one)"
+    for c in kv_caches:
+        if c is not None and not c.backend.capturable:
+            return f"attention backend {c.backend.name} is not capturable"
+    return None

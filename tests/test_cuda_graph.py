@@ -1,0 +1,204 @@
+"""CUDA graphs for decode steps (engine/cuda_graph.py), checked on CPU.
+
+What a capture needs besides CUDA is checked here with the graphs emulated
+(DecodeGraphs(emulate=True)): the static buffers, the batch padded to a
+captured size (pad rows read and write nothing), the metadata frozen at
+capture with bounds in its host values (a backend that read the real
+lengths on the host would get max_model_len and fail these tests), and
+every torch op of the step free of host syncs (forbid_host_syncs). The
+attention runs through dense-triton, the CUDA backend, under Triton's
+interpreter, and the model's torch code, not the compiled CPU ops, as on a
+GPU. tests/gpu/test_gpu_engine.py checks real captures against eager.
+"""
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.cuda_graph import HostSyncError, capture_sizes, forbid_host_syncs
+from model_zoo import cpu_ops
+from tiny_models import save_tiny_gemma3, save_tiny_llama, save_tiny_qwen3, token_prompts
+
+
+def test_capture_sizes():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(3) == [1, 2, 3]
+    assert capture_sizes(8) == [1, 2, 4, 8]
+    assert capture_sizes(30) == [1, 2, 4, 8, 16, 24, 30]
+    assert capture_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+
+
+@pytest.mark.parametrize("op", [
+    lambda x: x.sum().item(),
+    lambda x: int(x[0]),
+    lambda x: bool((x > 0).all()),
+    lambda x: x[x > 2],
+    lambda x: x.nonzero(),
+    lambda x: torch.tensor([1, 2]),
+    lambda x: torch.repeat_interleave(x, x.clamp(min=0)),
+    lambda x: torch.unique(x),
+])
+def test_forbid_host_syncs_catches(op):
+    x = torch.arange(5)
+    with pytest.raises(HostSyncError):
+        with forbid_host_syncs():
+            op(x)
+
+
+def test_forbid_host_syncs_lets_device_work_through():
+    x = torch.arange(6.0)
+    with forbid_host_syncs():
+        y = torch.where(x > 2, x, 0).index_select(0, torch.arange(3)) @ torch.ones(3)
+        z = torch.repeat_interleave(x, 2)
+    assert float(y) == 0.0 and z.shape == (12,)
+
+
+@pytest.fixture
+def graph_env(monkeypatch):
+    """The CUDA code path on CPU: dense-triton attention (interpreted), the
+    model's torch ops instead of the compiled CPU ones."""
+    monkeypatch.setenv("TQSERVE_ATTN_BACKEND", "dense-triton")
+    monkeypatch.setattr(cpu_ops, "ENABLED", False)
+
+
+def _engine(path, **kw):
+    kw = dict(dtype="float32", block_size=4, max_num_seqs=6, kv_cache_memory=4 << 20, max_num_batched_tokens=64,
+              enable_prefix_caching=True) | kw
+    return LLM(str(path), **kw)
+
+
+def _emulate(llm):
+    """Replace eager decode steps by emulated graph replays; count them."""
+    core = llm.core
+    graphs = core._capture_graphs(emulate=True)
+    assert graphs is not None
+    core.runner.graphs = graphs
+    replays = []
+    run = graphs.run
+
+    def counted(b, *a):
+        replays.append(b)
+        return run(b, *a)
+    graphs.run = counted
+    return replays
+
+
+def _toks(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+SAVERS = {"llama": save_tiny_llama, "qwen3": save_tiny_qwen3, "gemma3": save_tiny_gemma3}
+
+
+@pytest.mark.parametrize("family", list(SAVERS))
+def test_replayed_decode_equals_eager(graph_env, tmp_path, family):
+    """Greedy and seeded tokens and their logprobs with graphs = eager, for
+    batches that pad (3 -> 4, 5 -> 6) and a request arriving mid-run (its
+    prefill steps eager, the decodes around it replayed); the same prompts
+    alone give the same tokens (batch invariance through the padding)."""
+    SAVERS[family](tmp_path)
+    prompts = token_prompts(5, lo=3, hi=20, seed=1)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, ignore_eos=True)
+    seeded = [SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=7 + i, ignore_eos=True)
+              for i in range(3)]
+    eager = _engine(tmp_path)
+    ref_g = eager.generate(prompts[:3], greedy)
+    ref_s = _toks(eager.generate(prompts[:3], seeded))
+    ref_5 = _toks(eager.generate(prompts, greedy))
+    del eager
+
+    llm = _engine(tmp_path)
+    replays = _emulate(llm)
+    out_g = llm.generate(prompts[:3], greedy)
+    assert _toks(out_g) == _toks(ref_g)
+    for a, b in zip(out_g, ref_g):
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert la.keys() == lb.keys()
+            assert max(abs(la[t] - lb[t]) for t in la) < 1e-5
+    assert 4 in replays and max(replays) == 4
+    assert _toks(llm.generate(prompts[:3], seeded)) == ref_s
+    assert _toks(llm.generate(prompts, greedy)) == ref_5
+    assert 6 in replays
+    # Alone: size 1, the same tokens as in the padded batches.
+    assert [_toks(llm.generate([p], greedy))[0] for p in prompts[:2]] == _toks(ref_g)[:2]
+    # A request added while others decode.
+    llm.add_request(prompts[0], greedy, request_id="a")
+    for _ in range(3):
+        llm.step()
+    llm.add_request(prompts[1], greedy, request_id="b")
+    done = {}
+    for _ in range(100):
+        for o in llm.step():
+            if o.finished:
+                done[o.request_id] = o.outputs[0].token_ids
+        if len(done) == 2:
+            break
+    assert [done["a"], done["b"]] == _toks(ref_g)[:2]
+
+
+def test_pad_rows_write_nothing(graph_env, tmp_path):
+    """Decodes of one sequence padded to 2 rows: the pad's KV write is
+    skipped. The pool holds exactly the sequence's rows (6 prompt + 3 decoded
+    tokens written), equal to the eager run's (up to the last bits a
+    2-row matmul may change), and the tokens are the eager ones."""
+    save_tiny_llama(tmp_path)
+    p = token_prompts(1, lo=6, hi=7, seed=3)[0]
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    runs = []
+    for emulate in (False, True):
+        llm = _engine(tmp_path, max_num_seqs=2, enable_prefix_caching=False)
+        if emulate:
+            replays = _emulate(llm)
+            llm.core.runner.graphs.sizes = [2]     # every decode pads to 2
+        toks = _toks(llm.generate([p], sp))
+        runs.append((toks, [(c.k.clone(), c.v.clone()) for c in llm.core.caches]))
+    assert replays == [2, 2, 2]
+    assert runs[0][0] == runs[1][0]
+    for (k0, v0), (k1, v1) in zip(runs[0][1], runs[1][1]):
+        for a, b in ((k0, k1), (v0, v1)):
+            assert int(a.flatten(1).ne(0).any(1).sum()) == int(b.flatten(1).ne(0).any(1).sum()) == 9
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_steps_that_stay_eager(graph_env, tmp_path):
+    """Prompt logprobs of a one-token chunk, drafts and kept hidden streams
+    keep a step eager; a decode batch larger than the largest size too."""
+    save_tiny_llama(tmp_path)
+    llm = _engine(tmp_path)
+    replays = _emulate(llm)
+    llm.core.runner.graphs.sizes = [1, 2]
+    prompts = token_prompts(3, lo=4, hi=9, seed=5)
+    sp = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts, sp)
+    assert replays == []            # 3 decodes > 2: eager
+    llm.generate(prompts[:2], sp)
+    assert replays == [2, 2]
+
+
+def test_backends_that_cannot_be_captured_say_so(tmp_path, caplog):
+    save_tiny_llama(tmp_path)
+    llm = _engine(tmp_path, kv_cache_dtype="tq4")
+    with caplog.at_level("INFO", logger="tqserve.engine"):
+        assert llm.core._capture_graphs(emulate=True) is None
+    assert "CUDA graphs off: attention backend" in caplog.text
+
+
+def test_a_step_with_a_host_sync_is_refused_at_capture(graph_env, tmp_path, monkeypatch, caplog):
+    """A backend that reads a length on the host fails its warm-up under
+    forbid_host_syncs: the engine logs why and stays eager."""
+    save_tiny_llama(tmp_path)
+    llm = _engine(tmp_path)
+    from kvcache.dense_triton import DenseTritonBackend
+    orig = DenseTritonBackend.forward
+
+    def syncing(self, cache, q, meta, scale):
+        int(meta.seq_lens_t.max())
+        return orig(self, cache, q, meta, scale)
+    monkeypatch.setattr(DenseTritonBackend, "forward", syncing)
+    with caplog.at_level("INFO", logger="tqserve.engine"):
+        assert llm.core._capture_graphs(emulate=True) is None
+    assert "capturing a decode step failed: HostSyncError" in caplog.text
+
+
+def test_no_graphs_on_cpu(tmp_path):
+    save_tiny_llama(tmp_path)
+    assert _engine(tmp_path).core.graphs is None
