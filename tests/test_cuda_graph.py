@@ -16,7 +16,8 @@ import torch
 from engine import LLM, SamplingParams
 from engine.cuda_graph import HostSyncError, capture_sizes, forbid_host_syncs
 from model_zoo import cpu_ops
-from tiny_models import save_tiny_gemma3, save_tiny_llama, save_tiny_qwen3, token_prompts
+from parallel.quant import fp_methods
+from tiny_models import save_tiny_gemma3, save_tiny_llama, save_tiny_qwen3, save_tiny_qwen3_moe, token_prompts
 
 
 def test_capture_sizes():
@@ -86,16 +87,19 @@ def _toks(outs):
     return [o.outputs[0].token_ids for o in outs]
 
 
-SAVERS = {"llama": save_tiny_llama, "qwen3": save_tiny_qwen3, "gemma3": save_tiny_gemma3}
+SAVERS = {"llama": save_tiny_llama, "qwen3": save_tiny_qwen3, "gemma3": save_tiny_gemma3,
+          "qwen3_moe": save_tiny_qwen3_moe}
 
 
 @pytest.mark.parametrize("family", list(SAVERS))
-def test_replayed_decode_equals_eager(graph_env, tmp_path, family):
+def test_replayed_decode_equals_eager(graph_env, tmp_path, family, monkeypatch):
     """Greedy and seeded tokens and their logprobs with graphs = eager, for
     batches that pad (3 -> 4, 5 -> 6) and a request arriving mid-run (its
     prefill steps eager, the decodes around it replayed); the same prompts
     alone give the same tokens (batch invariance through the padding)."""
     SAVERS[family](tmp_path)
+    # The routed experts' CUDA path: the grouped Triton kernels (interpreted).
+    monkeypatch.setattr(fp_methods, "BACKEND", "triton")
     prompts = token_prompts(5, lo=3, hi=20, seed=1)
     greedy = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, ignore_eos=True)
     seeded = [SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=7 + i, ignore_eos=True)

@@ -85,7 +85,9 @@ def route(idx: torch.Tensor, E: int):
     flat = idx.reshape(-1)
     key = torch.where((flat >= 0) & (flat < E), flat, E)
     order = torch.argsort(key, stable=True)
-    counts = torch.bincount(key, minlength=E + 1)[:E]
+    # scatter_add, not bincount: bincount reads the max back to the host on
+    # CUDA, which a captured decode step cannot do.
+    counts = torch.zeros(E + 1, dtype=key.dtype, device=key.device).scatter_add_(0, key, torch.ones_like(key))[:E]
     ends = counts.cumsum(0)
     return order, counts, ends - counts, ends
 
