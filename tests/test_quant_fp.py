@@ -296,6 +296,8 @@ arch = int(sys.argv[1])
 SMEM = {90: 232448, 121: 101376}[arch]     # max shared memory per block
 W = {"fp8": ("fp8e4nv", "fp32"), "fp8e8": ("fp8e4nv", "u8"), "fp4": ("u8", "u8"), "dense": ("bf16", "bf16")}
 MOD = {"fp8": fp8_block, "fp8e8": fp8_block, "fp4": mxfp4}
+GG = {"Q8_0": (0, 34, 32), "Q4_0": (1, 18, 32), "Q4_1": (2, 20, 32), "Q5_0": (3, 22, 32), "Q4_K": (4, 144, 64),
+      "Q5_K": (5, 176, 64), "Q6_K": (6, 210, 128)}     # GGUF experts: code, bytes per block, tile unit
 
 
 def build(fn, ptrs, const, stages):
@@ -310,8 +312,8 @@ def build(fn, ptrs, const, stages):
 for spec in sys.argv[2:]:
     kind, x, fmt, bm, *act = spec.split(",")
     act = act[0] if act else "0"
-    w, s = W[fmt]
-    e8 = s == "u8"
+    w, s = ("u8", "u8") if fmt in GG else W[fmt]
+    e8 = s == "u8" and fmt not in GG
     if kind in ("gemv", "gemm"):
         ptrs = dict(x_ptr=x, w_ptr=w, p_ptr=w, s_ptr=s, y_ptr="fp32" if kind == "gemv" else x)
         if kind == "gemv":
@@ -320,20 +322,23 @@ for spec in sys.argv[2:]:
             build(MOD[fmt]._gemm_kernel, ptrs, dict(BM=int(bm), BN=64, BK=64, F32=x == "fp32", SCALE_E8M0=e8),
                   2 if x == "fp32" else 3)
     else:
-        ptrs = dict(x_ptr=x, w_ptr=w, s_ptr=s, h_ptr=x, y_ptr=x, tile_e_ptr="i32", tile_r0_ptr="i32",
+        ptrs = dict(x_ptr=x, w_ptr=w, s_ptr=s, u_ptr=w, h_ptr=x, y_ptr=x, tile_e_ptr="i32", tile_r0_ptr="i32",
                     tile_r1_ptr="i32", tok_ptr="i32", pair_ptr="i32", rw_ptr="fp32")
-        code = {"dense": 0, "fp8": 1, "fp8e8": 1, "fp4": 2}[fmt]
+        code = 3 if fmt in GG else {"dense": 0, "fp8": 1, "fp8e8": 1, "fp4": 2}[fmt]
+        qt, ts, unit = GG.get(fmt, (0, 0, 64))
+        q = dict(QT=qt, TS=ts) | (dict(QTU=qt, TSU=ts, ACT=int(act)) if kind == "up" else {})
         build(getattr(moe, f"_moe_{kind}_kernel"), ptrs,
-              dict(FMT=code, BM=int(bm), BN=64, BK=64, SCALE_E8M0=e8, F32=x == "fp32",
-                   **({"ACT": int(act)} if kind == "up" else {})), 3)
+              dict(FMT=code, BM=int(bm), BN=64, BK=max(64, unit), SCALE_E8M0=e8, F32=x == "fp32", **q), 3)
 """
 
-# kernel, activations, weight format (scales: fp8 fp32, fp8e8 / fp4 E8M0), rows (M or BLOCK_M):
-# the tiles fp8_block.launch and moe._moe_triton pick.
+# kernel, activations, weight format (scales: fp8 fp32, fp8e8 / fp4 E8M0; a GGUF type name: the
+# grouped experts over GGUF blocks), rows (M or BLOCK_M): the tiles fp8_block.launch and
+# moe._moe_triton pick.
 _SPECS = {90: ["gemv,bf16,fp8,3", "gemm,bf16,fp8,64", "gemm,fp32,fp8e8,32", "gemv,bf16,fp4,1", "gemm,bf16,fp4,64",
-               "up,bf16,dense,16", "up,bf16,dense,16,1", "down,bf16,fp8e8,64", "up,bf16,fp4,16", "down,bf16,fp4,64"],
+               "up,bf16,dense,16", "up,bf16,dense,16,1", "down,bf16,fp8e8,64", "up,bf16,fp4,16", "down,bf16,fp4,64",
+               "up,bf16,Q4_K,16", "down,bf16,Q6_K,64", "up,bf16,Q8_0,64,1", "down,bf16,Q5_0,16"],
           121: ["gemv,bf16,fp8e8,2", "gemm,bf16,fp8,64", "gemm,bf16,fp4,32", "up,bf16,fp8,64", "up,bf16,fp4,16,1",
-                "down,bf16,fp4,16"]}
+                "down,bf16,fp4,16", "up,bf16,Q4_K,64", "down,bf16,Q6_K,16", "up,bf16,Q5_K,16"]}
 
 
 @pytest.mark.parametrize("arch", [90, 121])

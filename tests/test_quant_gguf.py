@@ -225,3 +225,44 @@ def test_triton_needs_cuda_or_interpreter(monkeypatch):
     raw = torch.from_numpy(_blocks("Q8_0", 4, 32))
     with pytest.raises(RuntimeError):
         matmul(torch.randn(1, 32), raw, "Q8_0", 32, backend="triton")
+
+
+# -- routed experts as GGUF blocks: the grouped Triton kernels (moe._moe_triton) ----------
+@pytest.mark.parametrize("gate, down, act", [("Q4_K", "Q6_K", "silu"), ("Q8_0", "Q8_0", "gelu_tanh"),
+                                             ("Q4_0", "Q4_1", "silu"), ("Q5_K", "Q5_0", "silu")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_experts_triton_matches_torch(gate, down, act, dtype):
+    """moe_forward over GGUF experts: the two grouped launches (tiles
+    dequantized in registers, gate and up from their own tensors, up of
+    another type than gate) against the torch path (each expert dequantized
+    in turn). Tokens routed to 0, 1 or several experts, ids off this rank."""
+    from parallel.quant import moe
+    E, I, H, T, k = 5, 256, 256, 9, 2
+    up = "Q6_K" if gate == "Q4_K" else gate
+    rows = lambda name, n, kk, seed: torch.from_numpy(  # noqa: E731
+        np.stack([_blocks(name, n, kk, seed=seed + e) for e in range(E)]))
+    w13 = ((rows(gate, I, H, 10), gate), (rows(up, I, H, 20), up), H)
+    w2 = ((rows(down, H, I, 30), down), I)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    idx = torch.randint(0, E, (T, k), generator=g)
+    idx[0, 1] = idx[0, 0]                  # one token twice through one expert
+    idx[3, 0] = -1                         # an expert of another rank
+    idx[4] = 4                             # expert 4 only here: others may see no token
+    w = torch.rand(T, k, generator=g)
+    # bf16 against the fp32 path: Triton's interpreter truncates to bf16 where a GPU rounds.
+    ref = moe.moe_forward(x.float(), idx, w, w13, w2, "gguf", 7.0, backend="torch", act=act)
+    out = moe.moe_forward(x, idx, w, w13, w2, "gguf", 7.0, backend="triton", act=act)
+    assert out.dtype == dtype and out.shape == (T, H)
+    _close(out, ref, 1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_grouped_experts_refuse_wrong_rows():
+    from parallel.quant import moe
+    t = "Q8_0"
+    gate = torch.zeros(2, 64, 64 // 32 * 34, dtype=torch.uint8)
+    w13 = ((gate, t), (gate[:, :32], t), 64)
+    w2 = ((torch.zeros(2, 64, 2 * 34, dtype=torch.uint8), t), 64)
+    with pytest.raises(ValueError, match="gguf w13: expected Q8_0 rows"):
+        moe.moe_forward(torch.zeros(3, 64), torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1), w13, w2,
+                        "gguf", 7.0, backend="triton")

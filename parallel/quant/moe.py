@@ -1,6 +1,7 @@
-"""DeepSeek-V4's routed experts for a whole batch at once, weights kept in
-their stored format: "bf16" (dense float tensors), "fp8" (fp8_block) or
-"mxfp4" (mxfp4). No Python loop over tokens.
+"""Routed experts for a whole batch at once, weights kept in their stored
+format: "bf16" (dense float tensors), "fp8" (fp8_block), "mxfp4" (mxfp4) or
+"gguf" (GGUF blocks, gate and up in tensors of their own, each of its own
+type). No Python loop over tokens.
 
 The expert MLP (model_zoo.deepseek_v4.Experts): g, u = (x @ w13[e]^T).chunk(2);
 h = silu(g.clamp(max=limit)) * u.clamp(-limit, limit); out += (h @ w2[e]^T) * weight.
@@ -20,7 +21,8 @@ h = silu(g.clamp(max=limit)) * u.clamp(-limit, limit); out += (h @ w2[e]^T) * we
    min(E, T*k) tiles, idle tiles return at once) gives each program one
    expert's tile of rows and a BLOCK_N slice of outputs.
    `_moe_up_kernel` gathers the tokens' rows of x, dequantizes the matching
-   gate and up rows of w13[e] in registers, multiplies (tl.dot, fp32
+   gate and up rows of w13[e] in registers (GGUF: gguf_triton._dequant_tile,
+   tiles of whole quant units), multiplies (tl.dot, fp32
    accumulation) and applies the clamped SwiGLU in its epilogue -> h in
    sorted order [T*k, I]. `_moe_down_kernel` multiplies h by w2[e], scales
    by the pair's routing weight and stores the row at the pair's own place
@@ -38,7 +40,10 @@ from parallel.quant import fp8_block, gguf, mxfp4
 from parallel.quant.fp8_block import _jit, fp8_tile, kernel_scale, mac, pick_backend, tl, triton
 from parallel.quant.mxfp4 import mxfp4_tile
 
-FORMATS = {"bf16": 0, "fp8": 1, "mxfp4": 2, "gguf": 3}   # gguf: the torch path only (no grouped kernel yet)
+if triton is not None:
+    from parallel.quant.gguf_triton import _CODES as GGUF_CODES, _dequant_tile
+
+FORMATS = {"bf16": 0, "fp8": 1, "mxfp4": 2, "gguf": 3}
 ACTS = {"silu": 0, "gelu_tanh": 1}     # the gate's activation: SwiGLU, or Gemma's GeGLU (gelu_tanh)
 
 
@@ -50,7 +55,8 @@ def moe_forward(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w13, w2, fm
         "fp8": w13 = (w8 [E, 2I, H], scale [E, ceil(2I/128), ceil(H/128)]), w2 likewise;
         "mxfp4": w13 = (packed [E, 2I, H/2], scales [E, 2I, H/32]), w2 = (packed [E, H, I/2], scales [E, H, I/32]);
         "gguf": w13 = ((gate rows uint8 [E, I, rb], type), (up rows, type), H), w2 = ((down rows [E, H, rb], type), I):
-        GGUF blocks, each expert dequantized into scratch on its turn (also on CUDA: no grouped kernel yet).
+        GGUF blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K), dequantized tile by tile in registers on
+        CUDA (gguf_triton._dequant_tile), one expert at a time into scratch on CPU.
     scratch: a buffer (x.dtype, >= 2*I*H elements) for the CPU path's dequantized expert."""
     if fmt not in FORMATS:
         raise ValueError(f"moe format {fmt!r}: one of {sorted(FORMATS)}")
@@ -62,7 +68,7 @@ def moe_forward(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w13, w2, fm
     if x.shape[0] == 0 or idx.shape[1] == 0:
         return torch.zeros_like(x)
     order, counts, starts, ends = route(idx, E)
-    if fmt != "gguf" and pick_backend(backend, x) == "triton":
+    if pick_backend(backend, x) == "triton":
         return _moe_triton(x, idx, w, w13, w2, fmt, float(limit), E, I2 // 2, H, order, counts, starts, ends, act)
     return _moe_torch(x, idx, w, w13, w2, fmt, float(limit), order, counts, scratch, act)
 
@@ -164,7 +170,43 @@ def _weight_args(wt, fmt: str):
     return data, s, data.stride(), s.stride(), e8m0
 
 
+def _up_args(w13, fmt: str) -> tuple[tuple, dict]:
+    """_moe_up_kernel's weight arguments (gate / whole w13, its scales, the up
+    rows, their strides) and constexprs."""
+    if fmt == "gguf":
+        (g, gt), (u, ut), _ = w13
+        return ((g, g, u, g.stride(0), g.stride(1), 1, 0, 0, 0, u.stride(0), u.stride(1)),
+                dict(SCALE_E8M0=False, QT=GGUF_CODES[gt][0], TS=gguf.QTYPES[gt].type_size,
+                     QTU=GGUF_CODES[ut][0], TSU=gguf.QTYPES[ut].type_size))
+    d, s, dst, sst, e8 = _weight_args(w13, fmt)
+    return (d, s, d, *dst, *sst, 0, 0), dict(SCALE_E8M0=e8, QT=0, TS=0, QTU=0, TSU=0)
+
+
+def _down_args(w2, fmt: str) -> tuple[tuple, dict]:
+    """_moe_down_kernel's weight arguments and constexprs."""
+    if fmt == "gguf":
+        (d, dt), _ = w2
+        return (d, d, d.stride(0), d.stride(1), 1, 0, 0, 0), dict(SCALE_E8M0=False, QT=GGUF_CODES[dt][0],
+                                                                   TS=gguf.QTYPES[dt].type_size)
+    d, s, dst, sst, e8 = _weight_args(w2, fmt)
+    return (d, s, *dst, *sst), dict(SCALE_E8M0=e8, QT=0, TS=0)
+
+
+def _gguf_block_k(w13, w2) -> int:
+    """Tiles must hold whole units of every type (a Q6_K unit is 128 wide)."""
+    (_, gt), (_, ut), _ = w13
+    return max(64, *(GGUF_CODES[t][1] for t in (gt, ut, w2[0][1])))
+
+
 def _check(wt, fmt: str, E: int, N: int, K: int, what: str):
+    if fmt == "gguf":
+        parts = wt[:2] if what == "w13" else wt[:1]
+        for rows, name in parts:
+            t = gguf.QTYPES[name]
+            want = (E, N // len(parts), K // t.block * t.type_size)
+            if K % t.block or tuple(rows.shape) != want:
+                raise ValueError(f"gguf {what}: expected {name} rows {want}, got {tuple(rows.shape)}")
+        return
     if fmt == "bf16":
         shapes = [((E, N, K), tuple(wt.shape))]
     elif fmt == "fp8":
@@ -187,6 +229,8 @@ def _moe_triton(x, idx, w, w13, w2, fmt, limit, E, I, H, order, counts, starts, 
     if block_m is None:
         mean = P / min(E, P)
         block_m = 16 if mean <= 16 else 32 if mean <= 32 else 64
+    if fmt == "gguf":
+        block_k = max(block_k, _gguf_block_k(w13, w2))
     tile_e, tile_r0, tile_r1 = _tile_map(counts, starts, ends, P, E, block_m)
     order32 = order.to(torch.int32)
     tok = torch.div(order32, k, rounding_mode="floor")
@@ -197,24 +241,27 @@ def _moe_triton(x, idx, w, w13, w2, fmt, limit, E, I, H, order, counts, starts, 
     F32 = x.dtype == torch.float32
     stages = 2 if F32 else 3
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)
-    d, s, dst, sst, e8 = _weight_args(w13, fmt)
+    wa, const = _up_args(w13, fmt)
+    w, s, u, *strides = wa
     _moe_up_kernel[(tile_e.numel(), triton.cdiv(I, block_n))](
-        x, d, s, h, tile_e, tile_r0, tile_r1, tok, I, H, x.stride(0), *dst, *sst, h.stride(0), limit,
-        FMT=code, BM=block_m, BN=block_n, BK=block_k, SCALE_E8M0=e8, F32=F32, ACT=ACTS[act],
+        x, w, s, u, h, tile_e, tile_r0, tile_r1, tok, I, H, x.stride(0), *strides, h.stride(0), limit,
+        FMT=code, BM=block_m, BN=block_n, BK=block_k, F32=F32, ACT=ACTS[act], **const,
         num_warps=num_warps, num_stages=stages)
     y = torch.zeros(P, H, dtype=x.dtype, device=x.device)
-    d, s, dst, sst, e8 = _weight_args(w2, fmt)
+    (w, s, *strides), const = _down_args(w2, fmt)
     _moe_down_kernel[(tile_e.numel(), triton.cdiv(H, block_n))](
-        h, d, s, y, tile_e, tile_r0, tile_r1, order32, rw, H, I, h.stride(0), *dst, *sst, y.stride(0),
-        FMT=code, BM=block_m, BN=block_n, BK=block_k, SCALE_E8M0=e8, F32=F32,
+        h, w, s, y, tile_e, tile_r0, tile_r1, order32, rw, H, I, h.stride(0), *strides, y.stride(0),
+        FMT=code, BM=block_m, BN=block_n, BK=block_k, F32=F32, **const,
         num_warps=num_warps, num_stages=stages)
     return y.view(T, k, H).sum(1, dtype=torch.float32).to(x.dtype)
 
 
 @_jit
 def _w_tile(w_ptr, s_ptr, offs_n, k0, N, K, s_wn, s_wk, s_sn, s_sk,
-            FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SCALE_E8M0: tl.constexpr):
-    """One expert's W[offs_n, k0 : k0 + BK] as fp32 [BN, BK], zero outside N and K."""
+            FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SCALE_E8M0: tl.constexpr,
+            QT: tl.constexpr, TS: tl.constexpr):
+    """One expert's W[offs_n, k0 : k0 + BK] as fp32 [BN, BK], zero outside N and K.
+    GGUF (FMT 3): rows of QT blocks of TS bytes, s_wn bytes apart."""
     if FMT == 0:
         offs_k = k0 + tl.arange(0, BK)
         m = (offs_n < N)[:, None] & (offs_k < K)[None, :]
@@ -222,18 +269,22 @@ def _w_tile(w_ptr, s_ptr, offs_n, k0, N, K, s_wn, s_wk, s_sn, s_sk,
                     other=0.0).to(tl.float32)
     elif FMT == 1:
         w = fp8_tile(w_ptr, s_ptr, offs_n, k0, N, K, s_wn, s_wk, s_sn, s_sk, BK, SCALE_E8M0)
-    else:
+    elif FMT == 2:
         w = mxfp4_tile(w_ptr, s_ptr, offs_n, k0, N, K, s_wn, s_wk, s_sn, s_sk, BN, BK, SCALE_E8M0)
+    else:
+        w = _dequant_tile(w_ptr, offs_n, offs_n < N, s_wn, k0, K, QT, TS, BN, BK)
     return w
 
 
 @_jit
-def _moe_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, tok_ptr, I, H,
-                   stride_xt, s_we, s_wn, s_wk, s_se, s_sn, s_sk, stride_hm, limit,
+def _moe_up_kernel(x_ptr, w_ptr, s_ptr, u_ptr, h_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, tok_ptr, I, H,
+                   stride_xt, s_we, s_wn, s_wk, s_se, s_sn, s_sk, s_ue, s_un, stride_hm, limit,
                    FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                   SCALE_E8M0: tl.constexpr, F32: tl.constexpr, ACT: tl.constexpr):
+                   SCALE_E8M0: tl.constexpr, F32: tl.constexpr, ACT: tl.constexpr,
+                   QT: tl.constexpr, TS: tl.constexpr, QTU: tl.constexpr, TSU: tl.constexpr):
     """Grid (row tiles, I / BN). h[rows, n] = act(x[tok] @ w13[e, n]^T) * (x[tok] @ w13[e, I + n]^T),
-    both clamped by limit; act SiLU (ACT 0) or gelu_tanh (ACT 1)."""
+    both clamped by limit; act SiLU (ACT 0) or gelu_tanh (ACT 1). GGUF keeps gate and up apart:
+    w_ptr the gate rows (type QT), u_ptr the up rows (type QTU, expert stride s_ue, row s_un)."""
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(tile_e_ptr + t)
@@ -250,9 +301,14 @@ def _moe_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_
         for k0 in range(0, H, BK):
             offs_k = k0 + tl.arange(0, BK)
             xt = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & (offs_k < H)[None, :], other=0.0)
-            wg = _w_tile(we, se, offs_n, k0, I, H, s_wn, s_wk, s_sn, s_sk, FMT, BN, BK, SCALE_E8M0)
+            wg = _w_tile(we, se, offs_n, k0, I, H, s_wn, s_wk, s_sn, s_sk, FMT, BN, BK, SCALE_E8M0, QT, TS)
             acc_g = mac(acc_g, xt, wg, F32)
-            wu = _w_tile(we, se, I + offs_n, k0, 2 * I, H, s_wn, s_wk, s_sn, s_sk, FMT, BN, BK, SCALE_E8M0)
+            if FMT == 3:
+                wu = _w_tile(u_ptr + e.to(tl.int64) * s_ue, se, offs_n, k0, I, H, s_un, s_wk, s_sn, s_sk,
+                             FMT, BN, BK, SCALE_E8M0, QTU, TSU)
+            else:
+                wu = _w_tile(we, se, I + offs_n, k0, 2 * I, H, s_wn, s_wk, s_sn, s_sk, FMT, BN, BK, SCALE_E8M0,
+                             QT, TS)
             acc_u = mac(acc_u, xt, wu, F32)
         g = tl.minimum(acc_g, limit)
         u = tl.minimum(tl.maximum(acc_u, -limit), limit)
@@ -269,7 +325,7 @@ def _moe_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_
 def _moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, pair_ptr, rw_ptr, H, I,
                      stride_hm, s_we, s_wn, s_wk, s_se, s_sn, s_sk, stride_ym,
                      FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     SCALE_E8M0: tl.constexpr, F32: tl.constexpr):
+                     SCALE_E8M0: tl.constexpr, F32: tl.constexpr, QT: tl.constexpr, TS: tl.constexpr):
     """Grid (row tiles, H / BN). y[pair, n] = weight[pair] * (h[rows] @ w2[e, n]^T)."""
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -287,7 +343,7 @@ def _moe_down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, tile_e_ptr, tile_r0_ptr, tile_r
         for k0 in range(0, I, BK):
             offs_k = k0 + tl.arange(0, BK)
             a = tl.load(h_rows + offs_k[None, :], mask=mask_m[:, None] & (offs_k < I)[None, :], other=0.0)
-            wt = _w_tile(we, se, offs_n, k0, H, I, s_wn, s_wk, s_sn, s_sk, FMT, BN, BK, SCALE_E8M0)
+            wt = _w_tile(we, se, offs_n, k0, H, I, s_wn, s_wk, s_sn, s_sk, FMT, BN, BK, SCALE_E8M0, QT, TS)
             acc = mac(acc, a, wt, F32)
         acc = acc * rw[:, None]
         tl.store(y_ptr + pair.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
