@@ -15,7 +15,10 @@ Kernels (Triton; x bf16 activations, fp32 accumulation):
   MoE    parallel/quant/moe.moe_forward "mxfp4", rank 0's 128 experts at TP=2: M tokens routed
          top-6 of 256 (sqrt-softplus scores of random logits plus a fixed per-expert bias of
          std 0.05: an uneven load, at M = 2048 ~6.2K local pairs, every expert active, the
-         busiest ~2.5x the mean), the pairs on the other rank dropped (-1).
+         busiest ~2.5x the mean), the pairs on the other rank dropped (-1);
+  MoE-GGUF  moe_forward "gguf" on Qwen3-30B-A3B's experts (128, top-8, H 2048, I 768, one
+         GPU), as Q4_K_M files keep them: gate / up Q4_K, down Q6_K (the grouped kernels
+         dequantize GGUF tiles in registers);
 for M = 1, 16, 2048 tokens.
 
 Per case: the kernel's time (CUDA events around each call, a 256 MiB write
@@ -29,8 +32,8 @@ bandwidth, TFLOP/s, and the max relative error (max |y - ref| / max |ref|)
 against the torch reference: dequantize to fp32 + F.linear in fp32 (for the
 MoE: moe_forward's torch path in fp32). MoE times: "kernels" = the two
 grouped launches with the routing precomputed (what the roofline and the
-target compare), "call" = the whole moe_forward (its routing has a host sync:
-torch.bincount); its baseline is the per-expert bf16 cuBLAS loop of
+target compare), "call" = the whole moe_forward (routing included, no host
+sync); its baseline is the per-expert bf16 cuBLAS loop of
 Experts.forward, captured in a CUDA graph (no launch overhead), plus the
 same grouped Triton kernels on bf16 weights.
 
@@ -63,7 +66,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (implied by --device cpu)")
-    ap.add_argument("--formats", default="Q4_K,Q4_0,MXFP4,MOE,FP8,Q8_0,Q6_K,Q5_K,Q4_1,Q5_0",
+    ap.add_argument("--formats", default="Q4_K,Q4_0,MXFP4,MOE,MOE-GGUF,FP8,Q8_0,Q6_K,Q5_K,Q4_1,Q5_0",
                     help="comma list of GGUF types, FP8, MXFP4, MOE (run in this order)")
     ap.add_argument("--ms", default=None, help="token counts (default 1,16,2048; --tiny 1,16,32)")
     ap.add_argument("--iters", type=int, default=None, help="timed calls per case (default 30; --tiny 2)")
@@ -175,15 +178,15 @@ def rel_err(y, ref) -> float:
 
 
 # ---------------------------------------------------------------- weights
-def gguf_weight(name, N, K, g, device):
-    """uint8 [N, row_bytes]: random bytes, each block's fp16 fields set to uniform(-0.05, 0.05)."""
+def gguf_weight(name, N, K, g, device, amp=0.05):
+    """uint8 [N, row_bytes]: random bytes, each block's fp16 fields set to uniform(-amp, amp)."""
     from parallel.quant.gguf import QTYPES, row_bytes
     t = QTYPES[name]
     nb = K // t.block
     raw = torch.randint(0, 256, (N, row_bytes(name, K)), dtype=torch.uint8, device=device, generator=g)
     blocks = raw.view(N, nb, t.type_size)
     for off in F16_FIELDS[name]:
-        f = (torch.rand(N, nb, device=device, generator=g) * 0.1 - 0.05).half()
+        f = ((torch.rand(N, nb, device=device, generator=g) * 2 - 1) * amp).half()
         blocks[..., off:off + 2] = f.view(torch.uint8).view(N, nb, 2)
     return raw
 
@@ -282,17 +285,39 @@ def route(T, cfg, g, device, dtype):
     return torch.where(idx < EL, idx, -1), w.to(dtype)
 
 
-def moe_group(ctx, cfg):
-    """rank 0's MXFP4 experts; yields a case per M (tokens)."""
-    from parallel.quant import moe, mxfp4
+def qwen3_moe_shapes(tiny: bool) -> dict:
+    """Qwen3-30B-A3B's experts (one GPU: all local), as Q4_K_M files keep them: gate / up Q4_K, down Q6_K."""
+    if tiny:
+        return dict(E=8, E_local=8, top_k=2, H=256, I=256, limit=float("inf"), scaling=1.0)
+    return dict(E=128, E_local=128, top_k=8, H=2048, I=768, limit=float("inf"), scaling=1.0)
+
+
+def moe_weights(fmt, cfg, g, dev, dt):
+    """(w13, w2 in moe_forward's layout for fmt, bytes per expert, dense W13 [EL, 2I, H], W2 [EL, H, I])."""
+    from parallel.quant import gguf, mxfp4
+    EL, H, I = cfg["E_local"], cfg["H"], cfg["I"]
+    if fmt == "mxfp4":
+        w13 = fp4_weight((EL,), 2 * I, H, g, dev)
+        w2 = fp4_weight((EL,), H, I, g, dev)
+        per_expert = sum(t[0].nbytes + t[1].nbytes for t in (w13, w2)) // EL
+        return w13, w2, per_expert, mxfp4.dequantize(*w13, dt), mxfp4.dequantize(*w2, dt)
+    # Small scales (weights ~1e-2, as in real checkpoints): the unclamped SwiGLU would otherwise
+    # overflow fp16 activations in the interpreter check.
+    gate, up, down = (gguf_weight(n, EL * r, k, g, dev, amp=1e-3).view(EL, r, -1)
+                      for n, r, k in (("Q4_K", I, H), ("Q4_K", I, H), ("Q6_K", H, I)))
+    deq = lambda t, name, k: gguf.dequantize(t.reshape(-1, t.shape[-1]), name, k, dt).view(EL, -1, k)  # noqa: E731
+    W13 = torch.cat((deq(gate, "Q4_K", H), deq(up, "Q4_K", H)), dim=1)
+    return (((gate, "Q4_K"), (up, "Q4_K"), H), ((down, "Q6_K"), I), (gate.nbytes + up.nbytes + down.nbytes) // EL,
+            W13, deq(down, "Q6_K", I))
+
+
+def moe_group(ctx, cfg, fmt="mxfp4", model="DeepSeek-V4-Flash TP=2 rank 0"):
+    """rank 0's experts in fmt (mxfp4, or gguf: Q4_K_M's types); yields a case per M (tokens)."""
+    from parallel.quant import moe
     dev, dt, timer = ctx["device"], ctx["dtype"], ctx["timer"]
     EL, H, I, lim = cfg["E_local"], cfg["H"], cfg["I"], cfg["limit"]
     g = torch.Generator(device=dev).manual_seed(11)
-    w13 = fp4_weight((EL,), 2 * I, H, g, dev)
-    w2 = fp4_weight((EL,), H, I, g, dev)
-    per_expert = sum(t[0].nbytes + t[1].nbytes for t in (w13, w2)) // EL
-    W13 = mxfp4.dequantize(*w13, dt)           # [EL, 2I, H]: the bf16 baseline's weights
-    W2 = mxfp4.dequantize(*w2, dt)
+    w13, w2, per_expert, W13, W2 = moe_weights(fmt, cfg, g, dev, dt)   # W13 [EL, 2I, H]: the bf16 baseline's
 
     def case(M):
         for seed in range(2000 + M, 2100 + M):     # a batch with at least one pair on this rank
@@ -303,13 +328,13 @@ def moe_group(ctx, cfg):
                 break
         else:
             raise RuntimeError(f"no routing of {M} tokens with a pair on rank 0 in 100 seeds")
-        ref = moe.moe_forward(x.float(), idx, w, w13, w2, "mxfp4", lim, backend="torch")
+        ref = moe.moe_forward(x.float(), idx, w, w13, w2, fmt, lim, backend="torch")
         order, counts, starts, ends = moe.route(idx, EL)
         cl = counts.tolist()
         active = sum(c > 0 for c in cl)
-        kern = lambda: moe._moe_triton(x, idx, w, w13, w2, "mxfp4", lim, EL, I, H,  # noqa: E731
+        kern = lambda: moe._moe_triton(x, idx, w, w13, w2, fmt, lim, EL, I, H,  # noqa: E731
                                        order, counts, starts, ends)
-        full = lambda: moe.moe_forward(x, idx, w, w13, w2, "mxfp4", lim, backend="triton")  # noqa: E731
+        full = lambda: moe.moe_forward(x, idx, w, w13, w2, fmt, lim, backend="triton")  # noqa: E731
         err = rel_err(kern(), ref)
         err_call = rel_err(full(), ref)
         t_kern, t_call = timer(kern), timer(full)
@@ -353,8 +378,9 @@ def moe_group(ctx, cfg):
                                                order, counts, starts, ends)
         t_grouped = timer(bf16_grouped)
         pairs_local = sum(cl)
-        row = {"kind": "moe", "format": "MOE", "model": "DeepSeek-V4-Flash TP=2 rank 0",
-               "layer": f"{EL} experts MXFP4, top-{cfg['top_k']} of {cfg['E']}", "N": 2 * I, "K": H, "I": I, "M": M,
+        row = {"kind": "moe", "format": "MOE" if fmt == "mxfp4" else "MOE-GGUF", "model": model,
+               "layer": f"{EL} experts {'MXFP4' if fmt == 'mxfp4' else 'Q4_K gate/up, Q6_K down'}, "
+                        f"top-{cfg['top_k']} of {cfg['E']}", "N": 2 * I, "K": H, "I": I, "M": M,
                "local_pairs": pairs_local, "active_experts": active, "seed": seed, "max_rows_per_expert": max(cl),
                "call_us": round(t_call, 2), "bf16_grouped_triton_us": round(t_grouped, 2),
                "dense_kind": "bf16 cuBLAS per expert, " + ("CUDA graph" if graphed else "eager"),
@@ -519,6 +545,9 @@ def main(a) -> int:
     for fmt in a.formats.upper().split(","):
         if fmt == "MOE":
             groups.append((f"MOE {ds['moe']['E_local']} experts", lambda: moe_group(ctx, ds["moe"])))
+        elif fmt == "MOE-GGUF":
+            qm = qwen3_moe_shapes(a.tiny)
+            groups.append((f"MOE-GGUF {qm['E_local']} experts", lambda: moe_group(ctx, qm, "gguf", "Qwen3-30B-A3B")))
         elif fmt in ("FP8", "MXFP4"):
             for layer, N, K in ds["fp8" if fmt == "FP8" else "fp4"]:
                 groups.append((f"{fmt} {layer} {N}x{K}", lambda fmt=fmt, layer=layer, N=N, K=K:
