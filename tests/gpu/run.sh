@@ -1,22 +1,47 @@
 #!/usr/bin/env bash
-# Everything that needs a GPU, in one run, for a bare GPU machine (torch, triton,
-# transformers installed; no internet). Run from the repo root:
-#   OUT=/some/dir bash tests/gpu/run.sh
+# Everything that needs a GPU, for a bare GPU machine (torch, triton, transformers installed; no
+# internet), in stages small enough for one call each on a lent machine (10 minutes at most per
+# command; none of these durations has been measured yet). Run from the repo root:
+#   OUT=/some/dir bash tests/gpu/run.sh [stage ...]      # no stage: all of them, in this order
+# Stages:
+#   tests   pytest: tests/gpu (parity with transformers on CUDA, CUDA graphs = eager, batch
+#           invariance, seeded sampling, preemption / prefix hits, KV presets, NCCL) and the CUDA
+#           cases of test_sampler / test_engine_device
+#   graphs  tests/bench/gpu_engine.py sections 1 and 4 on the Llama-3.2-1B shape (roofline, batch
+#           1 with and without CUDA graphs): the quickest look at the engine's speed
+#   engine  tests/bench/gpu_engine.py, every section on both shapes (the issue's ~10 minutes)
+#   tq      tests/bench/tq_triton_gpu.py (TurboQuant kernels vs SDPA)
+#   quant   tests/bench/quant_gpu.py (quantized-weight kernels; --budget-s 240)
 # pytest (pure Python) may be missing there: carry its wheels in .gpu-wheels/
 # (`pip download pytest -d .gpu-wheels` here; the folder is git-ignored).
 set -uo pipefail
 OUT=${OUT:-/tmp/tqserve-gpu}
 mkdir -p "$OUT"
-export PYTHONPATH=. TRITON_INTERPRET=0
-python -c "import pytest" 2>/dev/null || python -m pip install -q --no-index --find-links .gpu-wheels pytest
-nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 # conftest sets TRITON_INTERPRET=1 only when unset: 0 runs the kernels for real.
-python -m pytest -q -ra tests/gpu tests/test_sampler.py tests/test_engine_device.py tests/test_dense_triton.py \
-    tests/test_tq_triton.py 2>&1 | tee "$OUT/pytest.txt"
-python tests/bench/gpu_engine.py --out "$OUT/gpu_engine" 2>&1 | tee "$OUT/gpu_engine.log"
-python tests/bench/tq_triton_gpu.py --hot off,k 2>&1 | tee "$OUT/tq_triton_gpu.log"
-cp tests/bench/results/tq_triton_gpu.* "$OUT/" 2>/dev/null || true
-# Quantized-weight kernels (issue 15): GGUF / FP8 / MXFP4 / grouped MoE vs bf16 cuBLAS and the
-# copy-bandwidth roofline, ~2-3 min on an H200 (mostly Triton compiles); the script skips what is
-# left past --budget-s 240 (default), timeout is the hard stop. Results: $OUT/quant_gpu.{json,md}.
-timeout 360 python tests/bench/quant_gpu.py --out "$OUT/quant_gpu" 2>&1 | tee "$OUT/quant_gpu.log"
+export PYTHONPATH=. TRITON_INTERPRET=0
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(tests graphs engine tq quant)
+nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
+for stage in "${stages[@]}"; do
+    echo "== $stage $(date -u +%T)"
+    case $stage in
+    tests)
+        python -c "import pytest" 2>/dev/null || python -m pip install -q --no-index --find-links .gpu-wheels pytest
+        python -m pytest -q -ra tests/gpu tests/test_sampler.py tests/test_engine_device.py 2>&1 | tee "$OUT/pytest.txt" ;;
+    graphs)
+        python tests/bench/gpu_engine.py --models llama-3.2-1b --only 1,4 --out "$OUT/gpu_engine_graphs" 2>&1 \
+            | tee "$OUT/gpu_engine_graphs.log" ;;
+    engine)
+        python tests/bench/gpu_engine.py --out "$OUT/gpu_engine" 2>&1 | tee "$OUT/gpu_engine.log" ;;
+    tq)
+        python tests/bench/tq_triton_gpu.py --hot off,k 2>&1 | tee "$OUT/tq_triton_gpu.log"
+        cp tests/bench/results/tq_triton_gpu.* "$OUT/" 2>/dev/null || true ;;
+    quant)
+        # GGUF / FP8 / MXFP4 / grouped MoE (MXFP4 and GGUF experts) vs bf16 cuBLAS and the copy-bandwidth
+        # roofline; the script skips what is left past --budget-s 240, timeout is the hard stop.
+        timeout 360 python tests/bench/quant_gpu.py --out "$OUT/quant_gpu" 2>&1 | tee "$OUT/quant_gpu.log" ;;
+    *)
+        echo "unknown stage $stage (tests, graphs, engine, tq, quant)" >&2
+        exit 2 ;;
+    esac
+done
