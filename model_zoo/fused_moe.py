@@ -76,7 +76,7 @@ class RoutedExperts(nn.Module):
             self.quant.load({0: "gate", 1: "up", None: "down"}[shard_id[1]], 0, loaded, param.device, param.dtype)
             return
         if self.quant is not DENSE:
-            raise ValueError(f"these experts keep their {self.quant.fmt} weights as stored; the checkpoint gives "
+            raise ValueError(f"these experts keep their {self.quant.name} weights as stored; the checkpoint gives "
                              f"dense tensors")
         if shard_id is None:
             if loaded.shape[0] != self.num_experts or loaded.shape[1:] != param.shape[1:]:

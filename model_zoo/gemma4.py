@@ -25,6 +25,15 @@ files say global_head_dim / num_global_key_value_heads. Both are read.
 
 Tensor parallel: attention and dense MLP as Gemma 3; experts split by id
 (model_zoo.fused_moe); router and per-layer-input projections replicated.
+
+GGUF blocks kept as stored (`--quantization gguf`, use_stored): the q/k/v
+(only the parts a layer has: q and k in K = V layers, q in KV-shared ones, as
+the file has them) and o projections, the MLP, the router's projection when
+the file quantizes it, the routed experts (ffn_gate_up_exps split into its
+gate and up rows, GGUFExperts), the per-layer-input embedding and
+projections, and the embedding (with the tied head). llama.cpp's converter
+changes none of these in value; norms, router scales and layer_scalar stay
+dense.
 """
 import re
 from collections.abc import Iterable
@@ -39,7 +48,7 @@ from kvcache.spec import LayerSpec
 from model_zoo.fused_moe import RoutedExperts
 from model_zoo.gemma3 import Gemma3MLP
 from model_zoo.layers import (PACKED, RotaryEmbedding, language_model_weights, load_packed_weights, rope_inv_freq,
-                              soft_cap)
+                              soft_cap, use_gguf_blocks)
 from parallel.linear import (ParallelLMHead, QKVParallelLinear, ReplicatedLinear, RowParallelLinear,
                              VocabParallelEmbedding)
 from parallel.state import all_reduce
@@ -397,6 +406,13 @@ class Gemma4ForCausalLM(nn.Module):
                     for p in attn.qkv_proj.absent:
                         yield f"model.layers.{m[1]}.self_attn.{p}_proj.{m[3]}", None
             yield name, t
+
+    def use_stored(self, fmts: dict[str, str]) -> int:
+        """Layers fed by these checkpoint tensors keep their GGUF rows (call on the meta-built model)."""
+        n = use_gguf_blocks(self, fmts, PACKED)
+        if self.tie_word_embeddings:       # the head reads the embedding's storage
+            self.lm_head.weight, self.lm_head.quant = self.model.embed_tokens.weight, self.model.embed_tokens.quant
+        return n
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         # lm_head.weight with tied embeddings: the same tensor as embed_tokens.

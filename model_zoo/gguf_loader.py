@@ -42,6 +42,17 @@ and is undone here (as transformers' modeling_gguf_pytorch_utils does):
   and up fused (ffn_gate_up_exps, [gate; up] rows: always for gemma4);
 - tied embeddings: no `output.weight` in the file means lm_head is the
   embedding; no lm_head tensor is emitted and tie_word_embeddings=True.
+
+Kept as stored (`--quantization gguf`, ModelSource.stored and the stored
+stream): the linear and embedding weights in a GGUF kernel type
+(_BLOCK_TENSORS), as uint8 rows. Of the transforms above, only those that
+move whole rows are undone on them (llama's q/k permute, Qwen3.5's value-head
+reorder of in_proj_qkv / in_proj_z / in_proj_b / in_proj_a; fused gate + up
+experts split into their two halves of rows); qwen3next's qkvz comes as the
+file's two tensors (the model takes that layout), and Qwen3.5's out_proj,
+whose value heads are reordered along its columns, comes as stored (the
+model reorders its input to match). Everything the converter changed in
+value (w + 1 norms, ssm_a, squeezed conv) is a small dense tensor.
 """
 
 from __future__ import annotations
@@ -92,9 +103,22 @@ ARCHS = {
 }
 HYBRID_QWEN = ("qwen3next", "qwen35", "qwen35moe")
 MOE_ARCHS = ("qwen3moe", "qwen3next", "qwen35moe")
-# Architectures whose models keep GGUF rows as stored (use_stored, --quantization gguf). The
-# Qwen3-Next / Qwen3.5 and Gemma 4 models cannot yet: their files load dequantized.
-_BLOCKS_ARCHS = frozenset({"llama", "qwen2", "qwen3", "gemma3", "qwen3moe"})
+# Architectures whose models keep GGUF rows as stored (use_stored, --quantization gguf).
+_BLOCKS_ARCHS = frozenset({"llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "gemma4"} | set(HYBRID_QWEN))
+# HF names (their ends) of the tensors that feed a linear or embedding layer: those in a GGUF
+# kernel type keep their rows with --quantization gguf. Norms, routers (ffn_gate_inp, F32 in
+# llama.cpp's files), Qwen's one-row shared_expert_gate, the DeltaNet conv kernel, A_log and
+# dt_bias, Gemma 4's scales: dense (small; most carry a transform undone in float).
+_BLOCK_TENSORS = (
+    "proj.weight", "embed_tokens.weight", "lm_head.weight",
+    # DeltaNet input projections (qwen3next's in_proj_qkvz as the file splits it: _stored_parts)
+    "linear_attn.in_proj_qkv.weight", "linear_attn.in_proj_z.weight", "linear_attn.in_proj_ba.weight",
+    "linear_attn.in_proj_b.weight", "linear_attn.in_proj_a.weight",
+    "mtp.fc.weight",                                            # the MTP head's eh_proj
+    # Gemma 4's per-layer inputs
+    "embed_tokens_per_layer.weight", "per_layer_model_projection.weight", "per_layer_input_gate.weight",
+    "per_layer_projection.weight",
+)
 
 _LAYER_PARAMS = {
     "base": [
@@ -275,12 +299,23 @@ def merge_qkvz(qkv: np.ndarray, z: np.ndarray, config: dict) -> np.ndarray:
 
 
 def _qwen_undo(arch: str, config: dict):
-    """The value transforms of llama.cpp's Qwen3NextModel (and Qwen3.5's V reorder), undone."""
+    """The value transforms of llama.cpp's Qwen3NextModel (and Qwen3.5's V reorder), undone.
+    rows_only: `a` is a projection's GGUF rows (uint8 [rows, row bytes]): only the row
+    reorders apply (whole rows move, exact on blocks); out_proj's value-head reorder is
+    over its columns, inside the blocks, so its rows come as stored (the model tiles
+    out_proj's input instead: model_zoo/qwen3_next.py SplitProjectionDeltaNet)."""
     nk, nv = config["linear_num_key_heads"], config["linear_num_value_heads"]
     dk, dv = config["linear_key_head_dim"], config["linear_value_head_dim"]
     tiled = arch != "qwen3next" and nk != nv
 
-    def undo(hf: str, a: np.ndarray) -> np.ndarray:
+    def undo(hf: str, a: np.ndarray, rows_only: bool = False) -> np.ndarray:
+        if rows_only:
+            leaf = hf.split(".linear_attn.")[-1]
+            if ".linear_attn." not in hf or leaf == "out_proj.weight":
+                return a        # no transform (the norms and the one-row gate are never blocks)
+            if leaf not in ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight",
+                            "in_proj_ba.weight"):
+                raise ValueError(f"{hf}: its GGUF transform cannot be undone on quantized rows")
         if ".linear_attn." not in hf:
             # the MTP head's pre-fc norms too: the converter adds 1 under their GGUF-bound
             # names (model.layers.N.enorm / hnorm.weight), which end in norm.weight
@@ -306,6 +341,23 @@ def _qwen_undo(arch: str, config: dict):
         return a
 
     return undo
+
+
+def _stored_parts(hf: str, ts: list) -> list[tuple[str, object, int | None]]:
+    """What the stored stream yields for HF tensor hf from its GGUF tensor(s) ts: [(name,
+    tensor, half)]. qwen3next's in_proj_qkvz as the file's two tensors, named as Qwen3.5's
+    split projections: attn_qkv as in_proj_qkv (q, k, v of all heads) and attn_gate as
+    in_proj_z (the model takes that layout: qwen3_next.GatedDeltaNet.use_gguf_layout);
+    fused gate + up experts (ffn_gate_up_exps, [gate; up] rows of each expert) as
+    experts.gate_proj (half 0) and experts.up_proj (half 1). Else hf itself."""
+    if len(ts) == 2:
+        by_part = {t.name.rsplit(".", 2)[1]: t for t in ts}
+        return [(hf.replace("in_proj_qkvz", "in_proj_qkv"), by_part["attn_qkv"], None),
+                (hf.replace("in_proj_qkvz", "in_proj_z"), by_part["attn_gate"], None)]
+    m = _STACKED_EXPERTS.match(hf)
+    if m and m[2] == "gate_up_proj":
+        return [(f"{m[1]}.gate_proj.weight", ts[0], 0), (f"{m[1]}.up_proj.weight", ts[0], 1)]
+    return [(hf, ts[0], None)]
 
 
 def _meta_get(meta: dict, arch: str, key: str, default=None):
@@ -665,9 +717,15 @@ def open_gguf(path: str | Path) -> ModelSource:
     from parallel.quant.gguf import qtype_name
     # Linear weights in a type the GGUF kernels take: kept as stored with --quantization gguf.
     # Routed experts stay stacked ([E, rows, row bytes]) as parallel.quant.base.GGUFExperts holds them.
-    blocks = {hf: qtype_name(int(ts[0].tensor_type)) for hf, ts in plan.items()
-              if arch in _BLOCKS_ARCHS and hf.endswith(("proj.weight", "embed_tokens.weight", "lm_head.weight"))
-              and qtype_name(int(ts[0].tensor_type))}
+    parts = {hf: _stored_parts(hf, ts) for hf, ts in plan.items()} if arch in _BLOCKS_ARCHS else {}
+    blocks = {name: qtype_name(int(t.tensor_type)) for ps in parts.values() for name, t, _ in ps
+              if name.endswith(_BLOCK_TENSORS) and qtype_name(int(t.tensor_type))}
+    # A stack of routed experts stays as blocks only whole (gate, up and down: GGUFExperts).
+    for prefix in {m[1] for name in blocks if (m := _STACKED_EXPERTS.match(name))}:
+        stack = [f"{prefix}.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
+        if not all(name in blocks for name in stack):
+            for name in stack:
+                blocks.pop(name, None)
 
     def permuted(arr: np.ndarray, name: str) -> np.ndarray:
         # Rows are output features, dense or blocks alike.
@@ -679,18 +737,26 @@ def open_gguf(path: str | Path) -> ModelSource:
 
     def gguf_blocks() -> Iterator[tuple[str, object]]:
         for hf, ts in plan.items():
-            if hf not in blocks:
+            split = len(ts) == 2        # qwen3next's qkvz: always as the file's two (in_proj_qkv, in_proj_z)
+            if not split and not any(name in blocks for name, _, _ in parts.get(hf, ())):
                 yield from dense(ts, hf)
                 continue
-            t = ts[0]
-            if _STACKED_EXPERTS.match(hf):      # [E, rows, row bytes]
+            for name, t, half in parts[hf]:
+                if name not in blocks:
+                    yield from dense([t], name)
+                    continue
                 shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-                raw = np.asarray(t.data).reshape(shape[0], shape[1], -1)
-                yield hf, QuantizedTensor(blocks[hf], torch.from_numpy(raw.copy()), shape)
-                continue
-            raw = np.ascontiguousarray(permuted(np.asarray(t.data).reshape(int(t.shape[1]), -1), t.name))
-            yield hf, QuantizedTensor(blocks[hf], torch.from_numpy(raw.copy()),
-                                      (int(t.shape[1]), int(t.shape[0])))
+                if _STACKED_EXPERTS.match(name):    # [E, rows, row bytes]; fused gate + up: this half's rows
+                    raw = np.asarray(t.data).reshape(shape[0], shape[1], -1)
+                    if half is not None:
+                        rows = shape[1] // 2
+                        raw, shape = raw[:, half * rows:(half + 1) * rows], (shape[0], rows, shape[2])
+                else:
+                    raw = permuted(np.asarray(t.data).reshape(shape[0], -1), t.name)
+                    if undo is not None:
+                        raw = undo(name, raw, rows_only=True)
+                raw = np.array(raw, copy=True, order="C")      # off the read-only memmap
+                yield name, QuantizedTensor(blocks[name], torch.from_numpy(raw), shape)
         yield from ones()
 
     def weights() -> Iterator[tuple[str, torch.Tensor]]:

@@ -24,6 +24,16 @@ slot keeps the state after each of a sequence's last 1 + max_rollback
 positions, so speculative decoding rolls rejected drafts back. The MTP head
 (Qwen3NextMTP, `mtp_num_hidden_layers: 1`) drafts for it. Tensor parallel: attention and MoE as Qwen3-MoE,
 DeltaNet layers by key head (GatedDeltaNet).
+
+GGUF blocks kept as stored (`--quantization gguf`, use_stored): every linear
+projection (attention, DeltaNet, shared expert, the MTP head's fc and layer),
+the routed experts (GGUFExperts), the embedding and the head. The DeltaNet
+layers take the file's layout where llama.cpp's converter moved values inside
+rows (model_zoo/gguf_loader.py): qwen3next's in_proj_qkvz as its two GGUF
+tensors (attn_qkv -> in_proj_qkv, attn_gate -> in_proj_z: Qwen3.5's split
+projections), and Qwen3.5's out_proj with its columns' value heads tiled
+(its input is tiled to match). Norms, conv kernel, A_log, dt_bias, routers
+and the one-row shared_expert_gate stay dense.
 """
 import logging
 from collections.abc import Iterable
@@ -37,11 +47,12 @@ from kvcache.attention import Attention
 from kvcache.spec import LayerSpec, LinearAttentionSpec
 from model_zoo import gated_delta
 from model_zoo.layers import (PACKED, GemmaRMSNorm, RotaryEmbedding, language_model_weights, load_packed_weights,
-                              rope_parameters)
+                              rope_parameters, use_gguf_blocks)
 from model_zoo.llama import LlamaMLP
 from model_zoo.qwen3_moe import SparseMoeBlock, is_sparse_layer
 from parallel.linear import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear, ReplicatedLinear,
                              RowParallelLinear, VocabParallelEmbedding)
+from parallel.quant.gguf import QTYPES
 from parallel.state import get_tp_rank, get_tp_size
 
 log = logging.getLogger("tqserve.model")
@@ -96,6 +107,37 @@ class GatedDeltaNet(nn.Module):
             p.weight_loader = partial(self._load_head_cut, sections=[self.num_v_heads])
         self.norm = GatedRMSNorm(self.v_dim, config.get("rms_norm_eps", 1e-6))
         self.out_proj = RowParallelLinear(tp * value_dim, H, bias=False)
+        self.hidden = H
+        self.split_qkvz = False     # in_proj_qkvz as a GGUF file's two tensors (use_gguf_layout)
+        self.out_tiled = False      # out_proj's input columns in llama.cpp's tiled value-head order
+
+    def use_gguf_layout(self, prefix: str, fmts: dict[str, str]) -> None:
+        """The layout of a GGUF file's stored stream (on the meta-built model, before
+        use_gguf_blocks; one rank): in_proj_qkvz becomes the two projections a qwen3next
+        file stores it as (llama.cpp's converter splits it), in_proj_qkv (q, k and v of
+        all heads: the layout _mix reads) and in_proj_z, so their quantized rows need no
+        reordering. (They also load a checkpoint's in_proj_qkvz: unmerged_qkvz.)"""
+        if get_tp_size() > 1:
+            raise ValueError("GGUF blocks are not split across tensor-parallel ranks")
+        old = self.in_proj_qkvz.weight
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(old.dtype)
+        try:
+            with torch.device(old.device):
+                self.in_proj_qkv = ColumnParallelLinear(self.hidden, sum(self.split), bias=False)
+                self.in_proj_z = ColumnParallelLinear(self.hidden, self.split[2], bias=False)
+        finally:
+            torch.set_default_dtype(prev)
+        del self.in_proj_qkvz
+        self.split_qkvz = True
+
+    def unmerged_qkvz(self, prefix: str, w: torch.Tensor):
+        """A checkpoint's in_proj_qkvz (grouped per key head: [q, k, v, z] each) as the
+        split projections' in_proj_qkv and in_proj_z."""
+        q, k, v, z = w.view(self.num_k_heads, -1, w.shape[-1]).split(
+            [self.k_dim, self.k_dim, self.rep * self.v_dim, self.rep * self.v_dim], dim=1)
+        yield f"{prefix}.in_proj_qkv.weight", torch.cat([x.reshape(-1, w.shape[-1]) for x in (q, k, v)])
+        yield f"{prefix}.in_proj_z.weight", z.reshape(-1, w.shape[-1])
 
     def _load_head_cut(self, param, loaded, shard_id=None, *, sections: list[int]):
         """This rank's heads of a per-head parameter, section by section: the q, k, v
@@ -114,9 +156,11 @@ class GatedDeltaNet(nn.Module):
     def _project(self, x):
         """-> q|k|v [T, conv_dim], z [T, Hv * dv], b, a [T, Hv] (this rank's heads)."""
         T = x.shape[0]
+        b, a = self.in_proj_ba(x).view(T, self.num_k_heads, -1).split([self.rep, self.rep], dim=-1)
+        if self.split_qkvz:
+            return self.in_proj_qkv(x), self.in_proj_z(x), b.reshape(T, -1), a.reshape(T, -1)
         q, k, v, z = self.in_proj_qkvz(x).view(T, self.num_k_heads, -1).split(
             [self.k_dim, self.k_dim, self.rep * self.v_dim, self.rep * self.v_dim], dim=-1)
-        b, a = self.in_proj_ba(x).view(T, self.num_k_heads, -1).split([self.rep, self.rep], dim=-1)
         return (torch.cat((q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)), dim=-1), z.reshape(T, -1),
                 b.reshape(T, -1), a.reshape(T, -1))
 
@@ -127,6 +171,8 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         core = self._mix(mixed, g, beta, meta)
         core = self.norm(core.to(x.dtype), z.view(T, self.num_v_heads, self.v_dim))
+        if self.out_tiled:      # value heads grouped by key head -> tiled (v0 of every key head, then v1, ...)
+            core = core.view(T, self.num_k_heads, self.rep, self.v_dim).transpose(1, 2)
         return self.out_proj(core.reshape(T, -1))
 
     def _heads(self, y):
@@ -201,6 +247,17 @@ class SplitProjectionDeltaNet(GatedDeltaNet):
 
     def _project(self, x):
         return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+
+    def use_gguf_layout(self, prefix: str, fmts: dict[str, str]) -> None:
+        """The layout of a GGUF file's stored stream (call before use_gguf_blocks; one rank):
+        in_proj_qkv loads whole (its head cut is for tensor parallelism), and an out_proj
+        kept as blocks has the columns llama.cpp wrote, value heads tiled when they
+        outnumber the key heads (a reorder inside the blocks the loader cannot undo):
+        forward tiles out_proj's input the same way."""
+        if get_tp_size() > 1:
+            raise ValueError("GGUF blocks are not split across tensor-parallel ranks")
+        self.in_proj_qkv.weight.weight_loader = self.in_proj_qkv.weight_loader
+        self.out_tiled = self.rep > 1 and f"{prefix}.out_proj.weight" in fmts
 
 
 class GatedAttention(nn.Module):
@@ -371,12 +428,38 @@ class Qwen3NextForCausalLM(nn.Module):
         layer = self.mtp.layers[0]
         return [LayerSpec(layer.self_attn.attn.layer_idx, layer.self_attn.attn.num_kv_heads, self.head_dim)]
 
+    def use_stored(self, fmts: dict[str, str]) -> int:
+        """Layers fed by these checkpoint tensors ({name: GGUF type}, a GGUF file's) keep
+        their GGUF rows; the DeltaNet layers take the file's layout (GatedDeltaNet.
+        use_gguf_layout). Call on the meta-built model; returns how many layers keep rows."""
+        other = sorted({f for f in fmts.values() if f not in QTYPES})
+        if other:
+            raise ValueError(f"{type(self).__name__} keeps GGUF blocks only, not {', '.join(other)}")
+        for name, m in self.named_modules():
+            if isinstance(m, GatedDeltaNet):
+                m.use_gguf_layout(name, fmts)
+        n = use_gguf_blocks(self, fmts, PACKED)
+        if self.tie_word_embeddings:       # the head reads the embedding's storage
+            self.lm_head.weight, self.lm_head.quant = self.model.embed_tokens.weight, self.model.embed_tokens.quant
+        return n
+
+    def _split_qkvz(self, weights):
+        """With split DeltaNet projections (use_stored): a checkpoint's in_proj_qkvz as them."""
+        modules = dict(self.named_modules())
+        for name, t in weights:
+            prefix, _, leaf = name.rpartition(".in_proj_qkvz.")
+            layer = modules.get(prefix) if leaf == "weight" and isinstance(t, torch.Tensor) else None
+            if getattr(layer, "split_qkvz", False):
+                yield from layer.unmerged_qkvz(prefix, t)
+            else:
+                yield name, t
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         skipped = []    # a vision tower; the MTP head when the config has none
         ignore = ("rotary_emb.inv_freq",) + (("lm_head.weight",) if self.tie_word_embeddings else ())
         skip = ("model.visual.",) + (() if self.has_mtp else ("mtp.",))
-        seen = load_packed_weights(self, language_model_weights(weights, skip, skipped), PACKED, ignore,
-                                   optional=("mtp.",))
+        seen = load_packed_weights(self, self._split_qkvz(language_model_weights(weights, skip, skipped)), PACKED,
+                                   ignore, optional=("mtp.",))
         self.mtp_loaded = any(n.startswith("mtp.") for n in seen)
         if skipped:
             log.info("%s: %d vision / MTP-head tensors not loaded (text only)", type(self).__name__, len(skipped))

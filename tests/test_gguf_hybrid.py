@@ -5,7 +5,8 @@ llama.cpp's converter applies (conversion/qwen.py Qwen3NextModel and
 _LinearAttentionVReorderBase, conversion/gemma.py Gemma4Model): the config
 read back equals the model's, the logits of an F32 file equal transformers'
 fp32 within 1e-4, and a Q8_0 file runs through the engine with the greedy
-tokens of its own dequantized weights run without a cache.
+tokens of its own dequantized weights run without a cache. (Quantized files whose
+blocks stay resident: test_gguf_stored_hybrid.py, with these writers.)
 
 The writer here is independent of the loader: its transforms follow the
 converter forwards (w + 1 norms, -exp(A_log), squeezed conv kernels, qkvz
@@ -30,6 +31,7 @@ from model_zoo.source import ModelLoadError
 S, F = "sliding_attention", "full_attention"
 ARCH = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}
 Q8 = gguf.GGMLQuantizationType.Q8_0
+Q4_0, Q4_K = gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_K
 TOL = 1e-4
 
 # GGUF arch -> test_qwen3_next flavour. llama.cpp states the layer pattern only as
@@ -53,40 +55,74 @@ GEMMA4 = {
 _hf_cache: dict = {}
 
 
-def qwen_hf(arch: str):
-    """test_qwen3_next's model for this arch, in the layer layout above."""
-    if arch not in _hf_cache:
+def qwen_hf(arch: str, **extra):
+    """test_qwen3_next's model for this arch, in the layer layout above (and `extra` config)."""
+    key = (arch, *sorted(extra.items()))
+    if key not in _hf_cache:
         flavour = QWEN[arch]
         config, cfg_cls, model_cls = FLAVOURS[flavour]
-        over = dict(QWEN_OVERRIDES, **({"mlp_only_layers": []} if arch == "qwen3next" else {}))
+        over = dict(QWEN_OVERRIDES, **({"mlp_only_layers": []} if arch == "qwen3next" else {}), **extra)
         with pytest.MonkeyPatch.context() as mp:
             mp.setitem(FLAVOURS, flavour, (dict(config, **over), cfg_cls, model_cls))
-            _hf_cache[arch] = make_hf(flavour)
-    return _hf_cache[arch]
+            _hf_cache[key] = make_hf(flavour)
+    return _hf_cache[key]
 
 
-def gemma4_hf(key: str):
+def gemma4_hf(key: str, config: dict | None = None):
+    """The model of GEMMA4[key], or of `config` (cached under key)."""
     if key not in _hf_cache:
-        _hf_cache[key] = make_gemma4(GEMMA4[key])
+        _hf_cache[key] = make_gemma4(config or GEMMA4[key])
     return _hf_cache[key]
 
 
 # ---------------------------------------------------------------- the writer
 
-def finish(w: "gguf.GGUFWriter", tensors: dict[str, np.ndarray], qtype: str) -> None:
-    """Tensors as convert_hf_to_gguf --outtype q8_0 stores them: matrices Q8_0, but
-    routers, conv kernels, norms and non-.weight tensors F32; rows not a whole
-    number of 32-blocks fall back to F16."""
+def quantize_q4_k(a: np.ndarray) -> np.ndarray:
+    """Q4_K blocks of float rows [..., n * 256] -> uint8 [..., n * 144] (gguf-py has no
+    Q4_K quantizer): per 32-run j, w = d * sc_j * q - dmin * m_j with 4-bit q and 6-bit
+    sc_j, m_j from the run's range (llama.cpp searches for better scales; any valid
+    blocks do here: both models read the same ones)."""
+    x = a.reshape(-1, 8, 32).astype(np.float32)
+    lo, hi = np.minimum(x.min(-1), 0.0), np.maximum(x.max(-1), 0.0)
+    scale, low = (hi - lo) / 15, -lo                                    # [B, 8], both >= 0
+    d = (scale.max(-1) / 63).astype(np.float16)
+    dmin = (low.max(-1) / 63).astype(np.float16)
+
+    def six_bits(v, unit):
+        unit = unit.astype(np.float32)[:, None]
+        return np.where(unit > 0, np.round(v / np.where(unit > 0, unit, 1)), 0).clip(0, 63).astype(np.uint8)
+
+    sc, m = six_bits(scale, d), six_bits(low, dmin)
+    step = (d.astype(np.float32)[:, None] * sc)[..., None]
+    offset = (dmin.astype(np.float32)[:, None] * m)[..., None]
+    q = np.where(step > 0, np.round((x + offset) / np.where(step > 0, step, 1)), 0).clip(0, 15).astype(np.uint8)
+    scales = np.concatenate([sc[:, :4] | (sc[:, 4:] >> 4) << 6, m[:, :4] | (m[:, 4:] >> 4) << 6,
+                             (sc[:, 4:] & 15) | (m[:, 4:] & 15) << 4], axis=1)
+    qs = (q[:, 0::2] | q[:, 1::2] << 4).reshape(-1, 128)              # runs 2c / 2c + 1 share bytes
+    blocks = np.concatenate([d[:, None].view(np.uint8), dmin[:, None].view(np.uint8), scales, qs], axis=1)
+    return blocks.reshape(*a.shape[:-1], a.shape[-1] // 256 * 144)
+
+
+def finish(w: "gguf.GGUFWriter", tensors: dict[str, np.ndarray], qtype: str, mix: dict | None = None) -> None:
+    """Tensors as convert_hf_to_gguf / llama-quantize store them: matrices in qtype
+    (Q8_0, Q4_0 or Q4_K; mix: {GGUF name end: type} for the tensors that differ, as
+    llama-quantize's mixes do, F16 and F32 too), but routers, conv kernels, norms and
+    non-.weight tensors F32. Rows not a whole number of the type's blocks fall back:
+    Q4_K to Q4_0 (32-blocks, the same 0.5625 bytes per weight), any to F16."""
     for name, a in tensors.items():
         a = np.ascontiguousarray(a, dtype=np.float32)
         keep = a.ndim < 2 or not name.endswith(".weight") or \
             name.endswith(("_norm.weight", "ffn_gate_inp.weight", "ssm_conv1d.weight"))
-        if qtype == "F32" or keep:
+        t = next((q for end, q in (mix or {}).items() if name.endswith(end)), qtype)
+        if t == "F32" or keep:
             w.add_tensor(name, a)
-        elif a.shape[-1] % 32:
+        elif t == "F16" or a.shape[-1] % 32:
             w.add_tensor(name, a.astype(np.float16))
+        elif t == "Q4_K" and a.shape[-1] % 256 == 0:
+            w.add_tensor(name, quantize_q4_k(a), raw_dtype=Q4_K)
         else:
-            w.add_tensor(name, gguf.quants.quantize(a, Q8), raw_dtype=Q8)
+            t = Q8 if t == "Q8_0" else Q4_0
+            w.add_tensor(name, gguf.quants.quantize(a, t), raw_dtype=t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -109,7 +145,7 @@ NEXTN = {"eh_proj": "NEXTN_EH_PROJ", "enorm": "NEXTN_ENORM", "hnorm": "NEXTN_HNO
          "shared_head.norm": "NEXTN_SHARED_HEAD_NORM"}
 
 
-def write_qwen(path, hf, arch: str, qtype: str, fused: bool = False, mtp=False, edit=None) -> None:
+def write_qwen(path, hf, arch: str, qtype: str, fused: bool = False, mtp=False, edit=None, mix=None) -> None:
     """mtp: append an MTP block as Qwen3.5's converter does (one more block,
     nextn_predict_layers 1): True: a copy of the last layer plus nextn tensors of
     ones; a dict: that `mtp.*` state dict, converted as _Qwen35MtpMixin does
@@ -214,10 +250,10 @@ def write_qwen(path, hf, arch: str, qtype: str, fused: bool = False, mtp=False, 
             out[gguf.TENSOR_NAMES[getattr(gguf.MODEL_TENSOR, t)].format(bid=n) + ".weight"] = np.ones(shape)
     if edit:
         edit(out)
-    finish(w, out, qtype)
+    finish(w, out, qtype, mix)
 
 
-def write_gemma4(path, hf, config: dict, qtype: str, edit=None) -> None:
+def write_gemma4(path, hf, config: dict, qtype: str, edit=None, mix=None) -> None:
     layers, types = config["num_hidden_layers"], config["layer_types"]
     names = gguf.get_tensor_name_map(ARCH["gemma4"], layers)
     rope, full_dim, swa_dim = config["rope_parameters"], config["global_head_dim"], config["head_dim"]
@@ -270,7 +306,7 @@ def write_gemma4(path, hf, config: dict, qtype: str, edit=None) -> None:
             out[f"{names.get_name(stem)}.{suffix}"] = a
     if edit:
         edit(out)
-    finish(w, out, qtype)
+    finish(w, out, qtype, mix)
 
 
 # ---------------------------------------------------------------- checks
@@ -310,7 +346,7 @@ def test_qwen_f32_file_matches_transformers(arch, fused, mtp, tmp_path):
         keys += ["num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size"]
     assert {k: c[k] for k in keys} == {k: getattr(h, k) for k in keys}
     assert c["model_type"] == h.model_type and c["partial_rotary_factor"] == 0.25
-    assert not src.stored       # these models cannot keep GGUF rows: the file loads dequantized
+    assert not src.stored       # an F32 file has no GGUF blocks to keep
     check_against_transformers(src, hf, f"{arch}{' fused experts' if fused else ''} gguf F32")
 
 
@@ -392,9 +428,9 @@ def test_gemma4_f32_file_matches_transformers(key, tmp_path):
 def test_q8_0_file_through_the_engine(arch, tmp_path):
     """One quantized file per family: every tensor within Q8_0's rounding (half a
     step of max/127 plus the fp16 step size's own rounding: < max/200) of the F32
-    file's, and served with the
-    default settings (the blocks dequantized at load), the greedy tokens of those
-    weights run without a cache."""
+    file's, and served with the default settings (on the CPU: the blocks kept
+    resident, --quantization gguf), the greedy tokens of those weights dequantized
+    and run without a cache."""
     files = {q: tmp_path / f"tiny-{arch}-{q}.gguf" for q in ("F32", "Q8_0")}
     for qtype, path in files.items():
         if arch == "gemma4":
