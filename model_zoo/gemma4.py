@@ -48,7 +48,7 @@ from kvcache.spec import LayerSpec
 from model_zoo.fused_moe import RoutedExperts
 from model_zoo.gemma3 import Gemma3MLP
 from model_zoo.layers import (PACKED, RotaryEmbedding, language_model_weights, load_packed_weights, rope_inv_freq,
-                              soft_cap, use_gguf_blocks)
+                              rounded_to, soft_cap, use_gguf_blocks)
 from parallel.linear import (ParallelLMHead, QKVParallelLinear, ReplicatedLinear, RowParallelLinear,
                              VocabParallelEmbedding)
 from parallel.state import all_reduce
@@ -351,14 +351,14 @@ class Gemma4Model(nn.Module):
         of its (scaled) main embedding, normed, averaged with 1/sqrt(2)."""
         T, P = x.shape[0], self.per_layer
         tok = self.embed_tokens_per_layer(input_ids)
-        tok = (tok * torch.tensor(P ** 0.5, dtype=torch.float32).to(tok.dtype)).view(T, -1, P)
+        tok = (tok * rounded_to(P ** 0.5, tok.dtype)).view(T, -1, P)
         proj = (self.per_layer_model_projection(x) * x.shape[-1] ** -0.5).view(T, -1, P)
         return (self.per_layer_projection_norm(proj) + tok) * 2.0 ** -0.5
 
     def forward(self, input_ids, positions, attn_metadata):
         x = self.embed_tokens(input_ids)
         # The scale rounded to the weight dtype first, as transformers does.
-        x = x * torch.tensor(self.embed_scale, dtype=torch.float32).to(x.dtype)
+        x = x * rounded_to(self.embed_scale, x.dtype)
         per_layer = self._per_layer_inputs(input_ids, x) if self.per_layer else None
         shared_kv: dict = {}     # layer type -> producer's (k, v) of this forward
         for i, layer in enumerate(self.layers):
