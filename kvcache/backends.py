@@ -81,10 +81,11 @@ class AttentionBackend:
     def decode(self, cache, q, block_tables, seq_lens, scale, *extra_tables):
         raise NotImplementedError
 
-    def store(self, cache, slot_mapping, k, v) -> bool:
-        """Write a step's new K/V rows into cache, if this backend has a
-        faster way than the cache's own write (dense-cpu); False: it wrote
-        nothing and the cache writes them."""
+    def store(self, cache, slot_mapping, k, v, hot_slots=None) -> bool:
+        """Write a step's new K/V rows into cache (with hot_slots also a
+        TurboQuant cache's hot copies), if this backend has a faster way than
+        the cache's own write (dense-cpu, dense-triton, tq-triton); False: it
+        wrote nothing and the cache writes them."""
         return False
 
     def prefill(self, cache, q, block_table, seq_len, scale, *extra_tables):

@@ -151,10 +151,16 @@ class TQLayerCache(LayerCache):
         return hk, hv
 
     def store(self, meta, k: torch.Tensor, v: torch.Tensor) -> None:
+        slots = meta.groups[self.group_id].slot_mapping
+        hot_slots = meta.groups[self.extra_groups[0]].slot_mapping if self.hot else None
+        # A backend with a store of its own (tq-triton: one launch, no sync)
+        # writes them, unless a hot prefill needs its chunk's rows back (below).
+        if (not self.hot or meta.num_prefills == 0) and self.backend.store(self, slots, k, v, hot_slots):
+            return
         if not self.hot:
-            return super().store(meta, k, v)
-        hk, hv = self.write(meta.groups[self.group_id].slot_mapping, k, v,
-                            meta.groups[self.extra_groups[0]].slot_mapping)
+            self.write(slots, k, v)
+            return
+        hk, hv = self.write(slots, k, v, hot_slots)
         # Each prefill's new rows, in batch order: _prefill reads its chunk's
         # own-block keys from them (a chunk's middle blocks have no hot block).
         qsl = meta.query_start_loc

@@ -1,41 +1,47 @@
-"""Triton kernels for attention over TurboQuant-compressed paged KV blocks:
-the GPU counterpart of TQLayerCache._attend (same math, tested against it
-with Triton's interpreter on CPU).
+"""Triton attention over TurboQuant-compressed paged KV blocks: the GPU
+counterpart of TQLayerCache's torch path (same math, tested against it with
+Triton's interpreter on CPU), the tq-triton backend (default for TurboQuant
+caches on CUDA).
 
-One kernel serves decode and chunked prefill. A program takes a tile of
-query rows of one sequence and one KV head, where a row is one (token,
-query head) pair of that KV head's G query heads, so every K/V tile it
-decodes is shared by all of them. It walks the sequence's key positions
-through the block table, decodes each tile of keys and values in registers
-(unpacking the b-bit codes, codebook lookup, per-group fp16 scale; or int8
-times a per-vector scale; or fp16), and keeps an online softmax. Nothing is
-materialised uncompressed in memory. Decode can split the key range of a
-sequence over several programs (flash-decoding); the partial results are
-merged by their log-sum-exp in torch.
+Decode (tq_paged_decode) is one launch, two with split-K
+(tq_triton_kernels.tq_decode_kernel, then dense-triton's
+merge_splits_kernel). A program takes one sequence's KV head with all of its
+G query heads as rows, rotates the queries itself (a dot with the +-1
+Hadamard-and-signs matrix, Codec.rot_pm1), walks its share of the key range
+through the block table decoding each tile in registers (bytes loaded once
+per row, codes split off by shifts, codebook lookup, fp16 norm; int8 times
+its scale; fp16), keeps an online softmax, and de-rotates its normalised
+output before writing it. With hot tokens one more program per (sequence,
+KV head) is the HOT pass over the int8 copies of block 0 and the query's
+own block, merged with the coded splits by log-sum-exp like any other
+split. Nothing is materialised uncompressed, no host value is read and no
+tensor is built from Python data, so a decode step can be captured in a
+CUDA graph. head_dim above 128 rotates in torch (one matmul each way): its
+[D, D] rotation would not fit the kernel's shared memory.
 
-Every call returns the output and its log-sum-exp, so that passes over
-disjoint key sets merge (tq_cache.merge): with hot tokens, a CODED pass over
-the compressed keys and a HOT pass over the int8 copies of the sink block and
-the query's own block, through the hot group's block table (valid only at
-those blocks: a program only visits the key tiles its part can see).
+Prefill (tq_prefill) is one launch for every prefilling sequence of the
+step (varlen through query_start_loc) over rotated queries, with a part
+rule: ALL, or with hot tokens the CODED pass, whose HOT counterpart runs in
+torch per sequence (TQLayerCache._hot_prefill: the chunk's middle blocks
+have no hot block) and is merged by log-sum-exp.
 
-The caller rotates and scales the queries (TQLayerCache._rotate_q) and
-de-rotates the output (TQLayerCache._finish): the kernels work entirely in
-the rotated domain; TQTritonBackend below (tq-triton, the default for
-TurboQuant caches on CUDA) does both around them. triton is imported lazily
-so that importing kvcache never needs it.
+triton is imported on first use: importing kvcache never needs it.
 """
 import torch
 
 from kvcache.backends import AttentionBackend, register_backend
-from kvcache.tq_cache import CODED, HOT, merge
+from kvcache.dense_triton import decode_splits
+from kvcache.tq_cache import ALL, CODED, merge
 
 _KIND = {"f16": 0, "int8": 1, "tq": 2}
+_HOT = {"": 0, "k": 1, "kv": 2}
+ROTATE_MAX_D = 128       # [D, D] 16-bit rotation: 32 KiB of shared memory at 128
 
 
-def _kernel():
-    from kvcache.tq_triton_kernels import tq_attn_kernel   # imports triton
-    return tq_attn_kernel
+def _kernels():
+    from kvcache.dense_triton_kernels import merge_splits_kernel    # imports triton
+    from kvcache.tq_triton_kernels import tq_attn_kernel, tq_decode_kernel
+    return tq_decode_kernel, merge_splits_kernel, tq_attn_kernel
 
 
 _CB: dict = {}
@@ -61,178 +67,214 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def _launch(cache, q, q_t, out, o_t, lse, l_t, block_tables, v_tables, q_start, q_len, seq_len,
-            n_row_tiles, rows, block_n, splits, part, num_warps=8):
-    """q / out: tensors with the head dims at (h, g) and tokens at stride q_t /
-    o_t; lse: out without D, tokens at stride l_t. With splits > 1 the
-    kernel writes partial results and this returns them merged: (output
-    [T, H, G, D] float32, lse [T, H, G]) for the caller to copy."""
-    kernel = _kernel()
-    H, D = cache.num_kv_heads, cache.head_dim
-    G = q.shape[2]
+def decode_tiles(D: int):
+    """(keys per tile, warps, pipeline stages) of a decode program: for
+    16-bit queries, no register spills and shared memory within GB10's
+    99 KiB for every format (checked by compiling for sm_90 and sm_121:
+    tests/test_tq_triton.py); fp32 queries (tests, debugging) spill. Not
+    tuned on a GPU yet: tests/bench/tq_triton_gpu.py --sweep times others."""
+    return (32, 8, 2) if D <= 128 else (16, 8, 2) if D <= 256 else (16, 8, 1)
+
+
+def _rotate(cache, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """[..., D] -> rotated (and scaled), in x's dtype (TQLayerCache._rotate_q's rounding)."""
+    return ((x.float() @ cache.kc.rot_t(x.device)) * scale).to(x.dtype)
+
+
+def _derotate(cache, y: torch.Tensor, dtype) -> torch.Tensor:
+    return (y.float() @ cache.kc.rot_t(y.device).T).to(dtype)
+
+
+def tq_paged_decode(cache, q: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                    hot_tables: torch.Tensor | None = None, num_splits: int | None = None,
+                    block_n: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One query token per sequence over its compressed blocks, rotation,
+    hot pass and de-rotation included.
+
+    cache: a TQLayerCache; q: [B, Hq, D] unrotated queries (last dim
+    contiguous); block_tables: [B, W] integer; seq_lens: [B] integer on q's
+    device (context incl. the token being decoded; 0: the row sees nothing,
+    output 0); hot_tables: the hot group's tables [B, W] when cache.hot
+    (only column 0 and each query's own column are read); num_splits: coded
+    key splits (None: enough programs to fill the GPU, from host ints
+    only). Returns out [B, Hq, D] in q's dtype (written into `out` if given).
+    """
+    kernel, merge_kernel, _ = _kernels()
+    B, Hq, D = q.shape
+    H, bs = cache.num_kv_heads, cache.block_size
+    G = Hq // H
+    assert Hq == G * H and D == cache.head_dim and q.stride(2) == 1
     dev = q.device
+    f32 = q.dtype == torch.float32
+    hot = _HOT[cache.hot]
+    assert not hot or hot_tables is not None, "hot tokens need the hot group's block tables"
+    rotate = D <= ROTATE_MAX_D
+    bn, warps, stages = decode_tiles(D)
+    bn = block_n or bn
+    span = block_tables.shape[1] * bs                  # a bound on the keys read: no sync on seq_lens
+    if cache.sliding_window is not None:
+        span = min(span, cache.sliding_window)
+    splits = num_splits or decode_splits(B, H, max(span - cache.sink, 1), bn, dev)
+    S = splits + (1 if hot else 0)
+    out = torch.empty_like(q) if out is None else out
+    if B == 0:
+        return out
+    if rotate:
+        qk, rot, q_scale, o_scale = q, cache.kc.rot_pm1(dev, q.dtype), scale * D ** -0.5, D ** -0.5
+        target = out
+    else:
+        qk, rot, q_scale, o_scale = _rotate(cache, q, scale), q, 1.0, 1.0
+        target = torch.empty_like(q)                   # rotated-domain output, de-rotated below
+    if S == 1:
+        o, lse = target, target
+        o_st, l_st = (0, target.stride(0), target.stride(1)), (0, 0, 0)
+    else:
+        o = torch.empty(S, B, Hq, D, dtype=torch.float32, device=dev)
+        lse = torch.empty(S, B, Hq, dtype=torch.float32, device=dev)
+        o_st, l_st = o.stride()[:3], lse.stride()
+    kd, ks, kcb, kst, kce = _component(cache.kc, cache.k, dev)
+    vd, vs, vcb, vst, vce = _component(cache.vc, cache.v, dev)
+    if hot:
+        hkd, hks, _, hkst, _ = _component(cache.hkc, cache.hk, dev)
+        hvc, hvstore = (cache.hvc, cache.hv) if cache.hot == "kv" else (cache.vc, cache.v)
+        hvd, hvs, hvcb, hvst, hvce = _component(hvc, hvstore, dev)
+        ht = hot_tables
+    else:
+        hkd, hks, hkst, hvd, hvs, hvcb, hvst, hvce, ht = kd, ks, kst, vd, vs, vcb, vst, vce, block_tables
+    win = cache.sliding_window
+    kernel[(B, H, S)](
+        qk, rot, o, lse, block_tables, ht, seq_lens,
+        kd, ks, kcb, vd, vs, vcb, hkd, hks, hvd, hvs, hvcb,
+        qk.stride(0), qk.stride(1), *o_st, *l_st, block_tables.stride(0), ht.stride(0),
+        *kst, *vst, *hkst, *hvst, win or 0, q_scale, o_scale, splits,
+        G=G, BLOCK_SIZE=bs, D=D, ROWS=max(16, _next_pow2(G)), BLOCK_N=bn,
+        K_KIND=kce[0], K_BITS=kce[1], K_GROUP=kce[2], V_KIND=vce[0], V_BITS=vce[1], V_GROUP=vce[2],
+        HOT=hot, HV_KIND=hvce[0], HV_BITS=hvce[1], HV_GROUP=hvce[2], HAS_WINDOW=win is not None,
+        F32=f32, ROTATE=rotate, PARTIAL=S > 1, num_warps=warps, num_stages=stages)
+    if S > 1:
+        merge_kernel[(B, Hq)](o, lse, target, target, *o.stride()[:3], *lse.stride(),
+                              target.stride(0), target.stride(1), 0, 0, S,
+                              S_PAD=max(2, _next_pow2(S)), D=D, D_PAD=D, WRITE_LSE=False,
+                              num_warps=1 if D <= 64 else 2)
+    if not rotate:
+        out.copy_(_derotate(cache, target, q.dtype))
+    return out
+
+
+def prefill_tiles(D: int):
+    """(rows, keys per tile, warps, stages) of a prefill program, chosen as decode_tiles'."""
+    return (64, 32, 8, 2) if D <= 128 else (32, 16, 8, 2) if D <= 256 else (16, 16, 8, 1)
+
+
+def tq_prefill(cache, qr: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+               query_start_loc: torch.Tensor, max_query_len: int, first_seq: int = 0,
+               num_seqs: int | None = None, part: int = ALL, rows: int | None = None, block_n: int | None = None):
+    """Causal (and windowed) attention of several sequences' new tokens over
+    their compressed prefix, which already holds those tokens: one launch.
+
+    qr: [T, Hq, D] rotated, scaled queries (the flat batch); sequence i
+    (first_seq <= i < first_seq + num_seqs, default all) owns rows
+    [query_start_loc[i], query_start_loc[i + 1]) and is the last of its
+    seq_lens[i] positions; block_tables [B, W], seq_lens [B],
+    query_start_loc [B + 1]: integer tensors on qr's device; max_query_len:
+    a host bound on those sequences' row counts (sizes the grid). part:
+    tq_cache ALL or CODED (with hot tokens: the HOT pass would need hot
+    blocks at every column its queries sit in, and the engine's hot group
+    skips a chunk's middle blocks, so the backend runs it in torch:
+    TQLayerCache._hot_prefill).
+    Returns (rotated output [T, Hq, D] in qr's dtype, log-sum-exp [T, Hq]
+    float32, -inf with output 0 for a row that sees no key); only those
+    sequences' rows are written.
+    """
+    assert part in (ALL, CODED)
+    _, _, kernel = _kernels()
+    T, Hq, D = qr.shape
+    H = cache.num_kv_heads
+    G = Hq // H
+    assert D == cache.head_dim and Hq == G * H
+    dev = qr.device
+    n_seqs = query_start_loc.shape[0] - 1 - first_seq if num_seqs is None else num_seqs
+    r, bn, warps, stages = prefill_tiles(D)
+    rows, bn = rows or r, block_n or bn
+    out = torch.empty_like(qr)
+    lse = torch.empty(T, Hq, dtype=torch.float32, device=dev)
+    n_tiles = -(-max_query_len * G // rows)
+    if n_seqs <= 0 or n_tiles <= 0:
+        return out, lse
     kc, k, vc, v = cache.part_stores(part)
     kd, ks, kcb, kst, kce = _component(kc, k, dev)
     vd, vs, vcb, vst, vce = _component(vc, v, dev)
-    sq_h, sq_g = q.stride(1), q.stride(2)
     win = cache.sliding_window
-    if splits == 1:
-        o, o_strides = out, (0, o_t, out.stride(1), out.stride(2))
-        part_lse, l_strides = lse, (0, l_t, lse.stride(1), lse.stride(2))
-    else:
-        # Partial outputs [S, T, H, G, D] float32 and their log-sum-exp [S, T, H, G].
-        T = out.numel() // (H * G * D)
-        o = torch.empty(splits, T, H, G, D, dtype=torch.float32, device=dev)
-        part_lse = torch.empty(splits, T, H, G, dtype=torch.float32, device=dev)
-        o_strides = (o.stride(0), o.stride(1), o.stride(2), o.stride(3))
-        l_strides = (part_lse.stride(0), part_lse.stride(1), part_lse.stride(2), part_lse.stride(3))
-    grid = (n_row_tiles, block_tables.shape[0], H * splits)
-    kernel[grid](q, o, part_lse, block_tables, v_tables, q_start, q_len, seq_len,
-                 kd, ks, kcb, vd, vs, vcb,
-                 q_t, sq_h, sq_g, *o_strides, *l_strides, block_tables.stride(0), v_tables.stride(0),
-                 *kst, *vst, win or 0, cache.sink, G=G, BLOCK_SIZE=cache.block_size,
-                 D=D, ROWS=rows, BLOCK_N=block_n, SPLITS=splits,
-                 K_KIND=kce[0], K_BITS=kce[1], K_GROUP=kce[2],
-                 V_KIND=vce[0], V_BITS=vce[1], V_GROUP=vce[2],
-                 HAS_WINDOW=win is not None, F32=q.dtype == torch.float32, PART=part, num_warps=num_warps)
-    if splits == 1:
-        return None
-    # Merge the splits by log-sum-exp. An empty split (or row) has lse -inf:
-    # weight 0; the clamp keeps a row no split saw at max -1e30 (not -inf - -inf).
-    mx = part_lse.amax(0).clamp_min(-1e30)
-    w = torch.exp(part_lse - mx)
-    ws = w.sum(0)
-    # ws >= 1 (the max split weighs 1) unless no split saw a key: then 0 / 1 = 0.
-    merged = (o * w.unsqueeze(-1)).sum(0) / ws.clamp_min(1.0).unsqueeze(-1)          # [T, H, G, D]
-    return merged, mx + torch.log(ws)                     # lse -inf where ws == 0
-
-
-_ROWS: dict = {}
-
-
-def _decode_rows(B: int, device):
-    """Decode's query starts (0..B-1) and lengths (1), kept per (B, device):
-    no allocation per layer and step."""
-    key = (B, str(device))
-    if key not in _ROWS:
-        _ROWS[key] = (torch.arange(B, dtype=torch.int32, device=device),
-                      torch.ones(B, dtype=torch.int32, device=device))
-    return _ROWS[key]
-
-
-def _auto_splits(batch: int, heads: int, max_len: int, block_n: int, device) -> int:
-    """Enough programs to fill the GPU, each with at least 4 key tiles."""
-    if device.type != "cuda":
-        return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(-(-2 * sms // (batch * heads)), -(-max_len // (4 * block_n)), 64))
-
-
-def tq_paged_decode(cache, qr: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                    num_splits: int | None = None, block_n: int = 32, part: int = 0,
-                    v_tables: torch.Tensor | None = None):
-    """One query token per sequence over its compressed blocks.
-
-    cache: a TQLayerCache; qr: [B, H, G, 1, D] rotated, scaled queries (as
-    TQLayerCache._rotate_q(q.unsqueeze(1), scale)); block_tables: [B, W] long,
-    the keys' (and values') tables; seq_lens: [B] (context incl. the token
-    being decoded); part: tq_cache ALL / CODED / HOT, which keys and stores
-    (TQLayerCache.part_stores); v_tables: the values' tables when they
-    differ. Returns (rotated-domain output [B, H, G, 1, D] in qr's dtype,
-    log-sum-exp [B, H, G, 1] float32), like _attend: a row that sees no key
-    has output 0 and lse -inf.
-    """
-    B, H, G, Lq, D = qr.shape
-    assert Lq == 1 and H == cache.num_kv_heads and D == cache.head_dim
-    dev = qr.device
-    seq_lens = torch.as_tensor(seq_lens, device=dev).to(torch.int32)
-    block_tables = block_tables.to(dev)
-    v_tables = block_tables if v_tables is None else v_tables.to(dev)
-    rows = max(16, _next_pow2(G))
-    # Upper bound on the keys read, without a host sync on seq_lens.
-    span = block_tables.shape[1] * cache.block_size
-    if cache.sliding_window is not None:
-        span = min(span, cache.sliding_window)
-    if part == 2:                              # HOT: the sink block and the query's own
-        span = min(span, cache.sink + cache.block_size)
-    splits = num_splits or _auto_splits(B, H, span, block_n, dev)
-    out = torch.empty_like(qr)
-    lse = torch.empty(B, H, G, 1, dtype=torch.float32, device=dev)
-    q_start, q_len = _decode_rows(B, dev)
-    merged = _launch(cache, qr, qr.stride(0), out, out.stride(0), lse, lse.stride(0), block_tables,
-                     v_tables, q_start, q_len, seq_lens, 1, rows, block_n, splits, part)
-    if merged is not None:
-        out.copy_(merged[0].unsqueeze(3))
-        lse.copy_(merged[1].unsqueeze(3))
+    # Query head h * G + g of token t sits at t * stride(0) + (h * G + g) * stride(1).
+    kernel[(n_tiles, n_seqs, H)](
+        qr, out, lse, block_tables, query_start_loc, seq_lens, first_seq,
+        kd, ks, kcb, vd, vs, vcb,
+        qr.stride(0), G * qr.stride(1), qr.stride(1), out.stride(0), G * out.stride(1), out.stride(1),
+        lse.stride(0), G * lse.stride(1), lse.stride(1), block_tables.stride(0),
+        *kst, *vst, win or 0, cache.sink, G=G, BLOCK_SIZE=cache.block_size, D=D, ROWS=rows, BLOCK_N=bn,
+        K_KIND=kce[0], K_BITS=kce[1], K_GROUP=kce[2], V_KIND=vce[0], V_BITS=vce[1], V_GROUP=vce[2],
+        HAS_WINDOW=win is not None, F32=qr.dtype == torch.float32, PART=part, num_warps=warps,
+        num_stages=stages)
     return out, lse
 
 
-def tq_prefill(cache, qr: torch.Tensor, block_tables: torch.Tensor, seq_lens,
-               query_start_loc=None, rows: int | None = None, block_n: int | None = None,
-               part: int = 0, v_tables: torch.Tensor | None = None):
-    """Causal (and windowed) attention of new tokens over the compressed prefix.
-
-    The new tokens must already be written to the cache. qr: [1, H, G, T, D]
-    rotated, scaled queries (TQLayerCache._rotate_q(q.unsqueeze(0), scale)),
-    the tokens of one or more sequences back to back. One sequence:
-    block_tables [W] and seq_lens an int (its last T tokens are the queries).
-    Several: block_tables [B, W], seq_lens [B] and query_start_loc [B + 1].
-    part / v_tables (shaped like block_tables): as in tq_paged_decode. A HOT
-    prefill needs hot blocks at every column its queries sit in; the engine's
-    hot group skips a chunk's middle blocks, so TQLayerCache runs a prefill's
-    HOT pass in torch (_hot_prefill) and only the CODED pass here.
-    Returns (rotated-domain output [1, H, G, T, D] in qr's dtype, log-sum-exp
-    [1, H, G, T] float32; -inf with output 0 for a row that sees no key).
-    """
-    one, H, G, T, D = qr.shape
-    assert one == 1 and H == cache.num_kv_heads and D == cache.head_dim
-    dev = qr.device
-    v_tables = block_tables if v_tables is None else v_tables
-    if block_tables.dim() == 1:
-        block_tables, v_tables = block_tables[None], v_tables[None]
-        seq_lens, query_start_loc = [int(seq_lens)], [0, T]
-    qsl = [int(x) for x in query_start_loc]
-    lens = [qsl[i + 1] - qsl[i] for i in range(len(qsl) - 1)]
-    out = torch.empty_like(qr)
-    lse = torch.empty(1, H, G, T, dtype=torch.float32, device=dev)
-    if T == 0:
-        return out, lse
-    # Tiles that compile without register spills on sm_90 (checked with
-    # ptxas for tq3/tq4/int8): smaller ones for head_dim 256 and up.
-    rows = rows or (64 if D <= 128 else 32)
-    block_n = block_n or (32 if D <= 128 else 16)
-    i32 = dict(dtype=torch.int32, device=dev)
-    n_row_tiles = -(-max(lens) * G // rows)
-    _launch(cache, qr, qr.stride(3), out, out.stride(3), lse, lse.stride(3), block_tables.to(dev),
-            v_tables.to(dev), torch.tensor(qsl[:-1], **i32), torch.tensor(lens, **i32),
-            torch.as_tensor(seq_lens).to(**i32), n_row_tiles, rows, block_n, 1, part)
-    return out, lse
+def _heads(x: torch.Tensor, H: int) -> torch.Tensor:
+    """[Lq, Hq, ...] -> [1, H, G, Lq, ...] (the torch path's layout), a view."""
+    Lq, Hq = x.shape[:2]
+    return x.view(Lq, H, Hq // H, *x.shape[2:]).movedim(0, 2).unsqueeze(0)
 
 
 @register_backend("tq-triton", "tq")
 class TQTritonBackend(AttentionBackend):
-    """One batched decode launch (two with hot tokens: CODED and HOT passes,
-    merged by log-sum-exp) and one launch per prefill sequence (its HOT pass
-    in torch, TQLayerCache._hot_prefill)."""
+    """A step in two to four launches: the decodes (one batched launch, plus
+    the split merge), every prefill chunk's coded keys (one launch), and
+    with hot tokens each prefill's HOT pass in torch. The new K/V go in
+    with one more (kvcache/tq_store.py); a decode-only step can be captured."""
+    capturable = True
+
+    def store(self, cache, slot_mapping, k, v, hot_slots=None):
+        from kvcache.tq_store import tq_store
+        tq_store(cache, slot_mapping, k, v, hot_slots)
+        return True
+
+    def forward(self, cache, q, meta, scale):
+        group = meta.groups[cache.group_id]
+        hot = meta.groups[cache.extra_groups[0]].block_tables if cache.hot else None
+        out = torch.empty_like(q)
+        nd, B = meta.num_decodes, meta.num_seqs
+        if nd:
+            tq_paged_decode(cache, q[:nd], group.block_tables[:nd], meta.seq_lens_t[:nd], scale,
+                            None if hot is None else hot[:nd], out=out[:nd])
+        if B > nd:
+            self._prefills(cache, q, scale, out, group.block_tables, hot, meta.seq_lens_t,
+                           meta.query_start_loc_t, meta.query_start_loc, meta.seq_lens, nd, meta.max_query_len)
+        return out
+
+    def _prefills(self, cache, q, scale, out, block_tables, hot_tables, seq_lens_t, qsl_t, qsl, seq_lens,
+                  first, max_query_len):
+        """Sequences first.. of the flat batch, each a chunk over its prefix."""
+        t0 = qsl[first]
+        qr = torch.empty_like(q)
+        qr[t0:] = _rotate(cache, q[t0:], scale)
+        o, lse = tq_prefill(cache, qr, block_tables, seq_lens_t, qsl_t, max_query_len, first_seq=first,
+                            part=CODED if cache.hot else ALL)
+        if not cache.hot:
+            out[t0:] = _derotate(cache, o[t0:], q.dtype)
+            return
+        H = cache.num_kv_heads
+        for i in range(first, len(seq_lens)):
+            s, e = qsl[i], qsl[i + 1]
+            hot = cache._hot_prefill(_heads(qr[s:e], H), block_tables[i], hot_tables[i], seq_lens[i])
+            acc = merge(_heads(o[s:e], H), _heads(lse[s:e], H), *hot)
+            out[s:e] = cache._finish(acc, q.dtype)[0]
 
     def decode(self, cache, q, block_tables, seq_lens, scale, hot_tables=None):
-        seq_lens = seq_lens.to(q.device)
-        qr = cache._rotate_q(q.unsqueeze(1), scale)
-        if not cache.hot:
-            acc, _ = tq_paged_decode(cache, qr, block_tables, seq_lens)
-        else:
-            v_hot = cache.hot_v_tables(hot_tables, block_tables)
-            acc = merge(*tq_paged_decode(cache, qr, block_tables, seq_lens, part=CODED),
-                        *tq_paged_decode(cache, qr, hot_tables, seq_lens, part=HOT, v_tables=v_hot))
-        return cache._finish(acc, q.dtype)[:, 0]
+        return tq_paged_decode(cache, q, block_tables, seq_lens.to(q.device), scale, hot_tables)
 
     def prefill(self, cache, q, block_table, seq_len, scale, hot_table=None):
-        qr = cache._rotate_q(q.unsqueeze(0), scale)
-        if cache.hot:
-            hot = cache._hot_prefill(qr, block_table, hot_table, seq_len)
-            if (seq_len - 1) // cache.block_size <= 1:      # no coded block between the hot ones
-                return cache._finish(hot[0], q.dtype)[0]
-            coded = tq_prefill(cache, qr, block_table, seq_len, part=CODED)
-            return cache._finish(merge(*coded, *hot), q.dtype)[0]
-        acc, _ = tq_prefill(cache, qr, block_table, seq_len)
-        return cache._finish(acc, q.dtype)[0]
+        dev = q.device
+        out = torch.empty_like(q)
+        self._prefills(cache, q, scale, out, block_table[None], None if hot_table is None else hot_table[None],
+                       torch.tensor([seq_len], device=dev), torch.tensor([0, q.shape[0]], device=dev),
+                       [0, q.shape[0]], [seq_len], 0, q.shape[0])
+        return out

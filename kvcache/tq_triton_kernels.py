@@ -1,72 +1,264 @@
-"""The Triton kernel behind kvcache.tq_triton (see there). A module of its
+"""The Triton kernels behind kvcache.tq_triton (see there). A module of its
 own because it imports triton at import time: only tq_triton loads it, on
 first use."""
 import triton
 import triton.language as tl
 
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
 
 @triton.jit
-def _load_tile(data, scale, cb, slots, h, d, mask,
+def _load_tile(data, scale, cb, slots, h, mask,
                s_slot, s_h, sc_slot, sc_h,
                KIND: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                N: tl.constexpr, D: tl.constexpr):
-    """[N] slots x [D] coordinates of one component -> float32 rotated vectors."""
+    """[N] slots x [D] coordinates of one component -> float32 rotated vectors.
+
+    Every byte is loaded once, as a row of [N, D * BITS / 8] bytes (no
+    per-coordinate address math); the codes are split off it with shifts
+    and interleaved back by joins, which keep each thread's codes in its own
+    registers. The codebook (at most 32 float32 entries: one cache line or
+    two) is the only gather; a whole-head norm is one scale per row."""
     row = slots[:, None] * s_slot + h * s_h
     m2 = mask[:, None]
+    d = tl.arange(0, D)
     if KIND == 0:                                       # f16
         x = tl.load(data + row + d[None, :], mask=m2, other=0.0).to(tl.float32)
     elif KIND == 1:                                     # int8 * per-vector scale
         q = tl.load(data + row + d[None, :], mask=m2, other=0).to(tl.float32)
         s = tl.load(scale + slots * sc_slot + h * sc_h, mask=mask, other=0.0).to(tl.float32)
         x = q * s[:, None]
-    else:                                               # tq: packed codes
-        # pack_bits: the 8 codes of coordinates 8j..8j+7 fill bytes
-        # BITS*j .. BITS*j + BITS - 1 as one little-endian word, code i at bit
-        # BITS*i. Load each word's bytes once ([N, D/8] per byte), split the
-        # word into its 8 codes and interleave them back to [N, D].
-        j = tl.arange(0, D // 8)
-        ptr = data + row + (j * BITS)[None, :]
-        # 8 codes of up to 4 bits fit an int32 word; 5 bits need 40.
-        WORD: tl.constexpr = tl.int64 if BITS > 4 else tl.int32
-        w = tl.load(ptr, mask=m2, other=0).to(WORD)
-        for i in tl.static_range(1, BITS):
-            w = w | (tl.load(ptr + i, mask=m2, other=0).to(WORD) << (8 * i))
-        MASK: tl.constexpr = (1 << BITS) - 1
-        # join() appends its new axis last, so the first join is the most
-        # significant digit of i = 4a + 2b + c.
-        p00 = tl.join(w & MASK, (w >> (4 * BITS)) & MASK)
-        p01 = tl.join((w >> BITS) & MASK, (w >> (5 * BITS)) & MASK)
-        p10 = tl.join((w >> (2 * BITS)) & MASK, (w >> (6 * BITS)) & MASK)
-        p11 = tl.join((w >> (3 * BITS)) & MASK, (w >> (7 * BITS)) & MASK)
-        code = tl.reshape(tl.join(tl.join(p00, p10), tl.join(p01, p11)), (N, D))
+    else:                                               # tq: packed codes (turboquant.pack_bits)
+        if BITS == 4:
+            # Byte j: coordinate 2j in the low nibble, 2j + 1 in the high one.
+            b = tl.load(data + row + tl.arange(0, D // 2)[None, :], mask=m2, other=0).to(tl.int32)
+            code = tl.reshape(tl.join(b & 15, b >> 4), (N, D))
+        elif BITS == 2:
+            # Byte j: coordinates 4j .. 4j + 3 at bits 0, 2, 4, 6. join() appends
+            # its axis last: the outer join is the low bit of the code index.
+            b = tl.load(data + row + tl.arange(0, D // 4)[None, :], mask=m2, other=0).to(tl.int32)
+            code = tl.reshape(tl.join(tl.join(b & 3, (b >> 4) & 3), tl.join((b >> 2) & 3, b >> 6)), (N, D))
+        else:
+            # 3 / 5 bits: the 8 codes of coordinates 8j..8j+7 fill bytes
+            # BITS*j .. BITS*j + BITS - 1 as one little-endian word, code i at
+            # bit BITS*i. Load each word's bytes once ([N, D/8] per byte), split
+            # the word into its 8 codes and interleave them back to [N, D].
+            j = tl.arange(0, D // 8)
+            ptr = data + row + (j * BITS)[None, :]
+            # 8 codes of up to 4 bits fit an int32 word; 5 bits need 40.
+            WORD: tl.constexpr = tl.int64 if BITS > 4 else tl.int32
+            w = tl.load(ptr, mask=m2, other=0).to(WORD)
+            for i in tl.static_range(1, BITS):
+                w = w | (tl.load(ptr + i, mask=m2, other=0).to(WORD) << (8 * i))
+            MASK: tl.constexpr = (1 << BITS) - 1
+            # The first join is the most significant digit of i = 4a + 2b + c.
+            p00 = tl.join(w & MASK, (w >> (4 * BITS)) & MASK)
+            p01 = tl.join((w >> BITS) & MASK, (w >> (5 * BITS)) & MASK)
+            p10 = tl.join((w >> (2 * BITS)) & MASK, (w >> (6 * BITS)) & MASK)
+            p11 = tl.join((w >> (3 * BITS)) & MASK, (w >> (7 * BITS)) & MASK)
+            code = tl.reshape(tl.join(tl.join(p00, p10), tl.join(p01, p11)), (N, D)).to(tl.int32)
         c = tl.load(cb + code)
-        s = tl.load(scale + slots[:, None] * sc_slot + h * sc_h + (d // GROUP)[None, :],
-                    mask=m2, other=0.0).to(tl.float32)
-        x = c * s
+        if GROUP == D:                                  # one norm per vector
+            s = tl.load(scale + slots * sc_slot + h * sc_h, mask=mask, other=0.0).to(tl.float32)
+            x = c * s[:, None]
+        else:
+            s = tl.load(scale + slots[:, None] * sc_slot + h * sc_h + (d // GROUP)[None, :],
+                        mask=m2, other=0.0).to(tl.float32)
+            x = c * s
     return x
 
 
 @triton.jit
-def tq_attn_kernel(q_ptr, o_ptr, lse_ptr, bt_ptr, vbt_ptr, q_start_ptr, q_len_ptr, seq_len_ptr,
+def _decode_range(qr, m, l, acc, lo, hi, i_first, i_last, bt_row, vbt_row,
+                  k_data, k_scale, k_cb, v_data, v_scale, v_cb, h,
+                  ks_slot, ks_h, ksc_slot, ksc_h, vs_slot, vs_h, vsc_slot, vsc_h,
+                  BLOCK_SIZE: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                  K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr,
+                  V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr,
+                  V_TABLE: tl.constexpr, F32: tl.constexpr):
+    """Online softmax (base 2) of one decode row tile over key tiles
+    i_first..i_last-1 of the key range [lo, hi), which holds exactly the
+    keys the query sees (a decode's rows share one position): the only mask
+    is the range's end. K through bt_row, V through vbt_row when V_TABLE
+    (else the same blocks)."""
+    n = tl.arange(0, BLOCK_N)
+    for i in range(i_first, i_last):
+        kpos = lo + i * BLOCK_N + n
+        kmask = kpos < hi
+        col = kpos // BLOCK_SIZE
+        off = kpos % BLOCK_SIZE
+        slots = tl.load(bt_row + col, mask=kmask, other=0).to(tl.int64) * BLOCK_SIZE + off
+        if V_TABLE:
+            vslots = tl.load(vbt_row + col, mask=kmask, other=0).to(tl.int64) * BLOCK_SIZE + off
+        else:
+            vslots = slots
+        k = _load_tile(k_data, k_scale, k_cb, slots, h, kmask, ks_slot, ks_h, ksc_slot, ksc_h,
+                       K_KIND, K_BITS, K_GROUP, BLOCK_N, D)
+        # Dot in the query dtype with fp32 accumulation, as the torch path
+        # does; fp32 stays exact fp32 (no tf32) so the kernel matches the reference.
+        if F32:
+            s = tl.dot(qr, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(qr, tl.trans(k.to(qr.dtype)))
+        s = tl.where(kmask[None, :], s * LOG2E, -1e30)
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.where(kmask[None, :], tl.exp2(s - m_new[:, None]), 0.0)
+        l = l * alpha + tl.sum(p, 1)
+        v = _load_tile(v_data, v_scale, v_cb, vslots, h, kmask, vs_slot, vs_h, vsc_slot, vsc_h,
+                       V_KIND, V_BITS, V_GROUP, BLOCK_N, D)
+        if F32:
+            pv = tl.dot(p, v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(qr.dtype), v.to(qr.dtype))
+        acc = acc * alpha[:, None] + pv
+        m = m_new
+    return m, l, acc
+
+
+@triton.jit(do_not_specialize=["so_s", "sl_s", "s_bt", "s_hbt", "window", "splits"])
+def tq_decode_kernel(q_ptr, rot_ptr, o_ptr, lse_ptr, bt_ptr, hbt_ptr, seq_len_ptr,
+                     k_data, k_scale, k_cb, v_data, v_scale, v_cb,
+                     hk_data, hk_scale, hv_data, hv_scale, hv_cb,
+                     sq_b, sq_h, so_s, so_b, so_h, sl_s, sl_b, sl_h, s_bt, s_hbt,
+                     ks_slot, ks_h, ksc_slot, ksc_h, vs_slot, vs_h, vsc_slot, vsc_h,
+                     hks_slot, hks_h, hksc_slot, hksc_h, hvs_slot, hvs_h, hvsc_slot, hvsc_h,
+                     window, q_scale, o_scale, splits,
+                     G: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr,
+                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                     K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr,
+                     V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr,
+                     HOT: tl.constexpr, HV_KIND: tl.constexpr, HV_BITS: tl.constexpr,
+                     HV_GROUP: tl.constexpr, HAS_WINDOW: tl.constexpr, F32: tl.constexpr,
+                     ROTATE: tl.constexpr, PARTIAL: tl.constexpr):
+    """A whole TurboQuant decode for one (sequence, KV head, split): grid
+    (B, Hkv, splits + (HOT > 0)).
+
+    Rows are the KV head's G query heads (padded to ROWS), so each decoded
+    K/V tile serves all of them. With ROTATE the program rotates its
+    queries itself: q @ rot (rot = diag(signs) * Hadamard, entries +-1, so
+    exact in any dtype) * q_scale (softmax scale / sqrt(D)), and de-rotates
+    its output the same way (@ rot^T * o_scale); without, q comes rotated
+    and scaled and the output stays rotated (the caller de-rotates).
+
+    Programs split < splits walk an equal share of the coded keys: every
+    key <= the query (inside the window), or with hot tokens (HOT 1 = "k",
+    2 = "kv") those in [BLOCK_SIZE, own block start). The program
+    split == splits is the HOT pass: block 0 (the sinks) and the query's
+    own block, read from the int8 hot copies through hbt_ptr (values too
+    for "kv"; for "k" the coded values through bt_ptr). It never touches
+    another column of the hot table.
+
+    PARTIAL: write the normalised output (fp32) and its log-sum-exp
+    (natural log; -inf for a split that saw no key) at split * so_s /
+    sl_s, for merge_splits_kernel; else the final output in o's dtype."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_len_ptr + b).to(tl.int32)
+    qpos = seq_len - 1
+
+    g = tl.arange(0, ROWS)
+    row_ok = g < G
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + b.to(tl.int64) * sq_b + (h * G + g)[:, None] * sq_h + d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    if ROTATE:
+        rot = tl.load(rot_ptr + d[:, None] * D + d[None, :])
+        if F32:
+            qr = tl.dot(q, rot, input_precision="ieee") * q_scale
+        else:
+            qr = (tl.dot(q, rot) * q_scale).to(q.dtype)
+    else:
+        qr = q
+
+    # -1e30: a finite "minus infinity" (no inf - inf NaNs).
+    m = tl.full([ROWS], -1e30, tl.float32)
+    l = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, D], tl.float32)
+    bt_row = bt_ptr + b.to(tl.int64) * s_bt
+    if split < splits:
+        lo = 0
+        if HAS_WINDOW:
+            lo = tl.maximum(qpos - window + 1, 0)
+        hi = seq_len
+        if HOT:
+            lo = BLOCK_SIZE
+            hi = qpos // BLOCK_SIZE * BLOCK_SIZE
+        n_tiles = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)
+        per_split = tl.cdiv(n_tiles, splits)
+        i_first = split * per_split
+        i_last = tl.minimum(i_first + per_split, n_tiles)
+        m, l, acc = _decode_range(qr, m, l, acc, lo, hi, i_first, i_last, bt_row, bt_row,
+                                  k_data, k_scale, k_cb, v_data, v_scale, v_cb, h,
+                                  ks_slot, ks_h, ksc_slot, ksc_h, vs_slot, vs_h, vsc_slot, vsc_h,
+                                  BLOCK_SIZE, D, BLOCK_N, K_KIND, K_BITS, K_GROUP,
+                                  V_KIND, V_BITS, V_GROUP, False, F32)
+    elif HOT:
+        hbt_row = hbt_ptr + b.to(tl.int64) * s_hbt
+        vt_row = hbt_row if HOT == 2 else bt_row
+        # The sinks [0, min(BLOCK_SIZE, seq_len)), then the own block from
+        # max(its start, BLOCK_SIZE) (empty while the query is in block 0).
+        m, l, acc = _decode_range(qr, m, l, acc, 0, tl.minimum(seq_len, BLOCK_SIZE), 0,
+                                  tl.cdiv(BLOCK_SIZE, BLOCK_N), hbt_row, vt_row,
+                                  hk_data, hk_scale, hk_data, hv_data, hv_scale, hv_cb, h,
+                                  hks_slot, hks_h, hksc_slot, hksc_h, hvs_slot, hvs_h, hvsc_slot, hvsc_h,
+                                  BLOCK_SIZE, D, BLOCK_N, 1, 8, D, HV_KIND, HV_BITS, HV_GROUP,
+                                  HOT == 1, F32)
+        own = tl.maximum(qpos // BLOCK_SIZE * BLOCK_SIZE, BLOCK_SIZE)
+        m, l, acc = _decode_range(qr, m, l, acc, own, seq_len, 0, tl.cdiv(tl.maximum(seq_len - own, 0), BLOCK_N),
+                                  hbt_row, vt_row,
+                                  hk_data, hk_scale, hk_data, hv_data, hv_scale, hv_cb, h,
+                                  hks_slot, hks_h, hksc_slot, hksc_h, hvs_slot, hvs_h, hvsc_slot, hvsc_h,
+                                  BLOCK_SIZE, D, BLOCK_N, 1, 8, D, HV_KIND, HV_BITS, HV_GROUP,
+                                  HOT == 1, F32)
+
+    # A row (or split) that saw no key: output 0, log-sum-exp -inf.
+    has = l > 0
+    out = acc / tl.where(has, l, 1.0)[:, None]
+    if ROTATE:
+        rot_t = tl.load(rot_ptr + d[None, :] * D + d[:, None])
+        if F32:
+            out = tl.dot(out, rot_t, input_precision="ieee") * o_scale
+        else:
+            # Two 16-bit halves of the fp32 output (hi + lo): ~16 bits of
+            # mantissa through the 16-bit dot, instead of 8 (bf16).
+            o_hi = out.to(q.dtype)
+            o_lo = (out - o_hi.to(tl.float32)).to(q.dtype)
+            out = (tl.dot(o_hi, rot_t) + tl.dot(o_lo, rot_t)) * o_scale
+    o_row = o_ptr + split * so_s + b.to(tl.int64) * so_b + (h * G + g) * so_h
+    tl.store(o_row[:, None] + d[None, :], out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+    if PARTIAL:
+        lse = tl.where(has, (m + tl.log2(tl.where(has, l, 1.0))) * LN2, -float("inf"))
+        tl.store(lse_ptr + split * sl_s + b.to(tl.int64) * sl_b + (h * G + g) * sl_h, lse, mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["seq0", "s_bt", "window", "sink"])
+def tq_attn_kernel(q_ptr, o_ptr, lse_ptr, bt_ptr, qsl_ptr, seq_len_ptr, seq0,
                    k_data, k_scale, k_cb, v_data, v_scale, v_cb,
-                   sq_t, sq_h, sq_g, so_s, so_t, so_h, so_g, sl_s, sl_t, sl_h, sl_g, s_bt, s_vbt,
+                   sq_t, sq_h, sq_g, so_t, so_h, so_g, sl_t, sl_h, sl_g, s_bt,
                    ks_slot, ks_h, ksc_slot, ksc_h, vs_slot, vs_h, vsc_slot, vsc_h,
                    window, sink, G: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   D: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+                   D: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                    K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr,
                    V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr,
                    HAS_WINDOW: tl.constexpr, F32: tl.constexpr, PART: tl.constexpr):
-    """PART (tq_cache ALL / CODED / HOT) picks the keys a query at position p
-    sees besides the causal and window masks: ALL every one; CODED those in
-    [sink, own(p)); HOT those below sink or in [own(p), p], where own(p) is
-    the start of p's block. K is read through bt_ptr, V through vbt_ptr."""
+    """Chunked prefill over compressed blocks: grid (row tiles, sequences,
+    KV heads). A program takes ROWS (token, query head) rows, token-major,
+    of sequence seq0 + program_id(1), whose queries are rows
+    [qsl[b], qsl[b + 1]) of q (rotated, scaled) and the last of its
+    seq_len[b] positions. PART (tq_cache ALL / CODED) picks the keys a
+    query at position p sees besides the causal and window masks: ALL every
+    one; CODED those in [sink, own(p)), own(p) the start of p's block (the
+    HOT rest runs in torch: TQLayerCache._hot_prefill). Writes the rotated
+    output and its log-sum-exp (natural log)."""
     tile = tl.program_id(0)
-    b = tl.program_id(1)
-    h = tl.program_id(2) // SPLITS
-    split = tl.program_id(2) % SPLITS
-    q_start = tl.load(q_start_ptr + b)
-    q_len = tl.load(q_len_ptr + b)
-    seq_len = tl.load(seq_len_ptr + b)
+    b = seq0 + tl.program_id(1)
+    h = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + b).to(tl.int32)
+    q_len = tl.load(qsl_ptr + b + 1).to(tl.int32) - q_start
+    seq_len = tl.load(seq_len_ptr + b).to(tl.int32)
     ctx = seq_len - q_len                       # position of the first query token
 
     # Rows of this tile: (token, query head) pairs, token-major.
@@ -77,57 +269,33 @@ def tq_attn_kernel(q_ptr, o_ptr, lse_ptr, bt_ptr, vbt_ptr, q_start_ptr, q_len_pt
     qpos = ctx + t
     own = qpos // BLOCK_SIZE * BLOCK_SIZE       # each row's block start
     d = tl.arange(0, D)
-    q = tl.load(q_ptr + (q_start + t)[:, None] * sq_t + h * sq_h + g[:, None] * sq_g + d[None, :],
+    tok = (q_start + t).to(tl.int64)
+    q = tl.load(q_ptr + tok[:, None] * sq_t + h * sq_h + g[:, None] * sq_g + d[None, :],
                 mask=row_ok[:, None], other=0.0)
 
-    # Key range this tile can see: [lo, hi), and for HOT also the sink
-    # range [a_lo, a_hi) before it. A HOT pass must never touch other keys:
-    # its block table is valid only at block 0 and the queries' own blocks.
+    # Key range this tile can see: [lo, hi).
     p_min = ctx + (tile * ROWS) // G
     p_max = tl.minimum(ctx + (tile * ROWS + ROWS - 1) // G, seq_len - 1)
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(p_min - window + 1, 0)
     hi = tl.where(p_min <= p_max, p_max + 1, lo)       # empty for a tile past the queries
-    a_lo = lo
-    n_a = 0                                             # tiles in the sink range
     if PART == 1:                                       # CODED: [sink, last row's own block)
         lo = tl.maximum(lo, sink)
         hi = tl.minimum(hi, p_max // BLOCK_SIZE * BLOCK_SIZE)
-    if PART == 2:                                       # HOT: [0, sink) and [first row's own block, hi)
-        a_hi = tl.minimum(hi, sink)
-        n_a = tl.cdiv(tl.maximum(a_hi - a_lo, 0), BLOCK_N)
-        lo = tl.maximum(tl.maximum(lo, sink), p_min // BLOCK_SIZE * BLOCK_SIZE)
-    # Both ranges' tiles in one index space, split evenly over SPLITS.
-    n_tiles = n_a + tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)
-    per_split = tl.cdiv(n_tiles, SPLITS)
-    i_first = split * per_split
-    i_last = tl.minimum(i_first + per_split, n_tiles)
+    n_tiles = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)
 
-    # -1e30: a finite "minus infinity", as in tq_cache (no inf - inf NaNs).
     m = tl.full([ROWS], -1e30, tl.float32)
     l = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, D], tl.float32)
-    for i in range(i_first, i_last):
-        if PART == 2:
-            in_a = i < n_a
-            start = tl.where(in_a, a_lo + i * BLOCK_N, lo + (i - n_a) * BLOCK_N)
-            end = tl.where(in_a, a_hi, hi)
-        else:
-            start = lo + i * BLOCK_N
-            end = hi
-        kpos = start + tl.arange(0, BLOCK_N)
-        kmask = kpos < end
-        blk = tl.load(bt_ptr + b * s_bt + kpos // BLOCK_SIZE, mask=kmask, other=0)
-        slots = blk.to(tl.int64) * BLOCK_SIZE + kpos % BLOCK_SIZE
-        vblk = tl.load(vbt_ptr + b * s_vbt + kpos // BLOCK_SIZE, mask=kmask, other=0)
-        vslots = vblk.to(tl.int64) * BLOCK_SIZE + kpos % BLOCK_SIZE
-        k = _load_tile(k_data, k_scale, k_cb, slots, h, d, kmask, ks_slot, ks_h, ksc_slot, ksc_h,
+    bt_row = bt_ptr + b.to(tl.int64) * s_bt
+    for i in range(0, n_tiles):
+        kpos = lo + i * BLOCK_N + tl.arange(0, BLOCK_N)
+        kmask = kpos < hi
+        slots = tl.load(bt_row + kpos // BLOCK_SIZE, mask=kmask, other=0).to(tl.int64) * BLOCK_SIZE \
+            + kpos % BLOCK_SIZE
+        k = _load_tile(k_data, k_scale, k_cb, slots, h, kmask, ks_slot, ks_h, ksc_slot, ksc_h,
                        K_KIND, K_BITS, K_GROUP, BLOCK_N, D)
-        v = _load_tile(v_data, v_scale, v_cb, vslots, h, d, kmask, vs_slot, vs_h, vsc_slot, vsc_h,
-                       V_KIND, V_BITS, V_GROUP, BLOCK_N, D)
-        # Dot in the query dtype, as the torch path does; fp32 stays exact
-        # fp32 (no tf32) so the kernel matches the reference.
         if F32:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -138,14 +306,14 @@ def tq_attn_kernel(q_ptr, o_ptr, lse_ptr, bt_ptr, vbt_ptr, q_start_ptr, q_len_pt
         # Rows of one tile sit in different blocks: the part rule per row.
         if PART == 1:
             valid = valid & (kpos[None, :] >= sink) & (kpos[None, :] < own[:, None])
-        if PART == 2:
-            valid = valid & ((kpos[None, :] < sink) | (kpos[None, :] >= own[:, None]))
-        s = tl.where(valid, s, -1e30)
+        s = tl.where(valid, s * LOG2E, -1e30)
         m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp(m - m_new)
+        alpha = tl.exp2(m - m_new)
         # where(): a row with no valid key in this tile adds nothing to l.
-        p = tl.where(valid, tl.exp(s - m_new[:, None]), 0.0)
+        p = tl.where(valid, tl.exp2(s - m_new[:, None]), 0.0)
         l = l * alpha + tl.sum(p, 1)
+        v = _load_tile(v_data, v_scale, v_cb, slots, h, kmask, vs_slot, vs_h, vsc_slot, vsc_h,
+                       V_KIND, V_BITS, V_GROUP, BLOCK_N, D)
         if F32:
             pv = tl.dot(p, v, input_precision="ieee")
         else:
@@ -153,11 +321,9 @@ def tq_attn_kernel(q_ptr, o_ptr, lse_ptr, bt_ptr, vbt_ptr, q_start_ptr, q_len_pt
         acc = acc * alpha[:, None] + pv
         m = m_new
 
-    # A row (or split) that saw no key: output 0, log-sum-exp -inf (weight 0
-    # in any merge by log-sum-exp).
     has = l > 0
     out = acc / tl.where(has, l, 1.0)[:, None]
-    o_row = o_ptr + split * so_s + (q_start + t) * so_t + h * so_h + g * so_g
+    o_row = o_ptr + tok * so_t + h * so_h + g * so_g
     tl.store(o_row[:, None] + d[None, :], out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
-    lse = tl.where(has, m + tl.log(tl.where(has, l, 1.0)), -float("inf"))
-    tl.store(lse_ptr + split * sl_s + (q_start + t) * sl_t + h * sl_h + g * sl_g, lse, mask=row_ok)
+    lse = tl.where(has, (m + tl.log2(tl.where(has, l, 1.0))) * LN2, -float("inf"))
+    tl.store(lse_ptr + tok * sl_t + h * sl_h + g * sl_g, lse, mask=row_ok)

@@ -219,12 +219,22 @@ class Codec:
             assert head_dim % self.group == 0 and head_dim * fmt.bits % 8 == 0
             self.codebook = _codebook(fmt.bits, self.group)
             self.bounds = (self.codebook[1:] + self.codebook[:-1]) / 2
-        self._rot = {}     # device -> R^T
+        self._rot = {}     # device -> R^T; (device, dtype) -> rot_pm1
 
     def rot_t(self, device) -> torch.Tensor:
         r = self._rot.get(str(device))
         if r is None:
             r = self._rot[str(device)] = rotation_t(self.signs.to(device))
+        return r
+
+    def rot_pm1(self, device, dtype) -> torch.Tensor:
+        """diag(signs) @ H unnormalised, [D, D] in dtype: entries +-1, exact
+        in any dtype, so a 16-bit kernel can rotate with it (x @ it / sqrt(D)
+        = rotate(x)) without rounding the rotation itself."""
+        key = (str(device), dtype)
+        r = self._rot.get(key)
+        if r is None:
+            r = self._rot[key] = (self.rot_t(device) * self.D ** 0.5).round().to(dtype).contiguous()
         return r
 
     def alloc(self, num_slots: int, device) -> dict[str, torch.Tensor]:

@@ -212,3 +212,31 @@ def test_a_step_with_a_host_sync_is_refused_at_capture(graph_env, tmp_path, monk
 def test_no_graphs_on_cpu(tmp_path):
     save_tiny_llama(tmp_path)
     assert _engine(tmp_path).core.graphs is None
+
+
+@pytest.mark.parametrize("kv", ["tq4", "k8v4"])
+def test_turboquant_decode_replayed_equals_eager(tmp_path, monkeypatch, kv):
+    """TurboQuant layers through tq-triton (decode, hot pass and the one-launch
+    store, interpreted): eager gives the CPU kernel's greedy tokens, captured
+    steps (padded 3 -> 4: the pad rows' slot -1 writes nothing) eager's
+    tokens and logprobs."""
+    monkeypatch.setattr(cpu_ops, "ENABLED", False)
+    save_tiny_llama(tmp_path)
+    prompts = token_prompts(3, lo=3, hi=20, seed=2)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, logprobs=2, ignore_eos=True)
+    monkeypatch.setenv("TQSERVE_ATTN_BACKEND", "dense-torch")
+    cpu = _engine(tmp_path, kv_cache_dtype=kv).generate(prompts, greedy)     # tq-cpu: the CPU kernel
+    monkeypatch.setenv("TQSERVE_ATTN_BACKEND", "dense-triton,tq-triton")
+    eager = _engine(tmp_path, kv_cache_dtype=kv)
+    assert any(c is not None and c.backend.name == "tq-triton" and c.hot for c in eager.core.caches) == (kv == "tq4")
+    ref = eager.generate(prompts, greedy)
+    assert _toks(ref) == _toks(cpu)
+    del eager
+    llm = _engine(tmp_path, kv_cache_dtype=kv)
+    replays = _emulate(llm)
+    out = llm.generate(prompts, greedy)
+    assert 4 in replays
+    assert _toks(out) == _toks(ref)
+    for a, b in zip(out, ref):
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert max(abs(la[t] - lb[t]) for t in la) < 1e-4

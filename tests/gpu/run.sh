@@ -34,7 +34,7 @@ for stage in "${stages[@]}"; do
     engine)
         python tests/bench/gpu_engine.py --out "$OUT/gpu_engine" 2>&1 | tee "$OUT/gpu_engine.log" ;;
     tq)
-        python tests/bench/tq_triton_gpu.py --hot off,k 2>&1 | tee "$OUT/tq_triton_gpu.log"
+        python tests/bench/tq_triton_gpu.py --hot off,k --sweep 2>&1 | tee "$OUT/tq_triton_gpu.log"
         cp tests/bench/results/tq_triton_gpu.* "$OUT/" 2>/dev/null || true ;;
     quant)
         # GGUF / FP8 / MXFP4 / grouped MoE (MXFP4 and GGUF experts) vs bf16 cuBLAS and the copy-bandwidth
