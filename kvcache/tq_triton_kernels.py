@@ -70,6 +70,27 @@ def _load_tile(data, scale, cb, slots, h, mask,
 
 
 @triton.jit
+def _dot(a, b, F32: tl.constexpr):
+    """a @ b in a's dtype with fp32 accumulation, as the torch path does;
+    fp32 stays exact fp32 (no tf32) so the kernels match the reference."""
+    if F32:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b.to(a.dtype))
+
+
+@triton.jit
+def _online(s, valid, m, l):
+    """One tile of an online softmax in base 2: scores s (natural units) where
+    valid -> (probabilities p, rescale alpha of what came before, new max, new sum)."""
+    s = tl.where(valid, s * LOG2E, -1e30)
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.exp2(m - m_new)
+    # where(): a row with no valid key in this tile adds nothing to l.
+    p = tl.where(valid, tl.exp2(s - m_new[:, None]), 0.0)
+    return p, alpha, m_new, l * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def _decode_range(qr, m, l, acc, lo, hi, i_first, i_last, bt_row, vbt_row,
                   k_data, k_scale, k_cb, v_data, v_scale, v_cb, h,
                   ks_slot, ks_h, ksc_slot, ksc_h, vs_slot, vs_h, vsc_slot, vsc_h,
@@ -95,25 +116,10 @@ def _decode_range(qr, m, l, acc, lo, hi, i_first, i_last, bt_row, vbt_row,
             vslots = slots
         k = _load_tile(k_data, k_scale, k_cb, slots, h, kmask, ks_slot, ks_h, ksc_slot, ksc_h,
                        K_KIND, K_BITS, K_GROUP, BLOCK_N, D)
-        # Dot in the query dtype with fp32 accumulation, as the torch path
-        # does; fp32 stays exact fp32 (no tf32) so the kernel matches the reference.
-        if F32:
-            s = tl.dot(qr, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(qr, tl.trans(k.to(qr.dtype)))
-        s = tl.where(kmask[None, :], s * LOG2E, -1e30)
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.where(kmask[None, :], tl.exp2(s - m_new[:, None]), 0.0)
-        l = l * alpha + tl.sum(p, 1)
+        p, alpha, m, l = _online(_dot(qr, tl.trans(k), F32), kmask[None, :], m, l)
         v = _load_tile(v_data, v_scale, v_cb, vslots, h, kmask, vs_slot, vs_h, vsc_slot, vsc_h,
                        V_KIND, V_BITS, V_GROUP, BLOCK_N, D)
-        if F32:
-            pv = tl.dot(p, v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(qr.dtype), v.to(qr.dtype))
-        acc = acc * alpha[:, None] + pv
-        m = m_new
+        acc = acc * alpha[:, None] + _dot(p.to(qr.dtype), v, F32)
     return m, l, acc
 
 
@@ -165,11 +171,7 @@ def tq_decode_kernel(q_ptr, rot_ptr, o_ptr, lse_ptr, bt_ptr, hbt_ptr, seq_len_pt
     q = tl.load(q_ptr + b.to(tl.int64) * sq_b + (h * G + g)[:, None] * sq_h + d[None, :],
                 mask=row_ok[:, None], other=0.0)
     if ROTATE:
-        rot = tl.load(rot_ptr + d[:, None] * D + d[None, :])
-        if F32:
-            qr = tl.dot(q, rot, input_precision="ieee") * q_scale
-        else:
-            qr = (tl.dot(q, rot) * q_scale).to(q.dtype)
+        qr = (_dot(q, tl.load(rot_ptr + d[:, None] * D + d[None, :]), F32) * q_scale).to(q.dtype)
     else:
         qr = q
 
@@ -219,14 +221,12 @@ def tq_decode_kernel(q_ptr, rot_ptr, o_ptr, lse_ptr, bt_ptr, hbt_ptr, seq_len_pt
     out = acc / tl.where(has, l, 1.0)[:, None]
     if ROTATE:
         rot_t = tl.load(rot_ptr + d[None, :] * D + d[:, None])
-        if F32:
-            out = tl.dot(out, rot_t, input_precision="ieee") * o_scale
-        else:
-            # Two 16-bit halves of the fp32 output (hi + lo): ~16 bits of
-            # mantissa through the 16-bit dot, instead of 8 (bf16).
-            o_hi = out.to(q.dtype)
-            o_lo = (out - o_hi.to(tl.float32)).to(q.dtype)
-            out = (tl.dot(o_hi, rot_t) + tl.dot(o_lo, rot_t)) * o_scale
+        o_hi = out.to(q.dtype)
+        o_rot = _dot(o_hi, rot_t, F32)
+        if not F32:
+            # The rest (lo) too: ~16 bits of mantissa through the 16-bit dot instead of 8 (bf16).
+            o_rot += _dot((out - o_hi.to(tl.float32)).to(q.dtype), rot_t, F32)
+        out = o_rot * o_scale
     o_row = o_ptr + split * so_s + b.to(tl.int64) * so_b + (h * G + g) * so_h
     tl.store(o_row[:, None] + d[None, :], out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
     if PARTIAL:
@@ -296,30 +296,17 @@ def tq_attn_kernel(q_ptr, o_ptr, lse_ptr, bt_ptr, qsl_ptr, seq_len_ptr, seq0,
             + kpos % BLOCK_SIZE
         k = _load_tile(k_data, k_scale, k_cb, slots, h, kmask, ks_slot, ks_h, ksc_slot, ksc_h,
                        K_KIND, K_BITS, K_GROUP, BLOCK_N, D)
-        if F32:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k.to(q.dtype)))
+        s = _dot(q, tl.trans(k), F32)
         valid = (kpos[None, :] <= qpos[:, None]) & kmask[None, :]
         if HAS_WINDOW:
             valid = valid & (kpos[None, :] > qpos[:, None] - window)
         # Rows of one tile sit in different blocks: the part rule per row.
         if PART == 1:
             valid = valid & (kpos[None, :] >= sink) & (kpos[None, :] < own[:, None])
-        s = tl.where(valid, s * LOG2E, -1e30)
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)
-        # where(): a row with no valid key in this tile adds nothing to l.
-        p = tl.where(valid, tl.exp2(s - m_new[:, None]), 0.0)
-        l = l * alpha + tl.sum(p, 1)
+        p, alpha, m, l = _online(s, valid, m, l)
         v = _load_tile(v_data, v_scale, v_cb, slots, h, kmask, vs_slot, vs_h, vsc_slot, vsc_h,
                        V_KIND, V_BITS, V_GROUP, BLOCK_N, D)
-        if F32:
-            pv = tl.dot(p, v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
-        acc = acc * alpha[:, None] + pv
-        m = m_new
+        acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v, F32)
 
     has = l > 0
     out = acc / tl.where(has, l, 1.0)[:, None]

@@ -87,7 +87,11 @@ def hf_gguf_config(name: str):
     return AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name)
 
 
+@functools.lru_cache(maxsize=None)
 def hf_gguf_model(name: str):
+    """transformers' fp32 model of a real GGUF, loaded once per test session
+    (~60 s for Gemma3 on 2 cores): test_loaders and test_real_models share it.
+    Callers must not change its weights."""
     import torch
     from transformers import AutoModelForCausalLM
 

@@ -99,21 +99,24 @@ TOL = {"gemma4": 1e-3}
 
 @pytest.mark.parametrize("family", list(SAVERS))
 def test_replayed_decode_equals_eager(graph_env, tmp_path, family, monkeypatch):
-    """Greedy and seeded tokens and their logprobs with graphs = eager, for
-    batches that pad (3 -> 4, 5 -> 6) and a request arriving mid-run (its
-    prefill steps eager, the decodes around it replayed); the same prompts
-    alone give the same tokens (batch invariance through the padding)."""
+    """Greedy tokens and their logprobs with graphs = eager for a batch that
+    pads (3 -> 4), every family. Llama also: seeded sampling, 5 -> 6, the
+    same prompts alone (batch invariance through the padding) and a request
+    arriving mid-run (its prefill steps eager, the decodes around it
+    replayed); the other families share that code path (CI time)."""
     SAVERS[family](tmp_path)
+    full = family == "llama"
     # The routed experts' CUDA path: the grouped Triton kernels (interpreted).
     monkeypatch.setattr(fp_methods, "BACKEND", "triton")
     prompts = token_prompts(5, lo=3, hi=20, seed=1)
-    greedy = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=12 if full else 6, temperature=0.0, logprobs=2, ignore_eos=True)
     seeded = [SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=7 + i, ignore_eos=True)
               for i in range(3)]
     eager = _engine(tmp_path)
     ref_g = eager.generate(prompts[:3], greedy)
-    ref_s = _toks(eager.generate(prompts[:3], seeded))
-    ref_5 = _toks(eager.generate(prompts, greedy))
+    if full:
+        ref_s = _toks(eager.generate(prompts[:3], seeded))
+        ref_5 = _toks(eager.generate(prompts, greedy))
     del eager
 
     llm = _engine(tmp_path)
@@ -125,6 +128,8 @@ def test_replayed_decode_equals_eager(graph_env, tmp_path, family, monkeypatch):
             assert la.keys() == lb.keys()
             assert max(abs(la[t] - lb[t]) for t in la) < TOL.get(family, 1e-4)
     assert 4 in replays and max(replays) == 4
+    if not full:
+        return
     assert _toks(llm.generate(prompts[:3], seeded)) == ref_s
     assert _toks(llm.generate(prompts, greedy)) == ref_5
     assert 6 in replays

@@ -4,8 +4,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from fixtures_models import shakespeare_text
-from model_zoo.resolve import resolve_path
+from fixtures_models import hf_gguf_model, shakespeare_text
 
 MODELS = ["smollm2-135m", "gemma3-270m"]
 
@@ -17,9 +16,7 @@ def shakespeare_ids(tok, n, offset=0):
 
 @pytest.fixture(scope="module", params=MODELS)
 def pair(request):
-    from transformers import AutoModelForCausalLM
-    path = resolve_path(request.param)
-    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    hf = hf_gguf_model(request.param)
     hf.eval()
     hf.generation_config.eos_token_id = None     # both sides run exactly max_tokens (ignore_eos)
     llm = LLM(request.param, kv_cache_memory=256 << 20, max_model_len=2048, dtype="float32", quantization="none")

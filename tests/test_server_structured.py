@@ -60,11 +60,12 @@ def test_parse_20_schemas_x_20_prompts(served):
     with ThreadPoolExecutor(32) as pool:
         texts = list(pool.map(lambda j: _parse(client, model, *j), jobs))
     assert len(texts) == 400
-    # Streamed: the concatenated deltas validate, and (greedy) equal the non-streamed text.
-    some = jobs[::7]
+    # Streamed, every schema once: the concatenated deltas validate, and
+    # (greedy) equal the non-streamed text.
+    step = len(PROMPTS) + 1
     with ThreadPoolExecutor(16) as pool:
-        streamed = list(pool.map(lambda j: _stream(client, model, *j), some))
-    assert streamed == texts[::7]
+        streamed = list(pool.map(lambda j: _stream(client, model, *j), jobs[::step]))
+    assert streamed == texts[::step] and len(streamed) == len(SCHEMAS)
 
 
 def test_each_constraint_kind(served):

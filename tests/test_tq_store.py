@@ -11,8 +11,6 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"     # before triton is first imported: CPU tensors
 
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -22,7 +20,7 @@ from kvcache.kv_formats import component
 from kvcache.tq_cache import TQLayerCache
 from kvcache.tq_store import tq_store
 from kvcache.turboquant import unpack_bits
-from triton_compile import SMEM, compiled, spec
+from triton_compile import assert_fit, spec
 
 BS, NBLK, HOT_BLK = 16, 4, 2
 
@@ -194,13 +192,6 @@ def test_empty_batch_writes_nothing():
         assert torch.equal(getattr(b, part)[name], t)
 
 
-def test_import_does_not_need_triton():
-    code = "import sys, kvcache.tq_store; assert 'triton' not in sys.modules"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert r.returncode == 0, r.stderr
-
-
 _STORE = {0: "fp16", 1: "i8", 2: "u8"}
 
 
@@ -222,5 +213,4 @@ def test_kernel_compiles_for_gpus(arch):
                     ks_ptr="fp16", kcb_ptr="fp32", vd_ptr=_STORE[vk], vs_ptr="fp16", vcb_ptr="fp32",
                     hkd_ptr="i8", hks_ptr="fp16", hvd_ptr="i8", hvs_ptr="fp16")
         specs.append(spec("kvcache.tq_store_kernels:tq_store_kernel", arch, const, ptrs, tq_store_mod._num_warps(d)))
-    for case, r in zip(_CASES, compiled(specs)):
-        assert r["spill"] == 0 and r["shared"] <= SMEM[arch], (case, r)
+    assert_fit(_CASES, specs)

@@ -35,6 +35,13 @@ def compiled(specs: list[dict]) -> list[dict]:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+def assert_fit(cases: list, specs: list[dict]) -> None:
+    """Compile specs (one per case) and assert no register spills and shared
+    memory within each target's limit."""
+    for case, sp, r in zip(cases, specs, compiled(specs)):
+        assert r["spill"] == 0 and r["shared"] <= SMEM[sp["arch"]], (case, sp["arch"], r)
+
+
 def _main(spec: dict) -> dict:
     import importlib
     import re
