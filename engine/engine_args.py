@@ -121,8 +121,6 @@ class EngineArgs:
         if self.quantization in ("gguf", "fp8") and self.load_format == "dummy":
             raise ValueError(f"quantization {self.quantization} keeps the checkpoint's weights as stored; "
                              f"load_format dummy has none")
-        if self.quantization == "gguf" and self.tensor_parallel_size > 1:
-            raise ValueError("quantization gguf is not supported with tensor_parallel_size > 1 yet")
         if self.quantization == "int4" and self.resolved_device() == "cuda":
             raise ValueError("quantization int4 is not supported on CUDA yet (it runs torch's int4 CPU "
                              "kernel): add device cpu, or drop quantization")
@@ -165,13 +163,14 @@ class EngineArgs:
             return "cuda" if torch.cuda.is_available() else "cpu"
         return self.device
 
-    def resolved(self, stored: dict[str, str] | None = None) -> "EngineArgs":
+    def resolved(self, stored: dict[str, str] | None = None, stored_splits: bool = True) -> "EngineArgs":
         """A validated copy with every "auto" that depends on the machine or
         the checkpoint made concrete (device, dtype, quantization: see
         engine/auto_defaults.py), so that nothing downstream decides again;
         `auto_reasons` says why, per setting. stored: the opened checkpoint's
         {tensor: format} kept-as-stored candidates (ModelSource.stored); None:
-        not known, quantization auto is none."""
+        not known, quantization auto is none. stored_splits: whether they can
+        be cut across tensor-parallel ranks (ModelSource.stored_splits)."""
         from engine import auto_defaults
         from parallel.quant.gguf import QTYPES
         self.validate()
@@ -184,7 +183,7 @@ class EngineArgs:
         quant = None if self.quantization == "none" else self.quantization
         if quant == "auto":
             c = auto_defaults.choose_quantization(device, stored or {}, QTYPES, self.tensor_parallel_size,
-                                                  self.load_format) \
+                                                  self.load_format, stored_splits) \
                 if stored is not None else auto_defaults.Choice(None, "checkpoint not opened")
             quant, reasons["quantization"] = c.value, c.reason
         if quant == "int4" and dtype != "bfloat16":

@@ -51,7 +51,7 @@ class Worker:
     def __init__(self, args: EngineArgs, source=None, rank: int = 0, start_local_ranks: bool = True):
         args.validate()
         self.source = source or open_model(args.model, weights=args.load_format != "dummy")
-        self.args = args = args.resolved(self.source.stored)
+        self.args = args = args.resolved(self.source.stored, self.source.stored_splits)
         if args.auto_reasons and rank == 0:
             log.info("auto settings: %s", "; ".join(f"{k} {getattr(args, k) or 'none'} ({why})"
                                                     for k, why in args.auto_reasons.items()))

@@ -817,5 +817,7 @@ def open_gguf(path: str | Path) -> ModelSource:
         # what the streams yield: stacked experts come one expert at a time
         num_tensors=sum(count(hf, ts) for hf, ts in plan.items()) + len(absent),
         stored=blocks,
+        # llama.cpp's DeltaNet layouts (split qkvz, tiled value heads) are taken whole only
+        stored_splits=arch not in HYBRID_QWEN,
         _stored_fn=gguf_blocks,
     )

@@ -242,7 +242,7 @@ def use_gguf_blocks(model: nn.Module, names, packed: dict[str, tuple[str, object
     stacked tensors are listed (RoutedExperts.use_gguf). Returns how many
     layers do."""
     modules = dict(model.named_modules())
-    layers, experts = set(), {}
+    layers, experts = {}, {}
     for hf_name in names:
         m = _EXPERT_TENSOR.match(hf_name)
         if m and m["e"] is None:
@@ -252,9 +252,12 @@ def use_gguf_blocks(model: nn.Module, names, packed: dict[str, tuple[str, object
         layer = modules.get(name.rpartition(".")[0])
         if layer is None or not hasattr(layer, "use_gguf"):
             raise ValueError(f"checkpoint tensor {hf_name!r} feeds no linear layer of {type(model).__name__}")
-        layers.add(layer)
-    for layer in layers:
-        layer.use_gguf()
+        layers.setdefault(name.rpartition(".")[0], (layer, set()))[1].add(names[hf_name])
+    for name, (layer, qtypes) in layers.items():
+        try:
+            layer.use_gguf(sorted(qtypes))
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
     for prefix, qtypes in experts.items():
         if prefix not in modules or not hasattr(modules[prefix], "use_gguf"):
             raise ValueError(f"checkpoint tensors {prefix}.* feed no routed experts of {type(model).__name__}")

@@ -118,7 +118,8 @@ class GatedDeltaNet(nn.Module):
         all heads: the layout _mix reads) and in_proj_z, so their quantized rows need no
         reordering. (They also load a checkpoint's in_proj_qkvz: unmerged_qkvz.)"""
         if get_tp_size() > 1:
-            raise ValueError("GGUF blocks are not split across tensor-parallel ranks")
+            raise ValueError("GGUF blocks in llama.cpp's DeltaNet layout are not split across tensor-parallel "
+                             "ranks yet: add --quantization none")
         old = self.in_proj_qkvz.weight
         prev = torch.get_default_dtype()
         torch.set_default_dtype(old.dtype)
@@ -255,7 +256,8 @@ class SplitProjectionDeltaNet(GatedDeltaNet):
         outnumber the key heads (a reorder inside the blocks the loader cannot undo):
         forward tiles out_proj's input the same way."""
         if get_tp_size() > 1:
-            raise ValueError("GGUF blocks are not split across tensor-parallel ranks")
+            raise ValueError("GGUF blocks in llama.cpp's DeltaNet layout are not split across tensor-parallel "
+                             "ranks yet: add --quantization none")
         self.in_proj_qkv.weight.weight_loader = self.in_proj_qkv.weight_loader
         self.out_tiled = self.rep > 1 and f"{prefix}.out_proj.weight" in fmts
 

@@ -39,6 +39,9 @@ class ModelSource:
     # (GGUF blocks, FP8 / FP4: --quantization), and the stream that yields
     # those as parallel.quant.base.QuantizedTensor (the others as floats).
     stored: dict[str, str] = field(default_factory=dict)
+    # Whether the layers can cut those across tensor-parallel ranks (False:
+    # a file layout the layers take whole only).
+    stored_splits: bool = True
     _stored_fn: Callable[[], Iterator[tuple[str, object]]] | None = field(default=None, repr=False)
 
     def weights(self, stored: bool = False) -> Iterator[tuple[str, torch.Tensor]]:

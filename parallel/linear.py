@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallel.int4 import pack_int4
-from parallel.quant.base import DENSE, GGUFBlocks, Int4Cpu, QuantMethod
+from parallel.quant.base import DENSE, GGUFBlocks, Int4Cpu, QuantizedTensor, QuantMethod
+from parallel.quant.gguf import QTYPES
 from parallel.state import all_gather, all_reduce, get_tp_rank, get_tp_size
 
 
@@ -26,17 +27,37 @@ def _divide(n: int, d: int, what: str) -> int:
     return n // d
 
 
-def _check(loaded: torch.Tensor, *full_shape: int) -> torch.Tensor:
-    """The checkpoint tensor must have the whole (unsharded) shape."""
+def _check(loaded, *full_shape: int):
+    """The checkpoint tensor (dense or a QuantizedTensor) must have the whole
+    (unsharded) shape."""
     if tuple(loaded.shape) != full_shape:
         raise ValueError(f"shape mismatch: expected {full_shape}, got {tuple(loaded.shape)}")
     return loaded
 
 
+def gguf_block(qtype: str) -> int:
+    if qtype not in QTYPES:
+        raise ValueError(f"unsupported GGUF type {qtype!r} (have {', '.join(QTYPES)})")
+    return QTYPES[qtype].block
+
+
+def _zero_padded(part, rows: int):
+    """A rank's vocabulary rows followed by zero rows up to `rows`."""
+    if part.shape[0] == rows:
+        return part
+    if isinstance(part, QuantizedTensor):
+        return part.zero_padded(rows)
+    return torch.cat([part, part.new_zeros(rows - part.shape[0], *part.shape[1:])])
+
+
 class QuantStorage:
     """What lets a layer hand its weight to a quant method that stores it in
     the checkpoint's own format (parallel/quant/base.py): the dense weight
-    becomes an empty placeholder that still routes checkpoint tensors here."""
+    becomes an empty placeholder that still routes checkpoint tensors here.
+    A layer's weight_loader cuts this rank's part out of the checkpoint
+    tensor, dense or QuantizedTensor alike (both have .shape and .narrow),
+    and _store puts it in the dense weight or the quant method."""
+    splits_columns = False      # row-parallel: each rank holds some input columns
 
     def use_quant(self, method: QuantMethod) -> None:
         """Call on the meta-built model, before it is materialised: the dense
@@ -49,19 +70,25 @@ class QuantStorage:
                                    requires_grad=False)
         self.weight.weight_loader = loader
 
-    def use_gguf(self) -> None:
-        self.use_quant(GGUFBlocks(*self.weight.shape))
+    def use_gguf(self, qtypes=()) -> None:
+        """Keep GGUF rows of the types `qtypes`. A row-parallel rank's columns
+        must be whole blocks of each: checked here, on the meta-built model,
+        before any rank waits on another."""
+        rows, cols = self.weight.shape
+        for qtype in qtypes if self.splits_columns and self.tp_size > 1 else ():
+            block = gguf_block(qtype)
+            if cols % block:
+                raise ValueError(f"GGUF {qtype}: {cols * self.tp_size} input columns split over {self.tp_size} "
+                                 f"tensor-parallel ranks are {cols} per rank, not a multiple of its "
+                                 f"{block}-element blocks")
+        self.use_quant(GGUFBlocks(rows, cols))
 
-    def load_quantized(self, param: nn.Parameter, loaded, shard_id) -> bool:
-        """Take a checkpoint shard into the quant method's storage, if it has one."""
-        if self.quant is DENSE or param is not self.weight:
-            return False
-        self.quant.load(shard_id, self.shard_offset(shard_id), loaded, param.device, param.dtype)
-        return True
-
-    def shard_offset(self, shard_id) -> int:
-        """First output row of checkpoint shard shard_id in this layer (one rank)."""
-        return 0
+    def _store(self, param: nn.Parameter, shard_id, offset: int, part) -> None:
+        """This rank's part of a checkpoint tensor into `param` from row `offset`."""
+        if param is self.weight and self.quant is not DENSE:
+            self.quant.load(shard_id, offset, part, param.device, param.dtype)
+        else:
+            param.data.narrow(0, offset, part.shape[0]).copy_(part)
 
 
 class LinearBase(QuantStorage, nn.Module):
@@ -72,6 +99,7 @@ class LinearBase(QuantStorage, nn.Module):
         super().__init__()
         self.tp_size = get_tp_size()
         self.tp_rank = get_tp_rank()
+        self.input_size = input_size        # this rank's
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -81,8 +109,16 @@ class LinearBase(QuantStorage, nn.Module):
             self.register_parameter("bias", None)
         self.quant: QuantMethod = DENSE
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded_weight, shard_id=None) -> None:
+        self._store(param, shard_id, *self.rank_part(param, loaded_weight, shard_id))
+
+    def rank_part(self, param: nn.Parameter, loaded, shard_id) -> tuple[int, object]:
+        """(first row of param it fills, this rank's part of the checkpoint tensor `loaded`)."""
         raise NotImplementedError
+
+    def _cols(self, param: nn.Parameter) -> tuple[int, ...]:
+        """The checkpoint tensor's trailing shape for param: the weight's columns, none for the bias."""
+        return (self.input_size,) if param is self.weight else ()
 
     def pack_int4(self, dtype: torch.dtype) -> bool:
         """Switch to the int4 kernel (activations in dtype) if the loaded
@@ -107,24 +143,25 @@ class LinearBase(QuantStorage, nn.Module):
 class ReplicatedLinear(LinearBase):
     """Every rank holds the whole matrix."""
 
-    def weight_loader(self, param, loaded_weight, shard_id=None):
-        if self.load_quantized(param, loaded_weight, shard_id):
-            return
-        param.data.copy_(_check(loaded_weight, *param.shape))
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(input_size, output_size, bias)
+        self.output_size = output_size
+
+    def rank_part(self, param, loaded, shard_id):
+        return 0, _check(loaded, self.output_size, *self._cols(param))
 
 
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; output stays sharded."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        super().__init__(input_size, _divide(output_size, get_tp_size(), "output size"), bias)
+        self.output_size = _divide(output_size, get_tp_size(), "output size")     # this rank's
+        super().__init__(input_size, self.output_size, bias)
 
-    def weight_loader(self, param, loaded_weight, shard_id=None):
-        if self.load_quantized(param, loaded_weight, shard_id):
-            return
-        n = param.shape[0]
-        _check(loaded_weight, n * self.tp_size, *param.shape[1:])
-        param.data.copy_(loaded_weight.narrow(0, self.tp_rank * n, n))
+    def rank_part(self, param, loaded, shard_id):
+        n = self.output_size
+        _check(loaded, n * self.tp_size, *self._cols(param))
+        return 0, loaded.narrow(0, self.tp_rank * n, n)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -140,17 +177,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias)
 
-    def shard_offset(self, shard_id) -> int:
-        return sum(self.output_sizes[:shard_id]) // self.tp_size
-
-    def weight_loader(self, param, loaded_weight, shard_id=None):
-        if self.load_quantized(param, loaded_weight, shard_id):
-            return
+    def rank_part(self, param, loaded, shard_id):
         tp = self.tp_size
-        _check(loaded_weight, self.output_sizes[shard_id], *param.shape[1:])
-        offset = sum(self.output_sizes[:shard_id]) // tp
+        _check(loaded, self.output_sizes[shard_id], *self._cols(param))
         size = self.output_sizes[shard_id] // tp
-        param.data.narrow(0, offset, size).copy_(loaded_weight.narrow(0, self.tp_rank * size, size))
+        return sum(self.output_sizes[:shard_id]) // tp, loaded.narrow(0, self.tp_rank * size, size)
 
 
 class QKVParallelLinear(LinearBase):
@@ -178,12 +209,7 @@ class QKVParallelLinear(LinearBase):
         self.kv_size = self.num_kv_heads * head_dim
         super().__init__(hidden_size, self.q_size + 2 * self.kv_size, bias)
 
-    def shard_offset(self, shard_id) -> int:
-        return {"q": 0, "k": self.q_size, "v": self.q_size + self.kv_size}[shard_id]
-
-    def weight_loader(self, param, loaded_weight, shard_id=None):
-        if self.load_quantized(param, loaded_weight, shard_id):
-            return
+    def rank_part(self, param, loaded, shard_id):
         if shard_id == "q":
             offset, size, start = 0, self.q_size, self.tp_rank * self.q_size
             heads = self.total_num_heads
@@ -194,8 +220,8 @@ class QKVParallelLinear(LinearBase):
             heads = self.total_num_kv_heads
         else:
             raise ValueError(f"QKVParallelLinear shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
-        _check(loaded_weight, heads * self.head_dim, *param.shape[1:])
-        param.data.narrow(0, offset, size).copy_(loaded_weight.narrow(0, start, size))
+        _check(loaded, heads * self.head_dim, *self._cols(param))
+        return offset, loaded.narrow(0, start, size)
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -203,19 +229,18 @@ class QKVParallelLinear(LinearBase):
 
 class RowParallelLinear(LinearBase):
     """Input features split across ranks; partial outputs summed by all-reduce."""
+    splits_columns = True
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__(_divide(input_size, get_tp_size(), "input size"), output_size, bias)
+        self.output_size = output_size
 
-    def weight_loader(self, param, loaded_weight, shard_id=None):
-        if self.load_quantized(param, loaded_weight, shard_id):
-            return
-        if param.dim() == 1:        # bias: whole, added once (on rank 0) after the sum
-            param.data.copy_(_check(loaded_weight, *param.shape))
-            return
-        n = param.shape[1]
-        _check(loaded_weight, param.shape[0], n * self.tp_size)
-        param.data.copy_(loaded_weight.narrow(1, self.tp_rank * n, n))
+    def rank_part(self, param, loaded, shard_id):
+        if param is not self.weight:        # bias: whole, added once (on rank 0) after the sum
+            return 0, _check(loaded, self.output_size)
+        n = self.input_size
+        _check(loaded, self.output_size, n * self.tp_size)
+        return 0, loaded.narrow(1, self.tp_rank * n, n)
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum, not yet all-reduced (for a caller that sums
@@ -238,7 +263,7 @@ class VocabParallelEmbedding(QuantStorage, nn.Module):
         super().__init__()
         self.tp_size = get_tp_size()
         self.tp_rank = get_tp_rank()
-        self.num_embeddings = num_embeddings
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.rows_per_rank = -(-num_embeddings // self.tp_size)
         self.vocab_start = self.tp_rank * self.rows_per_rank
         self.vocab_end = min(self.vocab_start + self.rows_per_rank, num_embeddings)
@@ -247,20 +272,20 @@ class VocabParallelEmbedding(QuantStorage, nn.Module):
         self.quant: QuantMethod = DENSE
 
     def weight_loader(self, param, loaded_weight, shard_id=None):
-        if self.load_quantized(param, loaded_weight, shard_id):
-            return
-        _check(loaded_weight, self.num_embeddings, param.shape[1])
-        n = self.vocab_end - self.vocab_start
-        param.data[:n].copy_(loaded_weight[self.vocab_start:self.vocab_end])
-        param.data[n:].zero_()
+        _check(loaded_weight, self.num_embeddings, self.embedding_dim)
+        part = loaded_weight.narrow(0, self.vocab_start, self.vocab_end - self.vocab_start)
+        self._store(param, shard_id, 0, _zero_padded(part, self.rows_per_rank))
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quant is DENSE:
+            return F.embedding(ids, self.weight)
+        return self.quant.embed(ids, self.weight.dtype)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.quant is not DENSE:
-            return self.quant.embed(input_ids, self.weight.dtype)
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
-        y = F.embedding((input_ids - self.vocab_start) * mine, self.weight)
+        y = self._lookup((input_ids - self.vocab_start) * mine)
         y = y * mine.unsqueeze(-1).to(y.dtype)
         return all_reduce(y)
 

@@ -25,19 +25,21 @@ def test_dtype_follows_the_cpus_bf16_arithmetic(cpu, want):
     assert auto.choose_dtype("cuda", cpu).value == "bfloat16"
 
 
-@pytest.mark.parametrize("device, stored, tp, fmt, want", [
-    ("cpu", {"blk.0.attn_q.weight": "Q4_K", "blk.0.ffn_down.weight": "Q6_K"}, 1, "auto", "gguf"),
-    ("cuda", {"w": "Q4_K"}, 1, "auto", None),
-    ("cpu", {"w": "Q4_K"}, 2, "auto", None),
-    ("cpu", {"w": "Q4_K"}, 1, "dummy", None),
-    ("cpu", {}, 1, "auto", None),                      # safetensors, F32 / F16 GGUF
-    ("cpu", {"w": "fp8"}, 1, "auto", None),            # DeepSeek-V4: --quantization fp8 stays explicit
+@pytest.mark.parametrize("device, stored, tp, splits, fmt, want", [
+    ("cpu", {"blk.0.attn_q.weight": "Q4_K", "blk.0.ffn_down.weight": "Q6_K"}, 1, True, "auto", "gguf"),
+    ("cuda", {"w": "Q4_K"}, 1, True, "auto", None),
+    ("cpu", {"w": "Q4_K", "v": "Q6_K"}, 2, True, "auto", "gguf"),      # each rank keeps its part
+    ("cpu", {"w": "Q4_K"}, 2, False, "auto", None),    # Qwen3-Next / Qwen3.5 files: taken whole only
+    ("cpu", {"w": "Q4_K"}, 1, False, "auto", "gguf"),
+    ("cpu", {"w": "Q4_K"}, 1, True, "dummy", None),
+    ("cpu", {}, 1, True, "auto", None),                # safetensors, F32 / F16 GGUF
+    ("cpu", {"w": "fp8"}, 1, True, "auto", None),      # DeepSeek-V4: --quantization fp8 stays explicit
 ])
-def test_quantization_keeps_gguf_blocks_on_the_cpu(device, stored, tp, fmt, want):
-    c = auto.choose_quantization(device, stored, QTYPES, tp, fmt)
+def test_quantization_keeps_gguf_blocks_on_the_cpu(device, stored, tp, splits, fmt, want):
+    c = auto.choose_quantization(device, stored, QTYPES, tp, fmt, splits)
     assert c.value == want and c.reason
     if want:
-        assert "Q4_K / Q6_K" in c.reason
+        assert " / ".join(sorted(set(stored.values()))) in c.reason
 
 
 def test_engine_args_resolve_auto_with_reasons():

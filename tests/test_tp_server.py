@@ -116,6 +116,9 @@ def test_two_ranks_on_one_machine_match_one_rank(models, references, name, tmp_p
         # one replicated, DeepSeek-V4's shared latent KV whole on every rank.
         per_rank = bytes_per_token(log)
         assert per_rank == references[name][2] / KV_SPLIT[name], per_rank
+        if name == "gemma3":        # the Q4_K_M file's blocks, each rank its part (tests/test_gguf_tp.py)
+            assert re.search(r"auto settings: .*quantization gguf", log), log[-3000:]
+            assert "weights in their stored format: Q4_K, Q5_0, Q6_K, Q8_0" in log, log[-3000:]
     finally:
         assert srv.terminate() == 0, srv.log()[-3000:]
     assert "rank 1: the leader stopped" in srv.log()

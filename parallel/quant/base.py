@@ -6,7 +6,9 @@ QuantizeMethodBase shape): one object per layer, `LinearBase.quant`.
   groups (GGUF Q4_1), `--quantization int4`.
 - GGUFBlocks: the GGUF file's quantized rows kept as they are stored
   (`--quantization gguf`): per shard of the layer (q / k / v, gate / up) its
-  own type. CPU: a fused C++ GEMV for up to 16 rows (parallel/quant/
+  own type. Under tensor parallelism the layer cuts each checkpoint tensor
+  (QuantizedTensor.narrow) as it cuts a dense one: a column-parallel rank
+  keeps its rows, a row-parallel one its columns, on the type's blocks. CPU: a fused C++ GEMV for up to 16 rows (parallel/quant/
   gguf_cpu.py), else the layer dequantized into one buffer shared by all
   layers, then F.linear (the host never holds a dense model); CUDA: the
   Triton kernels of parallel/quant/gguf.py, dequantizing in registers.
@@ -25,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from parallel.int4 import int4_linear
-from parallel.quant import gguf, gguf_cpu, moe
+from parallel.quant import fp8_block, gguf, gguf_cpu, moe
 
 
 @dataclass
@@ -38,6 +40,48 @@ class QuantizedTensor:
     data: torch.Tensor
     shape: tuple[int, ...]
     scale: torch.Tensor | None = None
+
+    def narrow(self, dim: int, start: int, length: int) -> "QuantizedTensor":
+        """Rows (dim 0) or columns (dim 1) start .. start + length of the
+        logical matrix, still as stored: a tensor-parallel rank's part, cut
+        the way the parallel layers cut a dense tensor. GGUF: any rows,
+        columns on the type's block boundaries; fp8: on the 128-wide scale
+        blocks (a ragged last block may end the range; a dimension of one
+        block keeps its one scale). Raises ValueError naming the numbers."""
+        if len(self.shape) != 2 or dim not in (0, 1) or start < 0 or start + length > self.shape[dim]:
+            raise ValueError(f"{self.fmt} {list(self.shape)}: cannot take {start}..{start + length} of dim {dim}")
+        if start == 0 and length == self.shape[dim]:
+            return self
+        shape = tuple(length if d == dim else n for d, n in enumerate(self.shape))
+        side = "rows" if dim == 0 else "columns"
+        if self.fmt == "fp8":
+            full, blk = self.shape[dim], fp8_block.BLOCK
+            if full <= blk:                 # one scale block spans the whole dimension
+                return QuantizedTensor(self.fmt, self.data.narrow(dim, start, length), shape, self.scale)
+            if start % blk or (length % blk and start + length != full):
+                raise ValueError(f"fp8 {list(self.shape)}: {side} {start}..{start + length} do not fall on the "
+                                 f"{blk}-wide scale blocks")
+            return QuantizedTensor(self.fmt, self.data.narrow(dim, start, length), shape,
+                                   self.scale.narrow(dim, start // blk, -(-length // blk)))
+        t = gguf.QTYPES.get(self.fmt)
+        if t is None:
+            raise ValueError(f"{self.fmt} tensors cannot be cut ({side} {start}..{start + length})")
+        if dim == 0:
+            return QuantizedTensor(self.fmt, self.data.narrow(0, start, length), shape)
+        if start % t.block or length % t.block:
+            raise ValueError(f"GGUF {self.fmt} {list(self.shape)}: columns {start}..{start + length} do not fall "
+                             f"on its {t.block}-element blocks")
+        return QuantizedTensor(self.fmt, self.data.narrow(1, start // t.block * t.type_size,
+                                                          length // t.block * t.type_size), shape)
+
+    def zero_padded(self, rows: int) -> "QuantizedTensor":
+        """The same rows followed by zero rows up to `rows` (the last rank's
+        vocabulary padding): all-zero GGUF blocks dequantize to 0 in every
+        type (every scale is 0)."""
+        if self.fmt not in gguf.QTYPES or len(self.shape) != 2 or rows < self.shape[0]:
+            raise ValueError(f"{self.fmt} {list(self.shape)}: cannot pad to {rows} rows")
+        pad = self.data.new_zeros(rows - self.shape[0], self.data.shape[1])
+        return QuantizedTensor(self.fmt, torch.cat([self.data, pad]), (rows, self.shape[1]))
 
 
 class QuantMethod:
@@ -103,6 +147,7 @@ class GGUFBlocks(QuantMethod):
     """Per shard of the layer, its GGUF rows (or dense rows for a shard the
     file stores in another type)."""
     name = "gguf"
+    shards_across_ranks = True      # the layer hands it its rank's rows / block-aligned columns
 
     def __init__(self, out_features: int, in_features: int):
         self.n, self.k = out_features, in_features

@@ -6,8 +6,9 @@ stored, behind `--quantization fp8` (DeepSeek-V4's checkpoints):
   buffer shared by all layers, then F.linear; CUDA runs the Triton kernels).
   Tensor parallelism: a column-parallel layer keeps its rank's rows, a
   row-parallel one its rank's columns, with the matching scale rows /
-  columns; the split must fall on the 128-wide scale blocks (or the whole
-  dimension be one block), else a ValueError names the numbers.
+  columns (the layer cuts them: QuantizedTensor.narrow); the split must fall
+  on the 128-wide scale blocks (or the whole dimension be one block), else
+  a ValueError names the numbers when the method is made.
 - ExpertWeights: the routed experts of one MoE layer, [E, 2I, ...] (gate
   then up rows) and [E, H, ...] with their scales, in format "mxfp4" or
   "fp8", run by parallel.quant.moe.moe_forward (one grouped path for the
@@ -89,21 +90,17 @@ class Fp8Block(QuantMethod):
         return self.n, self.k
 
     def load(self, shard_id, offset, loaded, device, dtype) -> None:
+        """loaded: this rank's part, cut by the layer (QuantizedTensor.narrow)."""
         if shard_id is not None or offset:
             raise ValueError(f"fp8: fused layers (shard {shard_id!r}) are not supported")
         if not isinstance(loaded, QuantizedTensor) or loaded.fmt != "fp8":
             what = f"a {loaded.fmt} tensor" if isinstance(loaded, QuantizedTensor) else f"a dense {loaded.dtype} tensor"
             raise ValueError(f"this layer keeps FP8 weights as stored; the checkpoint gives {what}")
         w8, s = loaded.data, loaded.scale
-        N, K = self.full_shape
-        if tuple(w8.shape) != (N, K) or tuple(s.shape) != (_blocks(N), _blocks(K)):
-            raise ValueError(f"shape mismatch: expected fp8 [{N}, {K}] with scales [{_blocks(N)}, {_blocks(K)}], "
-                             f"got {tuple(w8.shape)} with scales {tuple(s.shape)}")
-        if self.split is not None:
-            local = (self.n, self.k)[self.split]
-            first = self.rank * local
-            w8 = w8.narrow(self.split, first, local)
-            s = s.narrow(self.split, first // BLOCK, _blocks(local))
+        if tuple(w8.shape) != (self.n, self.k) or tuple(s.shape) != (_blocks(self.n), _blocks(self.k)):
+            raise ValueError(f"shape mismatch: expected fp8 [{self.n}, {self.k}] with scales "
+                             f"[{_blocks(self.n)}, {_blocks(self.k)}], got {tuple(w8.shape)} with scales "
+                             f"{tuple(s.shape)}")
         self.w8 = w8.to(device).contiguous()
         self.scale = s.to(device).contiguous()
 
