@@ -21,10 +21,12 @@ import torch
 from fixtures_models import write_tiny_gguf
 from spawn_ranks import run_ranks
 from test_gguf_moe import CONFIG as MOE_CONFIG, write_gguf
+from test_gguf_stored_hybrid import write as write_hybrid
 from test_model_parity import make_hf_model
 
 from model_zoo.gguf_loader import open_gguf
 from model_zoo.models import build_model, create_model
+from parallel.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear, VocabParallelEmbedding
 from parallel.quant import gguf as qgguf
 from parallel.quant.base import GGUFBlocks, GGUFExperts, QuantizedTensor
 from parallel.state import assume_tp
@@ -85,7 +87,8 @@ def files(tmp_path_factory):
     write_gguf(moe, make_hf_model(dict(MOE_CONFIG, vocab_size=VOCAB)), "Q8_0")
     llama = d / "tiny-llama-q4_0.gguf"
     write_tiny_gguf(llama, qtype="Q4_0")
-    return {"qwen3moe": moe, "llama": llama}
+    gemma4 = write_hybrid("gemma4", "Q8_0", d / "tiny-gemma4-q8.gguf")
+    return {"qwen3moe": moe, "llama": llama, "gemma4": gemma4}
 
 
 def load(path, quantization: str, tp: int = 1, rank: int = 0):
@@ -106,15 +109,15 @@ def dense_weight(m) -> torch.Tensor:
     return torch.cat([qgguf.dequantize(s.data, s.fmt, q.k) if s.fmt else s.data for s in q.shards.values()])
 
 
-@pytest.mark.parametrize("name", ["qwen3moe", "llama"])
+@pytest.mark.parametrize("name", ["qwen3moe", "llama", "gemma4"])
 def test_each_rank_holds_the_dense_models_shard(files, name):
     one = sum(m.quant.nbytes(m) for m in held(load(files[name], "gguf")).values())
     per_rank = []
     for rank in range(2):
         dense, ours = load(files[name], "none", 2, rank), load(files[name], "gguf", 2, rank)
         layers = held(ours)
-        kinds = {type(m).__name__ for m in layers.values()}
-        assert {"QKVParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"} <= kinds, kinds
+        for kind in (QKVParallelLinear, RowParallelLinear, VocabParallelEmbedding):
+            assert any(isinstance(m, kind) for m in layers.values()), kind
         for n, m in layers.items():
             d = dense.get_submodule(n)
             if isinstance(m.quant, GGUFExperts):
@@ -130,11 +133,20 @@ def test_each_rank_holds_the_dense_models_shard(files, name):
                 assert torch.equal(dense_weight(m), d.weight), n
         per_rank.append(sum(m.quant.nbytes(m) for m in layers.values()))
     # Every quantized byte lives on exactly one rank, but the vocabulary padding
-    # row (qwen3moe: odd vocabulary, untied head: two tables).
+    # row (qwen3moe: odd vocabulary, untied head: two tables), what every rank
+    # holds whole (Gemma 4's per-layer input projections) and the KV heads that
+    # fewer KV heads than ranks replicate (Gemma 4: one; each file one type).
     hidden = open_gguf(files[name]).config["hidden_size"]
     pad = 2 * qgguf.row_bytes("Q8_0", hidden) if name == "qwen3moe" else 0
-    print(f"{name}: resident GGUF bytes TP=1 {one}, per rank {per_rank}")
-    assert sum(per_rank) == one + pad
+    replicated = 0
+    for m in held(load(files[name], "gguf", 2, 0)).values():
+        if isinstance(m, ReplicatedLinear):
+            replicated += m.quant.nbytes(m)
+        elif isinstance(m, QKVParallelLinear) and m.kv_replicas > 1:
+            fmt = next(iter(m.quant.shards.values())).fmt
+            replicated += (m.quant.n - m.q_size) * qgguf.row_bytes(fmt, m.quant.k)
+    print(f"{name}: resident GGUF bytes TP=1 {one}, per rank {per_rank}, replicated KV {replicated}")
+    assert sum(per_rank) == one + pad + replicated
 
 
 def test_row_split_inside_a_block_is_one_error(tmp_path):
@@ -146,7 +158,7 @@ def test_row_split_inside_a_block_is_one_error(tmp_path):
     src = open_gguf(path)
     with assume_tp(2, 0), torch.device("meta"):
         model = build_model(src.config)
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.o_proj: GGUF Q4_K: 256 input columns split "
+    with assume_tp(2, 0), pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.o_proj: GGUF Q4_K: 256 input columns split "
                                          r"over 2 tensor-parallel ranks are 128 per rank, not a multiple of its "
                                          r"256-element blocks"):
         model.use_stored(src.stored)
@@ -157,7 +169,7 @@ def test_row_split_inside_a_block_is_one_error(tmp_path):
 def _tp_rank(rank: int, world: int) -> list[str]:
     import os
     lines = []
-    for name in ("qwen3moe", "llama"):
+    for name in ("qwen3moe", "llama", "gemma4"):
         path = os.environ[f"TQ_TEST_GGUF_{name.upper()}"]
         vocab = open_gguf(path).config["vocab_size"]
         ids = torch.randint(3, vocab, (40,), generator=torch.Generator().manual_seed(5))
@@ -170,10 +182,18 @@ def _tp_rank(rank: int, world: int) -> list[str]:
             assert held(ours)
             prefill = ours.compute_logits(ours(ids, torch.arange(40), None))
             rows = ours.compute_logits(ours(ids[:5], torch.arange(5), None))       # <= 16 rows: fused GEMV
+            dense = load(path, "none", world, rank)
+            dense_prefill = dense.compute_logits(dense(ids, torch.arange(40), None))
+        # Prefill dequantizes each layer then runs F.linear: the dense TP=2 model's numbers.
+        d2 = (prefill - dense_prefill).abs().max().item() / dense_prefill.abs().max().item()
+        assert d2 < 1e-6, (name, d2)
         d0 = (prefill - ref_prefill).abs().max().item() / ref_prefill.abs().max().item()
         d1 = (rows - ref_rows).abs().max().item() / ref_rows.abs().max().item()
-        assert prefill.shape == ref_prefill.shape and d0 < 1e-5 and d1 < 1e-5, (name, d0, d1)
-        lines.append(f"{name} {d0:.1e} {d1:.1e}")
+        # Sums split over ranks round differently; Gemma 4's tiny random model amplifies
+        # rounding (tests/test_gguf_stored_hybrid.py: 5e-4 for its GEMV rows).
+        tol = 5e-4 if name == "gemma4" else 1e-5
+        assert prefill.shape == ref_prefill.shape and d0 < tol and d1 < tol, (name, d0, d1)
+        lines.append(f"{name} vs one rank: prefill {d0:.1e}, rows {d1:.1e}; vs dense two ranks {d2:.1e}")
     return lines
 
 
@@ -181,4 +201,21 @@ def test_two_ranks_logits_equal_one_rank(files, monkeypatch):
     for name, path in files.items():
         monkeypatch.setenv(f"TQ_TEST_GGUF_{name.upper()}", str(path))
     for lines in run_ranks(_tp_rank):
-        assert [line.split()[0] for line in lines] == ["qwen3moe", "llama"]
+        assert [line.split()[0] for line in lines] == ["qwen3moe", "llama", "gemma4"]
+
+
+def test_qwen3_next_files_stay_whole(tmp_path):
+    """llama.cpp's DeltaNet layout (qkvz split in two, Qwen3.5's tiled value
+    heads) is not cut across ranks: auto dequantizes under TP, an explicit
+    --quantization gguf is one error at the meta build."""
+    src = open_gguf(write_hybrid("qwen3next", "Q8_0", tmp_path / "tiny-qwen3next-q8.gguf"))
+    assert src.stored and not src.stored_splits
+    from engine.engine_args import EngineArgs
+    args = EngineArgs(model="x", device="cpu", tensor_parallel_size=2)
+    r = args.resolved(src.stored, src.stored_splits)
+    assert r.quantization is None and "not split across tensor-parallel ranks" in r.auto_reasons["quantization"]
+    assert EngineArgs(model="x", device="cpu").resolved(src.stored, src.stored_splits).quantization == "gguf"
+    with assume_tp(2, 0), torch.device("meta"):        # as the worker checks, before the rendezvous
+        model = build_model(src.config)
+        with pytest.raises(ValueError, match="DeltaNet layout are not split across tensor-parallel ranks yet"):
+            model.use_stored(src.stored)
