@@ -131,6 +131,9 @@ def test_each_rank_holds_the_dense_models_shard(files, name):
             else:
                 assert m.weight.numel() == 0
                 assert torch.equal(dense_weight(m), d.weight), n
+            for t in m.quant.parts.values() if isinstance(m.quant, GGUFExperts) else \
+                    (s.data for s in m.quant.shards.values()):     # no view keeps the whole tensor alive
+                assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), n
         per_rank.append(sum(m.quant.nbytes(m) for m in layers.values()))
     # Every quantized byte lives on exactly one rank, but the vocabulary padding
     # row (qwen3moe: odd vocabulary, untied head: two tables), what every rank

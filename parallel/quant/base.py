@@ -84,6 +84,16 @@ class QuantizedTensor:
         return QuantizedTensor(self.fmt, torch.cat([self.data, pad]), (rows, self.shape[1]))
 
 
+def owned(t: torch.Tensor, device) -> torch.Tensor:
+    """t on device, contiguous, in a storage of its own: a rank's part cut
+    from a whole checkpoint tensor (a view, on the CPU) must not keep the
+    whole tensor alive."""
+    t = t.to(device).contiguous()
+    if t.device.type != "meta" and t.untyped_storage().nbytes() > t.numel() * t.element_size():
+        t = t.clone()
+    return t
+
+
 class QuantMethod:
     name = "dense"
     shards_across_ranks = False    # can split its storage by tensor-parallel rank
@@ -166,7 +176,7 @@ class GGUFBlocks(QuantMethod):
         if fmt and tuple(data.shape) != (rows, gguf.row_bytes(fmt, cols)):
             raise ValueError(f"{fmt} rows of {cols}: expected {rows} x {gguf.row_bytes(fmt, cols)} bytes, "
                              f"got {tuple(data.shape)}")
-        self.shards[shard_id] = Shard(offset, rows, fmt, data.to(device).contiguous())
+        self.shards[shard_id] = Shard(offset, rows, fmt, owned(data, device))
         self._gemv = None
         # Kept in row order, so a forward walks them as they are.
         self.shards = dict(sorted(self.shards.items(), key=lambda kv: kv[1].offset))
@@ -264,7 +274,7 @@ class GGUFExperts(QuantMethod):
         if data.shape[2] != gguf.row_bytes(loaded.fmt, cols):
             raise ValueError(f"{part}: {data.shape[2]} bytes per row, {loaded.fmt} [{cols}] needs "
                              f"{gguf.row_bytes(loaded.fmt, cols)}")
-        self.parts[part] = data.to(device).contiguous()
+        self.parts[part] = owned(data, device)
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, limit: float,
                 act: str = "silu") -> torch.Tensor:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from parallel.quant import fp8_block, moe, mxfp4
-from parallel.quant.base import QuantizedTensor, QuantMethod, scratch
+from parallel.quant.base import QuantizedTensor, QuantMethod, owned, scratch
 
 BLOCK = fp8_block.BLOCK
 GROUP = mxfp4.GROUP
@@ -101,8 +101,7 @@ class Fp8Block(QuantMethod):
             raise ValueError(f"shape mismatch: expected fp8 [{self.n}, {self.k}] with scales "
                              f"[{_blocks(self.n)}, {_blocks(self.k)}], got {tuple(w8.shape)} with scales "
                              f"{tuple(s.shape)}")
-        self.w8 = w8.to(device).contiguous()
-        self.scale = s.to(device).contiguous()
+        self.w8, self.scale = owned(w8, device), owned(s, device)
 
     def _backend(self, x: torch.Tensor) -> str:
         return fp8_block.pick_backend(BACKEND, x)
