@@ -99,7 +99,7 @@ class LinearBase(QuantStorage, nn.Module):
         super().__init__()
         self.tp_size = get_tp_size()
         self.tp_rank = get_tp_rank()
-        self.input_size = input_size        # this rank's
+        self.input_size, self.output_size = input_size, output_size     # this rank's
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -143,10 +143,6 @@ class LinearBase(QuantStorage, nn.Module):
 class ReplicatedLinear(LinearBase):
     """Every rank holds the whole matrix."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        super().__init__(input_size, output_size, bias)
-        self.output_size = output_size
-
     def rank_part(self, param, loaded, shard_id):
         return 0, _check(loaded, self.output_size, *self._cols(param))
 
@@ -155,8 +151,7 @@ class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; output stays sharded."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        self.output_size = _divide(output_size, get_tp_size(), "output size")     # this rank's
-        super().__init__(input_size, self.output_size, bias)
+        super().__init__(input_size, _divide(output_size, get_tp_size(), "output size"), bias)
 
     def rank_part(self, param, loaded, shard_id):
         n = self.output_size
@@ -233,7 +228,6 @@ class RowParallelLinear(LinearBase):
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__(_divide(input_size, get_tp_size(), "input size"), output_size, bias)
-        self.output_size = output_size
 
     def rank_part(self, param, loaded, shard_id):
         if param is not self.weight:        # bias: whole, added once (on rank 0) after the sum
