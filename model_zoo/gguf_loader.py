@@ -68,7 +68,8 @@ import torch
 
 from model_zoo.chat_template import FALLBACK_TEMPLATES
 from model_zoo.source import ModelLoadError, ModelSource
-from model_zoo.tokenizer import Tokenizer, TokenizerError, gguf_metadata
+from model_zoo.gguf_file import GGUFFile
+from model_zoo.tokenizer import Tokenizer, TokenizerError
 
 try:
     import gguf
@@ -614,14 +615,14 @@ def eos_ids(meta: dict, tokenizer: Tokenizer | None) -> list[int]:
     return out
 
 
-def _open_reader(path: Path) -> "gguf.GGUFReader":
+def _open_reader(path: Path) -> GGUFFile:
     if not path.exists():
         raise ModelLoadError(f"GGUF file {path} does not exist")
     if not path.is_file():
         raise ModelLoadError(f"GGUF path {path} is not a file")
     size = path.stat().st_size
     try:
-        reader = gguf.GGUFReader(path)
+        reader = GGUFFile(path)
     except Exception as e:  # gguf raises ValueError/IndexError/struct errors on bad files
         raise ModelLoadError(f"{path} is not a readable GGUF file (truncated or corrupt?): {type(e).__name__}: {e}") from e
     for t in reader.tensors:
@@ -647,7 +648,7 @@ def open_gguf(path: str | Path) -> ModelSource:
     path = Path(path)
     reader = _open_reader(path)
     # Vocab arrays are needed whole for the tokenizer; everything else is small.
-    meta = gguf_metadata(reader)
+    meta = reader.metadata
     arch = meta.get("general.architecture")
     if arch == "clip":
         raise ModelLoadError(f"{path}: a multimodal projector (mmproj) file; pass the language model's GGUF")
@@ -714,7 +715,7 @@ def open_gguf(path: str | Path) -> ModelSource:
     undo = _qwen_undo(arch, config) if arch in HYBRID_QWEN else None
 
     from parallel.quant.base import QuantizedTensor
-    from parallel.quant.gguf import qtype_name
+    from parallel.quant.gguf import qtype_name, row_bytes
     # Linear weights in a type the GGUF kernels take: kept as stored with --quantization gguf.
     # Routed experts stay stacked ([E, rows, row bytes]) as parallel.quant.base.GGUFExperts holds them.
     parts = {hf: _stored_parts(hf, ts) for hf, ts in plan.items()} if arch in _BLOCKS_ARCHS else {}
@@ -735,7 +736,9 @@ def open_gguf(path: str | Path) -> ModelSource:
             return reverse_llama_permute(arr, kv_heads)
         return arr
 
-    def gguf_blocks() -> Iterator[tuple[str, object]]:
+    def gguf_blocks(meta: bool = False) -> Iterator[tuple[str, object]]:
+        """meta: the blocks as empty meta tensors of their shapes (nothing read:
+        what `tqserve plan` measures a rank's resident bytes with)."""
         for hf, ts in plan.items():
             split = len(ts) == 2        # qwen3next's qkvz: always as the file's two (in_proj_qkv, in_proj_z)
             if not split and not any(name in blocks for name, _, _ in parts.get(hf, ())):
@@ -746,6 +749,12 @@ def open_gguf(path: str | Path) -> ModelSource:
                     yield from dense([t], name)
                     continue
                 shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+                if meta:
+                    rows = (shape[0], shape[1] // (2 if half is not None else 1)) if len(shape) == 3 else shape[:1]
+                    shape = (*rows, shape[-1])
+                    raw = torch.empty(*rows, row_bytes(blocks[name], shape[-1]), dtype=torch.uint8, device="meta")
+                    yield name, QuantizedTensor(blocks[name], raw, shape)
+                    continue
                 if _STACKED_EXPERTS.match(name):    # [E, rows, row bytes]; fused gate + up: this half's rows
                     raw = np.asarray(t.data).reshape(shape[0], shape[1], -1)
                     if half is not None:
@@ -820,4 +829,5 @@ def open_gguf(path: str | Path) -> ModelSource:
         # llama.cpp's DeltaNet layouts (split qkvz, tiled value heads) are taken whole only
         stored_splits=arch not in HYBRID_QWEN,
         _stored_fn=gguf_blocks,
+        _stored_meta_fn=lambda: gguf_blocks(meta=True),
     )

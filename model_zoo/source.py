@@ -43,14 +43,17 @@ class ModelSource:
     # a file layout the layers take whole only).
     stored_splits: bool = True
     _stored_fn: Callable[[], Iterator[tuple[str, object]]] | None = field(default=None, repr=False)
+    # The same stream with the stored tensors as empty meta tensors (GGUF).
+    _stored_meta_fn: Callable[[], Iterator[tuple[str, object]]] | None = field(default=None, repr=False)
 
-    def weights(self, stored: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(self, stored: bool = False, meta: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """HF-named float32 tensors, read and converted lazily, with progress
-        on stderr; stored: the tensors of self.stored in their stored format."""
-        fn = self._stored_fn if stored else self._weights_fn
+        on stderr; stored: the tensors of self.stored in their stored format;
+        meta (with stored): those as meta tensors, not read."""
+        fn = self._stored_meta_fn if meta else self._stored_fn if stored else self._weights_fn
         if fn is None:
             raise ModelLoadError(f"{self.path}: this ModelSource has no weights to load"
-                                 + (" in their stored format" if stored else ""))
+                                 + (" in their stored format" if stored else "") + (" on meta" if meta else ""))
         progress = Progress(f"loading {self.path.name}", self.num_tensors)
         for name, tensor in fn():
             yield name, tensor

@@ -1,6 +1,6 @@
 """`tqserve plan`: weights and KV cache on paper, before anything is loaded.
 
-For a model config (a config.json path, or a built-in name) at a tensor-parallel
+For a model config (a config.json path, a .gguf file, or a built-in name) at a tensor-parallel
 size and a KV cache format, it prints weight bytes per rank, KV bytes per token
 per rank (per layer kind), and how many sequences of each context length fit
 in the memory left on each rank. Every number comes from the formulas printed
@@ -128,6 +128,8 @@ def load_config(model: str) -> tuple[str, dict]:
     if key in BUILTIN:
         return key, BUILTIN[key]()
     p = Path(model)
+    if p.suffix == ".gguf" and p.is_file():
+        return str(p), open_gguf_source(p).config
     if p.is_dir():
         p = p / "config.json"
     if not p.is_file():
@@ -390,19 +392,38 @@ def is_deepseek_v4(cfg: dict) -> bool:
     return cfg.get("model_type") == "deepseek_v4" or (cfg.get("architectures") or [""])[0] == "DeepseekV4ForCausalLM"
 
 
+def open_gguf_source(path):
+    """The file's ModelSource (header and tensor infos; no tensor read)."""
+    from model_zoo.gguf_loader import open_gguf
+    from model_zoo.source import ModelLoadError
+    try:
+        return open_gguf(path)
+    except ModelLoadError as e:
+        raise SystemExit(f"--model {path}: {e}") from None
+
+
 def measure_weights(cfg: dict, tp: int, dtype: str = "bfloat16", quantization: str | None = None,
-                    fmts: dict[str, str] | None = None, rank: int = 0) -> int:
+                    fmts: dict[str, str] | None = None, rank: int = 0, gguf=None) -> int:
     """Bytes of weights one rank of the engine holds for cfg, measured from
     the tensors of its model built on the meta device (no memory) under
     TP=tp (rank `rank`), as model_zoo.models.resident_bytes counts them at startup.
     quantization "fp8" (DeepSeek-V4): the layers keep the official
     checkpoint's FP8 / FP4 tensors (fmts, {tensor: format}; default
     dsv4_checkpoint.official_formats), loaded as empty meta tensors so each
-    layer allocates its own storage."""
+    layer allocates its own storage. quantization "gguf" (gguf: the file's
+    ModelSource): the layers keep this rank's part of the file's blocks, from
+    meta tensors of their shapes (the dense tensors, norms mostly, are read)."""
     import torch
 
-    from model_zoo.models import build_model, resident_bytes
+    from model_zoo.models import build_model, create_model, resident_bytes
     from parallel.state import assume_tp
+    if quantization == "gguf":
+        if gguf is None:
+            raise SystemExit("--quantization gguf: pass a .gguf file as --model")
+        with assume_tp(tp, rank):
+            model = create_model(cfg, getattr(torch, dtype), "meta", gguf.weights(stored=True, meta=True),
+                                 stored=gguf.stored)
+        return resident_bytes(model)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(getattr(torch, dtype))
     try:
@@ -416,8 +437,8 @@ def measure_weights(cfg: dict, tp: int, dtype: str = "bfloat16", quantization: s
                 model.use_stored(fmts)
                 load_into(model, meta_checkpoint(model, fmts), partial=True)
             elif quantization:
-                raise SystemExit(f"--quantization {quantization}: the planner measures none or fp8 "
-                                 f"(a GGUF's bytes are its file's: the startup log reports them)")
+                raise SystemExit(f"--quantization {quantization}: the planner measures none, fp8 "
+                                 f"(DeepSeek-V4) or gguf (a .gguf file)")
     finally:
         torch.set_default_dtype(prev)
     return resident_bytes(model)
@@ -427,7 +448,8 @@ def make_plan(model: str, tp: int = 2, kv_cache_dtype: str = "f16", rollback: in
               dtype: str | None = None, quantization: str | None = "auto") -> Plan:
     """The formulas' plan; with dtype, also the weights measured from a meta
     build (quantization "auto": fp8 for DeepSeek-V4, what it is served with)."""
-    name, cfg = load_config(model)
+    gguf = open_gguf_source(model) if model.endswith(".gguf") and Path(model).is_file() else None
+    name, cfg = (model, gguf.config) if gguf is not None else load_config(model)
     v4 = is_deepseek_v4(cfg)
     if v4:
         p = plan_deepseek_v4(name, cfg, tp, kv_cache_dtype, rollback)
@@ -439,8 +461,9 @@ def make_plan(model: str, tp: int = 2, kv_cache_dtype: str = "f16", rollback: in
     else:
         p = plan_dense(name, cfg, tp, kv_cache_dtype)
     if dtype:
-        quant = ("fp8" if v4 else None) if quantization == "auto" else quantization
-        p.measured_weight_bytes = measure_weights(cfg, tp, dtype, quant)
+        auto = "fp8" if v4 else "gguf" if gguf is not None and gguf.stored else None
+        quant = auto if quantization == "auto" else None if quantization in (None, "none") else quantization
+        p.measured_weight_bytes = measure_weights(cfg, tp, dtype, quant, gguf=gguf)
         p.measured_how = f"the engine's model built on the meta device, TP={tp}, {dtype}" + \
             (f", --quantization {quant}" if quant else "")
     return p
@@ -488,7 +511,7 @@ def report(plans: list[Plan], lens: list[int], memory: float, reserve: float, ou
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True,
-                   help=f"config.json (or its folder), or a built-in: {', '.join(BUILTIN)}")
+                   help=f"config.json (or its folder), a .gguf file, or a built-in: {', '.join(BUILTIN)}")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (one rank per node)")
     p.add_argument("--kv-cache-dtype", nargs="+", default=["f16", "tq3"],
                    help="one or more KV formats to compare (f16, tq4, tq3, k8v4, ...)")
@@ -500,7 +523,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16",
                    help="dtype of the weights that stay dense, for the measured count ('none': formula only)")
     p.add_argument("--quantization", default="auto",
-                   help="fp8 (DeepSeek-V4's FP8 / FP4 kept as stored) or none; auto: fp8 for DeepSeek-V4")
+                   help="fp8 (DeepSeek-V4's FP8 / FP4 kept as stored), gguf (a .gguf file's blocks, each rank "
+                        "its part) or none; auto: fp8 for DeepSeek-V4, gguf for a .gguf file")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
 
 

@@ -78,7 +78,8 @@ def test_logprobs_and_greedy_tokens_equal_the_dense_model(pair):
 
 
 PEAK = r"""
-import json, sys, threading, time, gguf, torch
+import json, sys, threading, time, torch
+from model_zoo.gguf_file import GGUFFile
 from engine.engine_args import EngineArgs
 from model_zoo.models import create_model, resident_bytes
 from model_zoo.resolve import open_model
@@ -90,7 +91,7 @@ def anon():
 
 src = open_model(sys.argv[1])
 # One layer: the largest tensor of the file in fp32 (what a dense load holds at once).
-largest = max(int(t.n_elements) * 4 for t in gguf.GGUFReader(str(src.path)).tensors)
+largest = max(int(t.n_elements) * 4 for t in GGUFFile(src.path).tensors)
 torch.set_num_threads(1)
 peak, stop = [anon()], threading.Event()
 base = peak[0]

@@ -23,6 +23,7 @@ from test_hybrid_mtp import mtp_state_dict
 from test_qwen3_next import FLAVOURS, make_hf
 
 from engine import LLM, SamplingParams
+from model_zoo.gguf_file import GGUFFile
 from model_zoo.gemma4 import kv_producers, layer_shapes
 from model_zoo.gguf_loader import open_gguf
 from model_zoo.models import create_model
@@ -438,7 +439,7 @@ def test_q8_0_file_through_the_engine(arch, tmp_path):
         else:
             write_qwen(path, qwen_hf(arch), arch, qtype)
     path = files["Q8_0"]
-    assert Q8 in {t.tensor_type for t in gguf.GGUFReader(path).tensors}
+    assert Q8 in {t.tensor_type for t in GGUFFile(path).tensors}
     src = open_gguf(path)
     exact = dict(open_gguf(files["F32"]).weights())
     got = dict(src.weights())

@@ -35,6 +35,7 @@ from test_gguf_hybrid import GEMMA4, gemma4_hf, logits, mtp_head, prompt, qwen_h
 from engine import LLM, SamplingParams
 from engine.engine_args import EngineArgs
 from model_zoo.fused_moe import RoutedExperts
+from model_zoo.gguf_file import GGUFFile
 from model_zoo.gguf_loader import open_gguf
 from model_zoo.models import create_model, resident_bytes
 from parallel.linear import LinearBase, VocabParallelEmbedding
@@ -252,7 +253,7 @@ def test_what_stays_dense_is_not_offered(tmp_path):
     no norm, router, conv kernel, A_log, dt_bias, shared-expert gate or Gemma 4 scale."""
     for case in ("qwen35moe", "gemma4"):
         src = open_gguf(write(case, "Q8_0", tmp_path / f"{case}.gguf"))
-        quantized = {t.name for t in gguf.GGUFReader(src.path).tensors
+        quantized = {t.name for t in GGUFFile(src.path).tensors
                      if t.tensor_type not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)}
         assert len(src.stored) <= len(quantized)
         assert not [n for n in src.stored if n.endswith(("norm.weight", "mlp.gate.weight", "conv1d.weight", "A_log",

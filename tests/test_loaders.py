@@ -25,6 +25,7 @@ from fixtures_models import (
     write_tiny_gguf,
     write_tiny_llama,
 )
+from model_zoo.gguf_file import GGUFFile
 from model_zoo.gguf_loader import SUPPORTED_TYPES, reverse_llama_permute
 from model_zoo.hf_loader import open_hf_dir
 from model_zoo.resolve import KNOWN_MODELS, gemma3_270m_path, open_model
@@ -125,7 +126,7 @@ def test_real_weights_relate_to_raw_gguf_as_llama_cpp_wrote_them(real):
     import gguf
 
     name, source, ours, _, _ = real
-    raw = {t.name: t for t in gguf.GGUFReader(source.path).tensors}
+    raw = {t.name: t for t in GGUFFile(source.path).tensors}
 
     def dequant(gguf_name):
         t = raw[gguf_name]

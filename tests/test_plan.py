@@ -118,3 +118,33 @@ def test_measured_kv_equals_the_formulas_and_plans_gemma4():
     moe = plan.make_plan("gemma4-26b-a4b", 2, "f16")
     assert 25e9 < moe.measured_weight_bytes < 25.5e9                   # ~50.5 GB bf16 over two ranks
     assert moe.kv_per_token == 5 * 1 * 512 * 2 * 2                    # 2 KV heads split over 2 ranks
+
+
+@pytest.mark.parametrize("model, tp", [("tiny-q4_0", 1), ("tiny-q4_0", 2), ("tiny-q4_k", 1), ("gemma3-270m", 2)])
+def test_gguf_file_weights_measured_per_rank(model, tp, tmp_path, capsys):
+    """A .gguf file: the plan's weight bytes are what rank 0 of the engine holds
+    with the file's blocks kept (--quantization gguf, each rank its part), from
+    meta tensors of the blocks' shapes, equal to a real load's."""
+    import torch
+    from fixtures_models import gguf_path, write_tiny_gguf
+
+    from model_zoo.gguf_loader import open_gguf
+    from model_zoo.models import create_model, resident_bytes
+    from parallel.state import assume_tp
+    if model.startswith("tiny"):
+        path = tmp_path / f"{model}.gguf"
+        write_tiny_gguf(path, qtype=model.split("-")[1].upper())
+    else:
+        path = gguf_path(model)
+    p = plan.make_plan(str(path), tp, "f16", dtype="float32")
+    src = open_gguf(path)
+    with assume_tp(tp, 0):
+        real = create_model(src.config, torch.float32, "cpu", src.weights(stored=True), stored=src.stored)
+    assert p.measured_weight_bytes == resident_bytes(real), (p.measured_weight_bytes, resident_bytes(real))
+    assert p.measured_how.endswith("TP=%d, float32, --quantization gguf" % tp)
+    dense = plan.make_plan(str(path), tp, "f16", dtype="float32", quantization="none")
+    print(f"{model} TP={tp}: {p.measured_weight_bytes / 2**20:.1f} MiB per rank with the blocks, "
+          f"{dense.measured_weight_bytes / 2**20:.1f} MiB dequantized")
+    assert p.measured_weight_bytes < 0.5 * dense.measured_weight_bytes
+    assert plan.main(["--model", str(path), "--tp", str(tp), "--max-model-len", "128", "--dtype", "float32"]) == 0
+    assert "--quantization gguf" in capsys.readouterr().out
