@@ -7,7 +7,8 @@ What it measures, in one run (a few minutes on 2 cores):
 
 1. Decode tokens/s of `engine.LLM("gemma3-270m", tensor_parallel_size=TP,
    num_threads=T)` (the real weights: the GGUF package's Q4_K_M
-   dequantized to the run's dtype) for each config DTYPE:TPxT (TP ranks, T
+   dequantized to the run's dtype, or kept as blocks with --quantization gguf)
+   for each config DTYPE:TPxT (TP ranks, T
    torch threads per rank; the second rank is a process the engine starts,
    gloo collectives over loopback): TP=1 with 2 threads vs TP=2 with 1
    thread per rank (the same 2 cores), TP=2 with 2 threads per rank
@@ -41,8 +42,9 @@ CPU time of other processes during every timed window is recorded (from
 run during which they used more than --max-other-cores is rerun (at most
 --retries times, the cleanest kept), and --wait-quiet S first waits up to S
 seconds for the CPUs to go idle (on a shared machine). About 17 minutes on
-2 idle cores (--repeats 1: about 10; each config's startup is 20-45 s, mostly
-the gguf reader parsing the vocabulary's metadata).
+2 idle cores (--repeats 1: about 10; each config's startup took 20-45 s
+while gguf-py's reader parsed the vocabulary's metadata, less since
+model_zoo/gguf_file.py).
 Writes tests/bench/results/tp_decode.md.
 """
 import argparse
@@ -274,16 +276,17 @@ def run_batch(llm, prompts, out_len, probe) -> dict:
 
 
 def run_config(cfg: str, prompt_sets: dict, out_len: int, probe, max_other: float, retries: int,
-               wait_s: float, repeats: int) -> dict:
+               wait_s: float, repeats: int, quantization: str) -> dict:
     from engine import LLM
     dt, _, shape = cfg.partition(":")
     tp, threads = (int(x) for x in shape.split("x"))
     res = dict(config=cfg, dtype=DTYPES[dt], tp=tp, threads=threads, runs={})
     t0 = time.perf_counter()
     with LLM(MODEL, dtype=DTYPES[dt], tensor_parallel_size=tp, num_threads=threads,
-             master_port=free_port(), kv_cache_memory=256 << 20, enable_prefix_caching=False) as llm:
+             master_port=free_port(), kv_cache_memory=256 << 20, enable_prefix_caching=False,
+             quantization=quantization) as llm:
         res["startup_s"] = time.perf_counter() - t0
-        res["weight_bytes"] = sum(x.numel() * x.element_size() for x in llm.core.runner.model.parameters())
+        res["weight_bytes"] = llm.core.resident_bytes      # rank 0's, GGUF blocks included
         from engine import SamplingParams
         llm.generate(prompt_sets[max(prompt_sets)], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         for b, prompts in prompt_sets.items():
@@ -463,7 +466,10 @@ def report(args, results, gloo, gloo_load, started, cfg, load0, load1, busy0, bu
            "both ranks on this machine, "
            f"gloo over loopback (rendezvous 127.0.0.1, GLOO_SOCKET_IFNAME="
            f"{os.environ.get('GLOO_SOCKET_IFNAME') or 'unset'}).",
-           f"Model: {MODEL} (the GGUF package's Q4_K_M weights dequantized to the run's dtype): {L} layers, hidden "
+           f"Model: {MODEL} (the GGUF package's Q4_K_M weights, "
+           + ("dequantized to the run's dtype" if args.quantization == "none" else
+              f"--quantization {args.quantization}: the file's blocks, each rank its part")
+           + f"): {L} layers, hidden "
            f"{hidden}, {cfg['num_attention_heads']} query heads / {cfg.get('num_key_value_heads')} KV head(s) "
            f"(TP=2: 2 query heads per rank, the KV head on both), MLP {cfg['intermediate_size']}, vocab {vocab} "
            f"(tied embedding / LM head: {vocab * hidden * 4 / 2**20:.0f} MiB in fp32, the bulk of the weights).",
@@ -518,8 +524,8 @@ def report(args, results, gloo, gloo_load, started, cfg, load0, load1, busy0, bu
             out.append(f"Batch invariance at TP=1 ({dtype}, 2 threads): request 0's tokens at batch {b1} vs "
                        f"batch {b0}: "
                        + ("identical." if j is None else f"first differ at token {j}."))
-    out += ["", "Startup (s) is `LLM(...)` to ready: mostly the gguf package's reader parsing the 262k-token "
-            "vocabulary's metadata (both ranks do it, concurrently at TP=2), not measured in tok/s.", ""]
+    out += ["", "Startup (s) is `LLM(...)` to ready (opening the file, the 262k-token tokenizer, the weights; "
+            "both ranks, concurrently at TP=2), not measured in tok/s.", ""]
 
     # ---- 2
     tp2 = [r for r in results if r["tp"] == 2]
@@ -672,6 +678,9 @@ def main() -> int:
     ap.add_argument("--wait-quiet", type=float, default=0.0,
                     help="before each timed run, wait up to this many seconds for other processes to go idle")
     ap.add_argument("--quick", action="store_true", help="16 tokens, f32 1x2 and 2x1, 0.2 s per message")
+    ap.add_argument("--quantization", default="none",
+                    help="none (the weights dequantized to the run's dtype, as the README's table) or gguf "
+                         "(the file's Q4_K_M blocks, each rank its part)")
     ap.add_argument("--out", type=Path, default=OUT / "tp_decode.md")
     ap.add_argument("--gloo-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
@@ -699,7 +708,7 @@ def main() -> int:
     for c in args.configs.split(","):
         log(f"{c} ...")
         results.append(run_config(c, prompt_sets, args.output_len, probe, args.max_other_cores, args.retries,
-                                  args.wait_quiet, args.repeats))
+                                  args.wait_quiet, args.repeats, args.quantization))
     plan_bytes = {}
     for r in results:
         for b, run in r["runs"].items():
