@@ -142,6 +142,8 @@ def test_gguf_file_weights_measured_per_rank(model, tp, tmp_path, capsys):
         real = create_model(src.config, torch.float32, "cpu", src.weights(stored=True), stored=src.stored)
     assert p.measured_weight_bytes == resident_bytes(real), (p.measured_weight_bytes, resident_bytes(real))
     assert p.measured_how.endswith("TP=%d, float32, --quantization gguf" % tp)
+    if not model.startswith("tiny"):
+        return                  # the real file: the count above; the rest on the tiny ones (each open ~4 s)
     dense = plan.make_plan(str(path), tp, "f16", dtype="float32", quantization="none")
     print(f"{model} TP={tp}: {p.measured_weight_bytes / 2**20:.1f} MiB per rank with the blocks, "
           f"{dense.measured_weight_bytes / 2**20:.1f} MiB dequantized")
