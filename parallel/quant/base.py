@@ -8,10 +8,11 @@ QuantizeMethodBase shape): one object per layer, `LinearBase.quant`.
   (`--quantization gguf`): per shard of the layer (q / k / v, gate / up) its
   own type. Under tensor parallelism the layer cuts each checkpoint tensor
   (QuantizedTensor.narrow) as it cuts a dense one: a column-parallel rank
-  keeps its rows, a row-parallel one its columns, on the type's blocks. CPU: a fused C++ GEMV for up to 16 rows (parallel/quant/
-  gguf_cpu.py), else the layer dequantized into one buffer shared by all
-  layers, then F.linear (the host never holds a dense model); CUDA: the
-  Triton kernels of parallel/quant/gguf.py, dequantizing in registers.
+  keeps its rows, a row-parallel one its columns, on the type's blocks.
+  CPU: a fused C++ GEMV for up to 16 rows (parallel/quant/gguf_cpu.py),
+  else the layer dequantized into one buffer shared by all layers, then
+  F.linear (the host never holds a dense model); CUDA: the Triton kernels
+  of parallel/quant/gguf.py, dequantizing in registers.
 
 - GGUFExperts: a MoE layer's routed experts as the GGUF file stacks them
   (ffn_{gate,up,down}_exps: one [E, rows, row_bytes] tensor per projection,
