@@ -35,12 +35,6 @@ def _check(loaded, *full_shape: int):
     return loaded
 
 
-def gguf_block(qtype: str) -> int:
-    if qtype not in QTYPES:
-        raise ValueError(f"unsupported GGUF type {qtype!r} (have {', '.join(QTYPES)})")
-    return QTYPES[qtype].block
-
-
 def _zero_padded(part, rows: int):
     """A rank's vocabulary rows followed by zero rows up to `rows`."""
     if part.shape[0] == rows:
@@ -76,7 +70,7 @@ class QuantStorage:
         before any rank waits on another."""
         rows, cols = self.weight.shape
         for qtype in qtypes if self.splits_columns and self.tp_size > 1 else ():
-            block = gguf_block(qtype)
+            block = QTYPES[qtype].block       # the loader offers kernel types only
             if cols % block:
                 raise ValueError(f"GGUF {qtype}: {cols * self.tp_size} input columns split over {self.tp_size} "
                                  f"tensor-parallel ranks are {cols} per rank, not a multiple of its "
