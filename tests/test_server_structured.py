@@ -1,7 +1,7 @@
 """Structured outputs and tool calls on real models through the official
 openai client against `tqserve serve` on 127.0.0.1: every parsed answer
-validates (20 schemas x 20 prompts, streamed too), each constraint kind holds,
-bad constraints are 400s, neighbours of a constrained request are unaffected,
+validates (20 schemas x 20 prompts on SmolLM2, x 5 on Gemma3; streamed too),
+each constraint kind holds, bad constraints are 400s, neighbours of a constrained request are unaffected,
 and a whole tool loop runs with forced tool choices."""
 import json
 import re
@@ -54,18 +54,28 @@ def _stream(client, model, schema, prompt):
     return text
 
 
-def test_parse_20_schemas_x_20_prompts(served):
+# Prompts per schema: all 20 on SmolLM2 (400 requests); 5 on Gemma3, each
+# schema a different five so all 20 prompts still run (100 requests). Gemma3's
+# 262k-row LM head costs ~0.3 s a 32-row step on 2 CPU cores, and its
+# 20 x 20 took ~290 s of CI: what it adds over 20 x 5 is more of the same
+# masks on the same tokenizer.
+PROMPTS_PER_SCHEMA = {"smollm2-135m": 20, "gemma3-270m": 5}
+
+
+def test_parse_20_schemas_x_many_prompts(served):
     model, _, client = served
-    jobs = [(schema, prompt) for schema in SCHEMAS for prompt in PROMPTS]
+    per = PROMPTS_PER_SCHEMA[model]
+    jobs = [(schema, PROMPTS[(i * per + j) % len(PROMPTS)]) for i, schema in enumerate(SCHEMAS) for j in range(per)]
+    assert {p for _, p in jobs} == set(PROMPTS) and len(jobs) == per * len(SCHEMAS)
     with ThreadPoolExecutor(32) as pool:
         texts = list(pool.map(lambda j: _parse(client, model, *j), jobs))
-    assert len(texts) == 400
-    # Streamed, every schema once: the concatenated deltas validate, and
-    # (greedy) equal the non-streamed text.
-    step = len(PROMPTS) + 1
+    assert len(texts) == len(jobs)
+    # Streamed, every schema once (a different prompt each): the concatenated
+    # deltas validate, and (greedy) equal the non-streamed text.
+    picks = [i * per + i % per for i in range(len(SCHEMAS))]
     with ThreadPoolExecutor(16) as pool:
-        streamed = list(pool.map(lambda j: _stream(client, model, *j), jobs[::step]))
-    assert streamed == texts[::step] and len(streamed) == len(SCHEMAS)
+        streamed = list(pool.map(lambda i: _stream(client, model, *jobs[i]), picks))
+    assert streamed == [texts[i] for i in picks] and len(streamed) == len(SCHEMAS)
 
 
 def test_each_constraint_kind(served):
