@@ -7,10 +7,11 @@ every multiple of 8 up to max_num_seqs) into a CUDA graph that reads its
 inputs from static device buffers; a step copies its inputs there and
 replays the graph of the smallest size that holds its batch. Pad rows have
 sequence length 0 and slot -1: the attention reads no key for them and the
-cache store writes nothing. Steps with a prefill chunk, drafts to verify,
+cache store writes nothing (a linear-attention layer's state: they write the
+cache's pad slot, kvcache/linear_state.py). Steps with a prefill chunk, drafts to verify,
 prompt logprobs or an MTP proposer's hidden streams run eagerly, as do
-models whose caches hold per-sequence state (linear attention, DeepSeek-V4's
-pool) or whose attention backend cannot be captured (AttentionBackend.capturable).
+DeepSeek-V4's (its pool builds per-step metadata from host lists) and models
+whose attention backend cannot be captured (AttentionBackend.capturable).
 
 The captured metadata's host-side values are fixed at capture: every
 sequence counts as a decode, seq_lens (the host list) is max_model_len for
@@ -159,14 +160,9 @@ class DecodeGraphs:
             return self._forward(b, meta)
 
 
-def why_not_capturable(kv_caches, groups) -> str | None:
+def why_not_capturable(kv_caches) -> str | None:
     """Why decode steps over these caches must stay eager (None: they can be
-    captured). groups: the KV manager's group specs."""
+    captured): each layer cache says for itself (not_capturable)."""
     if not isinstance(kv_caches, list):
         return f"{type(kv_caches).__name__} keeps per-sequence state outside the block tables"
-    if any(g.per_seq for g in groups):
-        return "linear-attention layers keep per-sequence state slots (padded rows would write one)"
-    for c in kv_caches:
-        if c is not None and not c.backend.capturable:
-            return f"attention backend {c.backend.name} is not capturable"
-    return None
+    return next((why for c in kv_caches if c is not None and (why := c.not_capturable)), None)

@@ -18,6 +18,7 @@ from engine.sampler import DraftRow, batch_token_logprobs, sample
 from engine.scheduler import SchedulerOutput, ScheduledRequest
 from kvcache.dsv4_paged import DSV4PagedCache
 from kvcache.kv_manager import KVCacheManager
+from kvcache.linear_state import PAD_SLOT
 from kvcache.metadata import AttentionMetadata, GroupMetadata
 
 
@@ -125,7 +126,8 @@ class ModelRunner:
         blocks: not stored); block-table entries are clamped to 0. pad_to >
         B (a decode step for a CUDA graph of that size): pad_to - B more
         rows of one token each, id 0 at position 0, sequence length 0 and
-        slot -1, which read and write nothing. Returns the plan and the
+        slot -1, which read and write nothing (a per-sequence state's pad
+        rows write its pad slot, which no sequence reads). Returns the plan and the
         requests that sample, in row order."""
         B = len(sched)
         n = np.fromiter((s.num_new_tokens for s in sched), np.int64, B)
@@ -161,7 +163,8 @@ class ModelRunner:
             slots, bt = part[5 + 2 * g], part[6 + 2 * g].reshape(B + P, w)
             self._fill_group(g, tg, ln, pos[:T], seq_of_tok, slots[:T], bt[:B])
             slots[T:] = -1
-            bt[B:] = 0
+            # A per-sequence state's pad rows go to the cache's pad slot.
+            bt[B:] = PAD_SLOT if self.kv.groups[g].per_seq else 0
         if P:
             ids[T:] = 0
             pos[T:] = 0

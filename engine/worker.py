@@ -166,7 +166,7 @@ class Worker:
         or None, said in one line, when this model's decode cannot be
         captured. emulate: the same static buffers and frozen metadata, with
         replay re-running the forward (tests, on CPU)."""
-        why = why_not_capturable(self.caches, self.plan.groups)
+        why = why_not_capturable(self.caches)
         if why:
             log.info("CUDA graphs off: %s", why)
             return None

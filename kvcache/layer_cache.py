@@ -37,6 +37,12 @@ class LayerCache:
         """A backend, a registered name, or None (the default for the device)."""
         self._backend = b if isinstance(b, AttentionBackend) else backend_for(self.format_kind, self.device, b)
 
+    @property
+    def not_capturable(self) -> str | None:
+        """Why a decode step over this layer cannot be a CUDA graph (None: it can)."""
+        b = self.backend
+        return None if b.capturable else f"attention backend {b.name} is not capturable"
+
     def store(self, meta: AttentionMetadata, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write this step's new K/V (k, v: [T, Hkv, D])."""
         self.write(meta.groups[self.group_id].slot_mapping, k, v)

@@ -12,11 +12,18 @@ last `checkpoints` positions and the next step reads the one after its start
 drafts) is then only a smaller start: nothing is copied back. Without
 speculation there is one copy.
 
+One more slot than the pool hands out, the last (PAD_SLOT = -1, as torch
+indexes), belongs to no sequence: a CUDA graph's pad rows point there, so
+their state writes land in it and not in a running sequence's slot. nbytes
+counts the sequences' slots; the pool plan reserves the pad slot apart.
+
 The state is not block-addressable (it sums the whole prefix), so a model
 with such layers runs without prefix caching (KVPlan.prefix_caching)."""
 import torch
 
 from kvcache.spec import LinearAttentionSpec
+
+PAD_SLOT = -1
 
 
 class LinearStateCache:
@@ -24,14 +31,19 @@ class LinearStateCache:
                  device: str | torch.device = "cpu"):
         self.spec, self.group_id = spec, group_id
         self.checkpoints = P = spec.checkpoints
-        self.conv = torch.zeros(num_slots, P, spec.conv_dim, spec.conv_kernel - 1, dtype=torch.float32,
+        self.num_slots = num_slots
+        self.conv = torch.zeros(num_slots + 1, P, spec.conv_dim, spec.conv_kernel - 1, dtype=torch.float32,
                                 device=device)
-        self.recurrent = torch.zeros(num_slots, P, spec.num_heads, spec.k_head_dim, spec.v_head_dim,
+        self.recurrent = torch.zeros(num_slots + 1, P, spec.num_heads, spec.k_head_dim, spec.v_head_dim,
                                      dtype=torch.float32, device=device)
+
+    # Its layer's decode is torch ops over the slots the block tables name,
+    # which a capture's warm-up checks for host syncs like any other.
+    not_capturable = None
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.conv, self.recurrent))
+        return sum(t[:self.num_slots].numel() * t.element_size() for t in (self.conv, self.recurrent))
 
     def slots(self, meta) -> torch.Tensor:
         """[B] slot of each sequence of the step."""

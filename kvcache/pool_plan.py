@@ -190,9 +190,10 @@ def plan_kv_pool(specs: list[LayerSpec], budget_bytes: int, block_size: int, dty
         if g.per_seq:
             # A slot for each running sequence, as long as the rest holds one sequence
             # of max_model_len; fewer otherwise (a new sequence waits for a free slot).
+            # Plus the pad slot every such cache holds (kvcache/linear_state.py).
             one_seq = -(-max_model_len // block_size) * block_bytes[0]
-            num_blocks[gi] = int(max(1, min(max_num_seqs, (rest - one_seq) // block_bytes[gi])))
-            rest -= num_blocks[gi] * block_bytes[gi]
+            num_blocks[gi] = int(max(1, min(max_num_seqs, (rest - one_seq) // block_bytes[gi] - 1)))
+            rest -= (num_blocks[gi] + 1) * block_bytes[gi]
     num_blocks[0] = int(rest // block_bytes[0])
     if num_blocks[0] < 1:
         raise ValueError(f"KV cache budget {budget_bytes} bytes is too small for one block "

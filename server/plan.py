@@ -46,7 +46,8 @@ formulas (bytes; t = TP size, L = context length, R = rollback tokens kept for s
       DeepSeek-V4 dtypes: routed experts FP4 (0.5 + 1/32 for the e8m0 scale per 32); other projections FP8
       (1 + 128x128 block scales); embedding, head, compressor/indexer kv/gate, router BF16; norms, sinks,
       position biases and hyper-connection params FP32
-  max sequences at L = floor( (memory - reserve - weights) / (L * kv_per_token + per_sequence) )"""
+  max sequences at L = floor( (memory - reserve - weights - once) / (L * kv_per_token + per_sequence) )
+      once: a linear-attention model's pad slot, one sequence's state (kvcache/linear_state.py)"""
 
 
 # ---------------------------------------------------------------- built-in configs
@@ -166,6 +167,7 @@ class Plan:
     kv_per_token_by_kind: dict = field(default_factory=dict)
     per_sequence: float = 0.0                        # per rank, independent of L (bounded windows, carry)
     per_sequence_by_kind: dict = field(default_factory=dict)
+    once: float = 0.0                                # per rank, once: the linear-attention state's pad slot
     sliding_tokens: dict = field(default_factory=dict)   # dense sliding layers: bytes per token, up to window
     notes: list = field(default_factory=list)
     measured_weight_bytes: float | None = None       # per rank, from the engine's model built on the meta device
@@ -181,7 +183,7 @@ class Plan:
         return L * self.kv_per_token + self.per_sequence + extra
 
     def max_seqs(self, L: int, memory: float, reserve: float) -> int:
-        free = memory - reserve - self.resident_weights
+        free = memory - reserve - self.resident_weights - self.once
         return max(0, int(free // self.seq_bytes(L))) if free > 0 else 0
 
 
@@ -340,7 +342,7 @@ def plan_hybrid(name: str, cfg: dict, tp: int, kv: str) -> Plan:
     # conv inputs (K - 1 per channel) + recurrent state [nv, dk, dv], fp32, this rank's heads
     state = linear * 4 * (conv_dim // tp * (K - 1) + nv // tp * dk * dv)
     p.per_sequence_by_kind["linear-attention state (fp32)"] = state
-    p.per_sequence = state
+    p.per_sequence = p.once = state
     p.notes.append(f"layers: {full} full attention, {linear} linear attention (Gated DeltaNet); "
                    f"{nkv} KV heads x {hd}")
     return p
@@ -364,6 +366,7 @@ def plan_measured(name: str, cfg: dict, tp: int, kv: str, block_size: int = 16) 
         b = make_layer_cache(s, 1, block_size, policy, 0, n, device="meta").nbytes
         if s.per_seq:
             p.per_sequence += b
+            p.once += b
             _add(p.per_sequence_by_kind, "linear-attention state", b)
         elif s.sliding_window is None:
             p.kv_per_token += b / block_size
@@ -498,6 +501,8 @@ def report(plans: list[Plan], lens: list[int], memory: float, reserve: float, ou
             print(f"  {k:<40} {v:,.1f} B/token", file=out)
         for k, v in p.per_sequence_by_kind.items():
             print(f"  {k:<40} {_fmt(v)} per sequence", file=out)
+        if p.once:
+            print(f"  {'pad slot (CUDA graph pad rows)':<40} {_fmt(p.once)} once", file=out)
     print("max concurrent sequences per rank pair:", file=out)
     print("  " + f"{'context':>10}" + "".join(f"  {p.kv_cache_dtype + ' GB/seq':>14}  {p.kv_cache_dtype + ' seqs':>10}"
                                                for p in plans), file=out)

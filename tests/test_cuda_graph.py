@@ -17,8 +17,8 @@ from engine import LLM, SamplingParams
 from engine.cuda_graph import HostSyncError, capture_sizes, forbid_host_syncs
 from model_zoo import cpu_ops
 from parallel.quant import fp_methods
-from tiny_models import (save_tiny_gemma3, save_tiny_gemma4, save_tiny_llama, save_tiny_qwen3, save_tiny_qwen3_moe,
-                         token_prompts)
+from tiny_models import (save_tiny_gemma3, save_tiny_gemma4, save_tiny_llama, save_tiny_qwen3, save_tiny_qwen3_5,
+                         save_tiny_qwen3_moe, save_tiny_qwen3_next, token_prompts)
 
 
 def test_capture_sizes():
@@ -89,7 +89,10 @@ def _toks(outs):
 
 
 SAVERS = {"llama": save_tiny_llama, "qwen3": save_tiny_qwen3, "gemma3": save_tiny_gemma3,
-          "qwen3_moe": save_tiny_qwen3_moe, "gemma4": lambda p: save_tiny_gemma4(p, hybrid=True, moe=False)}
+          "qwen3_moe": save_tiny_qwen3_moe, "gemma4": lambda p: save_tiny_gemma4(p, hybrid=True, moe=False),
+          # Linear-attention state per sequence: pad rows write the pad slot
+          # (Qwen3-Next's DeltaNet is the same code: test_pad_rows_of_linear_attention).
+          "qwen3_5": save_tiny_qwen3_5}
 
 
 # Padded batches run the matmuls on more rows, which moves last bits; the tiny random Gemma 4
@@ -172,6 +175,30 @@ def test_pad_rows_write_nothing(graph_env, tmp_path):
         for a, b in ((k0, k1), (v0, v1)):
             assert int(a.flatten(1).ne(0).any(1).sum()) == int(b.flatten(1).ne(0).any(1).sum()) == 9
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_pad_rows_of_linear_attention_write_the_pad_slot(graph_env, tmp_path):
+    """Qwen3-Next, one sequence padded to 2 rows: every sequence slot of every
+    DeltaNet layer's state ends as in the eager run, and only the pad slot
+    (the last, kvcache/linear_state.PAD_SLOT) took the pad row's writes."""
+    save_tiny_qwen3_next(tmp_path)
+    p = token_prompts(1, lo=6, hi=7, seed=3)[0]
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    runs = []
+    for emulate in (False, True):
+        llm = _engine(tmp_path, max_num_seqs=2, enable_prefix_caching=False)
+        if emulate:
+            replays = _emulate(llm)
+            llm.core.runner.graphs.sizes = [2]
+        toks = _toks(llm.generate([p], sp))
+        states = [(c.conv.clone(), c.recurrent.clone()) for c in llm.core.caches if type(c).__name__ == "LinearStateCache"]
+        runs.append((toks, states))
+    assert replays == [2, 2, 2] and runs[0][0] == runs[1][0] and runs[0][1]
+    for eager, graphed in zip(runs[0][1], runs[1][1]):
+        for a, b in zip(eager, graphed):
+            torch.testing.assert_close(a[:-1], b[:-1], rtol=1e-5, atol=1e-5)
+            assert a[:-1].flatten(1).ne(0).any(1).sum() == 1      # the sequence's slot only
+            assert not a[-1].any() and b[-1].any()
 
 
 def test_steps_that_stay_eager(graph_env, tmp_path):

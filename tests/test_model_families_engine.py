@@ -76,8 +76,9 @@ def test_preemption_keeps_tokens(family):
     ref = toks(llm(path).generate(ps, greedy(40)))
     plan = llm(path, max_num_seqs=8).core.plan
     # 400 tokens of context for 8 sequences of up to 100, and each one's fixed state
-    # (linear-attention layers; the rest still holds one 120-token sequence: a slot for each)
-    small = llm(path, kv_cache_memory=400 * plan.bytes_per_token + 8 * plan.state_bytes_per_seq,
+    # (linear-attention layers, plus their pad slot; the rest still holds one 120-token
+    # sequence: a slot for each)
+    small = llm(path, kv_cache_memory=400 * plan.bytes_per_token + 9 * plan.state_bytes_per_seq,
                 max_model_len=120, max_num_seqs=8)
     assert small.core.plan.capacity_tokens == 400
     assert toks(small.generate(ps, greedy(40))) == ref
