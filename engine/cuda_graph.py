@@ -76,79 +76,86 @@ def forbid_host_syncs():
 
 
 class DecodeGraphs:
-    """Static input buffers and one graph per padded batch size.
+    """Static input buffers and one graph per (padded batch size, query
+    length): query length 1 for plain decodes, 1 + k for speculative
+    verification steps (k drafts; a sequence with fewer is padded to 1 + k
+    rows by the runner).
 
     groups: per KV-cache group, the widest block table a sequence can have
     (blocks of max_model_len tokens). run() takes a step's device inputs
-    (padded by the runner to a captured size) and returns the hidden states
+    (padded by the runner to a captured shape) and returns the hidden states
     of all its rows."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: list, widths: list[int], max_model_len: int,
-                 max_num_seqs: int, device: torch.device, emulate: bool = False):
+                 max_num_seqs: int, device: torch.device, emulate: bool = False,
+                 query_lens: tuple[int, ...] = (1,)):
         self.model, self.kv_caches, self.device, self.emulate = model, kv_caches, device, emulate
         self.sizes = capture_sizes(max_num_seqs)
-        n = self.sizes[-1]
+        self.query_lens = tuple(sorted(set(query_lens)))
+        n, t = self.sizes[-1], self.sizes[-1] * self.query_lens[-1]
         z = dict(dtype=torch.long, device=device)
-        self.ids = torch.zeros(n, **z)
-        self.pos = torch.zeros(n, **z)
+        self.ids = torch.zeros(t, **z)
+        self.pos = torch.zeros(t, **z)
         self.seq_lens = torch.zeros(n, **z)
-        self.qsl = torch.arange(n + 1, **z)
-        self.slots = [torch.full((n,), -1, **z) for _ in widths]
+        self.qsl = {q: torch.arange(0, n * q + 1, q, **z) for q in self.query_lens}   # never written
+        self.slots = [torch.full((t,), -1, **z) for _ in widths]
         self.tables = [torch.zeros(n, w, **z) for w in widths]
         self.max_model_len = max_model_len
-        self.graphs: dict[int, tuple] = {}    # size -> (graph or None when emulated, metadata, hidden)
+        self.graphs: dict[tuple[int, int], tuple] = {}   # (size, q) -> (graph or None if emulated, metadata, hidden)
         self.pool = None
         self.replays = 0
 
     def size_for(self, batch: int) -> int | None:
-        """The captured size a decode batch of this many sequences pads to."""
+        """The captured size a batch of this many sequences pads to."""
         return next((b for b in self.sizes if b >= batch), None)
 
-    def _meta(self, b: int) -> AttentionMetadata:
-        groups = [GroupMetadata(s[:b], t[:b]) for s, t in zip(self.slots, self.tables)]
-        return AttentionMetadata(list(range(b + 1)), [self.max_model_len] * b, b, groups, self.kv_caches,
-                                 seq_lens_t=self.seq_lens[:b], query_start_loc_t=self.qsl[:b + 1],
-                                 max_seq_len=self.max_model_len, max_query_len=1)
+    def _meta(self, b: int, q: int) -> AttentionMetadata:
+        groups = [GroupMetadata(s[:b * q], t[:b]) for s, t in zip(self.slots, self.tables)]
+        return AttentionMetadata(list(range(0, b * q + 1, q)), [self.max_model_len] * b, b if q == 1 else 0, groups,
+                                 self.kv_caches, seq_lens_t=self.seq_lens[:b], query_start_loc_t=self.qsl[q][:b + 1],
+                                 max_seq_len=self.max_model_len, max_query_len=q)
 
-    def _forward(self, b: int, meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(self.ids[:b], self.pos[:b], meta)
+    def _forward(self, b: int, q: int, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(self.ids[:b * q], self.pos[:b * q], meta)
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Largest size first, all graphs sharing one memory pool (vLLM's
-        order: smaller graphs reuse the larger ones' blocks)."""
-        for b in reversed(self.sizes):
-            meta = self._meta(b)
-            # Warm-up, eagerly: compiles kernels and moves lazily placed
-            # constants before capture; with syncs forbidden, a step that
-            # cannot be captured fails here with the op's name.
-            with forbid_host_syncs():
-                self._forward(b, meta)
-            if self.emulate:
-                self.graphs[b] = (None, meta, None)
-                continue
-            meta.memo.clear()
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                hidden = self._forward(b, meta)
-            self.pool = graph.pool()
-            self.graphs[b] = (graph, meta, hidden)
+        """Largest first, all graphs sharing one memory pool (vLLM's order:
+        smaller graphs reuse the larger ones' blocks)."""
+        for q in reversed(self.query_lens):
+            for b in reversed(self.sizes):
+                meta = self._meta(b, q)
+                # Warm-up, eagerly: compiles kernels and moves lazily placed
+                # constants before capture; with syncs forbidden, a step that
+                # cannot be captured fails here with the op's name.
+                with forbid_host_syncs():
+                    self._forward(b, q, meta)
+                if self.emulate:
+                    self.graphs[b, q] = (None, meta, None)
+                    continue
+                meta.memo.clear()
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    hidden = self._forward(b, q, meta)
+                self.pool = graph.pool()
+                self.graphs[b, q] = (graph, meta, hidden)
         if not self.emulate:
             torch.cuda.synchronize(self.device)
 
-    def run(self, b: int, ids: torch.Tensor, pos: torch.Tensor, seq_lens: torch.Tensor,
+    def run(self, b: int, q: int, ids: torch.Tensor, pos: torch.Tensor, seq_lens: torch.Tensor,
             groups: list[GroupMetadata]) -> torch.Tensor:
-        """Replay size b's graph on a step's inputs (b rows, pads included;
-        block tables up to their own width, which the captured ones bound).
-        Returns the hidden states [b, hidden]: valid until the next run."""
-        graph, meta, hidden = self.graphs[b]
+        """Replay the graph of b sequences of q rows on a step's inputs (b * q
+        rows, pads included; block tables up to their own width, which the
+        captured ones bound). Returns the hidden states [b * q, hidden]:
+        valid until the next run."""
+        graph, meta, hidden = self.graphs[b, q]
         self.replays += 1
-        self.ids[:b].copy_(ids, non_blocking=True)
-        self.pos[:b].copy_(pos, non_blocking=True)
+        self.ids[:b * q].copy_(ids, non_blocking=True)
+        self.pos[:b * q].copy_(pos, non_blocking=True)
         self.seq_lens[:b].copy_(seq_lens, non_blocking=True)
         for s, t, g in zip(self.slots, self.tables, groups):
-            s[:b].copy_(g.slot_mapping, non_blocking=True)
+            s[:b * q].copy_(g.slot_mapping, non_blocking=True)
             # Columns past the step's width keep older entries: never read,
             # since a row reads only the blocks of its seq_len.
             t[:b, :g.block_tables.shape[1]].copy_(g.block_tables, non_blocking=True)
@@ -157,12 +164,14 @@ class DecodeGraphs:
             return hidden
         meta.memo.clear()
         with forbid_host_syncs():
-            return self._forward(b, meta)
+            return self._forward(b, q, meta)
 
 
-def why_not_capturable(kv_caches) -> str | None:
-    """Why decode steps over these caches must stay eager (None: they can be
-    captured): each layer cache says for itself (not_capturable)."""
+def why_not_capturable(kv_caches, spans: bool = False) -> str | None:
+    """Why decode steps over these caches (spans: verification steps, 1 + k
+    rows per sequence) must stay eager (None: they can be captured): each
+    layer cache says for itself."""
     if not isinstance(kv_caches, list):
         return f"{type(kv_caches).__name__} keeps per-sequence state outside the block tables"
-    return next((why for c in kv_caches if c is not None and (why := c.not_capturable)), None)
+    return next((why for c in kv_caches if c is not None
+                 and (why := c.spans_not_capturable if spans else c.not_capturable)), None)

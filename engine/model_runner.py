@@ -98,6 +98,7 @@ class StepPlan:
     dsv4_seqs: list | None = None    # DeepSeek-V4's pool: (start, block tables) per sequence
     prompt_rows: list[tuple[int, int]] = field(default_factory=list)   # hidden rows scoring prompt tokens
     graph_batch: int = 0             # > 0: a decode step padded to this captured size, replayed as a CUDA graph
+    graph_rows: int = 0              # the graph's rows per sequence (1, or 1 + k for a verification step)
 
 
 class ModelRunner:
@@ -115,7 +116,7 @@ class ModelRunner:
         self.sched: list[ScheduledRequest] = []   # the prepared step's requests, in batch order
 
     def _pack(self, sched: list[ScheduledRequest], tables: list[list[list[int]]],
-              pad_to: int = 0) -> tuple[StepPlan, list]:
+              pad_to: int = 0, rows_per_seq: int = 0) -> tuple[StepPlan, list]:
         """The step's integer inputs, packed into the step buffer.
 
         tables: per KV-cache group, each sequence's block table (lists from
@@ -123,12 +124,17 @@ class ModelRunner:
         positions [T], query_start_loc [B + 1], seq_lens [B], logits rows
         [R], then per group slot_mapping [T] and block_tables [B, W_g].
         Slots of tokens in a NULL block are negative (a hot group's skipped
-        blocks: not stored); block-table entries are clamped to 0. pad_to >
-        B (a decode step for a CUDA graph of that size): pad_to - B more
-        rows of one token each, id 0 at position 0, sequence length 0 and
-        slot -1, which read and write nothing (a per-sequence state's pad
-        rows write its pad slot, which no sequence reads). Returns the plan and the
-        requests that sample, in row order."""
+        blocks: not stored); block-table entries are clamped to 0.
+
+        For a CUDA graph (pad_to > 0): rows_per_seq q, the graph's query
+        length, gives every sequence q rows, its tokens then pad rows at the
+        positions after them (slot -1: not stored; sequence length start + q,
+        so each real row keeps its position, and causal attention keeps the
+        pad rows out of the real rows' view); pad_to - B more sequences of q
+        rows each, id 0 at position 0, sequence length 0 and slot -1, which
+        read and write nothing (a per-sequence state's pad rows write its pad
+        slot, which no sequence reads). Returns the plan and the requests
+        that sample, in row order."""
         B = len(sched)
         n = np.fromiter((s.num_new_tokens for s in sched), np.int64, B)
         start = np.fromiter((s.start for s in sched), np.int64, B)
@@ -140,40 +146,56 @@ class ModelRunner:
         per = np.where(samples, nd + 1, 0)
         T, R = int(n.sum()), int(per.sum())
         P = max(pad_to - B, 0)
+        q = rows_per_seq or 1
+        m = np.full(B, q, np.int64) if pad_to else n           # rows of each sequence
+        Tm = int(m.sum()) + P * q
         lens = [np.fromiter(map(len, tg), np.int64, B) for tg in tables]
         widths = [int(x.max()) if B else 0 for x in lens]
         # Layout of the packed buffer.
-        sizes = [T + P, T + P, B + P + 1, B + P, R] + [m for w in widths for m in (T + P, (B + P) * w)]
+        sizes = [Tm, Tm, B + P + 1, B + P, R] + [k for w in widths for k in (Tm, (B + P) * w)]
         offs = list(accumulate(sizes, initial=0))
         host = self.buf.host(offs[-1])
         part = [host[a:b] for a, b in zip(offs, offs[1:])]
         ids, pos, qsl, seq_lens, rows = part[:5]
 
-        ids[:T] = np.fromiter(chain.from_iterable(
+        qsl[0] = 0
+        np.cumsum(m, out=qsl[1:B + 1])
+        seq_lens[:B] = start + m
+        tok_ids = np.fromiter(chain.from_iterable(
             chain(s.req.token_ids[s.start:s.start + s.num_new_tokens - len(s.spec_token_ids)], s.spec_token_ids)
             for s in sched), np.int64, T)
-        qsl[0] = 0
-        np.cumsum(n, out=qsl[1:B + 1])
-        seq_lens[:B] = ends
         seq_of_tok = np.repeat(np.arange(B), n)
-        np.add(np.arange(T), (start - qsl[:B])[seq_of_tok], out=pos[:T])
+        real = np.arange(T) + (qsl[:B] - (np.cumsum(n) - n))[seq_of_tok]   # each token's row
+        tok_pos = real - qsl[:B][seq_of_tok] + start[seq_of_tok]
+        if pad_to:
+            ids[:] = 0
+            ids[real] = tok_ids
+            seq_of_row = np.repeat(np.arange(B), m)
+            pos[:B * q] = np.arange(B * q) - qsl[:B][seq_of_row] + start[seq_of_row]
+        else:
+            ids[:T] = tok_ids
+            pos[:T] = tok_pos
         first_row = np.cumsum(per) - per
-        rows[:] = np.repeat(qsl[1:B + 1] - per, per) + np.arange(R) - np.repeat(first_row, per)
+        rows[:] = np.repeat(qsl[:B] + n - per, per) + np.arange(R) - np.repeat(first_row, per)
         for g, (tg, ln, w) in enumerate(zip(tables, lens, widths)):
             slots, bt = part[5 + 2 * g], part[6 + 2 * g].reshape(B + P, w)
-            self._fill_group(g, tg, ln, pos[:T], seq_of_tok, slots[:T], bt[:B])
-            slots[T:] = -1
+            if pad_to:
+                slots[:] = -1
+                tok_slots = np.empty(T, np.int64)
+                self._fill_group(g, tg, ln, tok_pos, seq_of_tok, tok_slots, bt[:B])
+                slots[real] = tok_slots
+            else:
+                self._fill_group(g, tg, ln, tok_pos, seq_of_tok, slots[:T], bt[:B])
             # A per-sequence state's pad rows go to the cache's pad slot.
             bt[B:] = PAD_SLOT if self.kv.groups[g].per_seq else 0
         if P:
-            ids[T:] = 0
-            pos[T:] = 0
-            qsl[B + 1:] = T + np.arange(1, P + 1)
+            pos[B * q:] = 0
+            qsl[B + 1:] = B * q + np.arange(1, P + 1) * q
             seq_lens[B:] = 0
 
         plan = StepPlan(host, offs, widths, qsl[:B + 1].tolist(), seq_lens[:B].tolist(),
                         num_decodes=int(np.count_nonzero(n == 1)),      # they lead (prepare sorts them first)
-                        max_query_len=int(n.max()) if B else 0, graph_batch=pad_to)
+                        max_query_len=int(n.max()) if B else 0, graph_batch=pad_to, graph_rows=q if pad_to else 0)
         return plan, [sched[i].req for i in np.flatnonzero(samples)]
 
     def _fill_group(self, g: int, tg: list[list[int]], ln: np.ndarray, pos: np.ndarray, seq_of_tok: np.ndarray,
@@ -236,7 +258,7 @@ class ModelRunner:
         dsv4 = isinstance(self.kv_caches, DSV4PagedCache)
         groups = range(len(self.kv.groups))
         tables = [] if dsv4 else [[self.kv.block_table(s.req.request_id, g) for s in sched] for g in groups]
-        plan, sampled = self._pack(sched, tables, self._graph_size(sched, tables))
+        plan, sampled = self._pack(sched, tables, *self._graph_shape(sched, tables))
         if dsv4:
             # Stateful (DeepSeek-V4) pool: its metadata is per-sequence views
             # of it, built from the manager's lists (DSV4PagedCache.batch).
@@ -257,21 +279,29 @@ class ModelRunner:
         self.sched = sched
         return plan, sampled, jobs
 
-    def _graph_size(self, sched: list[ScheduledRequest], tables) -> int:
-        """The captured batch size this step replays at, or 0: eager. Only
-        plain decodes (one token, no drafts to verify, no prompt logprob to
-        score, no hidden streams kept for a proposer) whose block tables fit
-        the captured width."""
+    def _graph_shape(self, sched: list[ScheduledRequest], tables) -> tuple[int, int]:
+        """(captured batch size, rows per sequence) this step replays at, or
+        (0, 0): eager. Decodes only (one known token each; no prompt logprob
+        to score, no hidden streams kept for a proposer) whose block tables
+        fit the captured width: with no drafts, the one-row graphs; with
+        drafts, those of 1 + k rows when captured (k drafts at most, every
+        sequence's rows within max_model_len)."""
         g = self.graphs
         if g is None or self.keep_streams:
-            return 0
+            return 0, 0
         for s in sched:
-            if s.num_new_tokens != 1 or s.spec_token_ids or (
+            if s.num_new_tokens - len(s.spec_token_ids) != 1 or (
                     s.req.prompt_logprobs is not None and s.start < s.req.num_prompt_tokens - 1):
-                return 0
+                return 0, 0
+        q = max((s.num_new_tokens for s in sched), default=1)
+        if q > 1:
+            q = g.query_lens[-1]
+            if q == 1 or any(s.num_new_tokens > q or s.start + q > g.max_model_len for s in sched):
+                return 0, 0
         if any(len(t) > w.shape[1] for tg, w in zip(tables, g.tables) for t in tg):
-            return 0
-        return g.size_for(len(sched)) or 0
+            return 0, 0
+        b = g.size_for(len(sched))
+        return (b, q) if b else (0, 0)
 
     def stage(self, plan: StepPlan) -> StepPlan:
         """A plan received from the leader, moved into this rank's step buffer."""
@@ -302,7 +332,7 @@ class ModelRunner:
             d = self.buf.send(plan.offs)
             b = plan.graph_batch
             groups = [GroupMetadata(d[5 + 2 * g], d[6 + 2 * g].view(b, w)) for g, w in enumerate(plan.widths)]
-            hidden = self.graphs.run(b, d[0], d[1], d[3], groups)
+            hidden = self.graphs.run(b, plan.graph_rows, d[0], d[1], d[3], groups)
             rows = d[4]
             return (self.model.compute_logits(hidden[rows]) if len(rows) else None), []
         input_ids, positions, meta, rows = self.inputs(plan)

@@ -163,17 +163,26 @@ class Worker:
 
     def _capture_graphs(self, emulate: bool = False) -> DecodeGraphs | None:
         """One CUDA graph per padded decode batch size (engine/cuda_graph.py),
+        and with speculative decoding one per size for verification steps,
         or None, said in one line, when this model's decode cannot be
         captured. emulate: the same static buffers and frozen metadata, with
         replay re-running the forward (tests, on CPU)."""
-        why = why_not_capturable(self.caches)
+        why = "the MTP proposer keeps every step's hidden streams" if self._mtp_drafts else \
+            why_not_capturable(self.caches)
         if why:
             log.info("CUDA graphs off: %s", why)
             return None
         args, t0 = self.args, time.monotonic()
+        query_lens = (1,)
+        if self.spec is not None:     # verification steps: 1 + k rows per sequence
+            why = why_not_capturable(self.caches, spans=True)
+            if why:
+                log.info("CUDA graphs for verification steps off: %s", why)
+            else:
+                query_lens = (1, 1 + self.spec.num_speculative_tokens)
         widths = [-(-self.max_model_len // args.block_size)] * len(self.plan.groups)
         graphs = DecodeGraphs(self.model, self.caches, widths, self.max_model_len, args.max_num_seqs,
-                              self.device, emulate=emulate)
+                              self.device, emulate=emulate, query_lens=query_lens)
         used = torch.cuda.memory_allocated(self.device) if not emulate else 0
         try:
             graphs.capture()
@@ -185,7 +194,8 @@ class Worker:
             graphs = None        # a padded plan needs every rank's graphs: all replay or none
         if graphs is None:
             return None
-        log.info("CUDA graphs: decode batch sizes %s captured in %.1fs%s", ",".join(map(str, graphs.sizes)),
+        log.info("CUDA graphs: decode batch sizes %s, rows per sequence %s, captured in %.1fs%s",
+                 ",".join(map(str, graphs.sizes)), ",".join(map(str, graphs.query_lens)),
                  time.monotonic() - t0, "" if emulate else
                  f" ({(torch.cuda.memory_allocated(self.device) - used) / 2**20:.0f} MiB)")
         return graphs

@@ -43,6 +43,11 @@ class LayerCache:
         b = self.backend
         return None if b.capturable else f"attention backend {b.name} is not capturable"
 
+    @property
+    def spans_not_capturable(self) -> str | None:
+        """Why a verification step (1 + k rows per sequence) over this layer cannot be a CUDA graph."""
+        return self.not_capturable
+
     def store(self, meta: AttentionMetadata, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write this step's new K/V (k, v: [T, Hkv, D])."""
         self.write(meta.groups[self.group_id].slot_mapping, k, v)

@@ -40,6 +40,8 @@ class LinearStateCache:
     # Its layer's decode is torch ops over the slots the block tables name,
     # which a capture's warm-up checks for host syncs like any other.
     not_capturable = None
+    # Several rows of a sequence (a verification step) run per sequence, over host lengths.
+    spans_not_capturable = "linear-attention spans run per sequence over the host's lengths"
 
     @property
     def nbytes(self) -> int:

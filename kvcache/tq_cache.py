@@ -121,6 +121,12 @@ class TQLayerCache(LayerCache):
                                                                                   self.head_dim)
 
     @property
+    def spans_not_capturable(self) -> str | None:
+        if self.hot:
+            return "hot tokens' passes over several rows of a sequence run per sequence in torch"
+        return super().spans_not_capturable
+
+    @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for d in (self.k, self.v, self.hk, self.hv)
                    for t in d.values())

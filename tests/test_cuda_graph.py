@@ -201,6 +201,46 @@ def test_pad_rows_of_linear_attention_write_the_pad_slot(graph_env, tmp_path):
             assert not a[-1].any() and b[-1].any()
 
 
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+
+
+def test_verification_steps_replayed_equal_eager(graph_env, tmp_path):
+    """n-gram drafts, k = 3: steps with drafts replay the graphs of 4 rows
+    per sequence (a sequence with fewer drafts padded after its own rows, pad
+    sequences after the batch). Greedy tokens equal the eager run's without
+    speculation, seeded sampling the eager run's with it, and drafts were
+    accepted in replayed steps."""
+    save_tiny_llama(tmp_path)
+    prompts = [([5, 6, 7, 8] * 4)[:n] for n in (9, 13, 16)] + token_prompts(2, lo=4, hi=12, seed=4)
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    seeded = [SamplingParams(max_tokens=12, temperature=0.8, seed=3 + i, ignore_eos=True) for i in range(5)]
+    eager = _engine(tmp_path)
+    ref = _toks(eager.generate(prompts, greedy))
+    del eager
+    eager = _engine(tmp_path, speculative_config=NGRAM)
+    ref_s = _toks(eager.generate(prompts, seeded))
+    del eager
+    llm = _engine(tmp_path, speculative_config=NGRAM)
+    graphs = llm.core._capture_graphs(emulate=True)
+    assert graphs.query_lens == (1, 4) and (8, 4) not in graphs.graphs and (6, 4) in graphs.graphs
+    llm.core.runner.graphs = graphs
+    shapes, run = [], graphs.run
+
+    def counted(b, q, *a):
+        shapes.append((b, q))
+        return run(b, q, *a)
+    graphs.run = counted
+    assert _toks(llm.generate(prompts[:3], greedy)) == ref[:3]
+    assert (4, 4) in shapes                     # 3 sequences padded to 4, each to 4 rows
+    assert llm.core.get_stats().spec_decode_num_accepted_tokens_total > 0
+    assert _toks(llm.generate(prompts, greedy)) == ref
+    assert (6, 4) in shapes
+    assert _toks(llm.generate(prompts, seeded)) == ref_s
+    # Alone: batch 1, 4 rows.
+    shapes.clear()
+    assert _toks(llm.generate([prompts[2]], greedy)) == ref[2:3] and (1, 4) in shapes
+
+
 def test_steps_that_stay_eager(graph_env, tmp_path):
     """Prompt logprobs of a one-token chunk, drafts and kept hidden streams
     keep a step eager; a decode batch larger than the largest size too."""
