@@ -1,23 +1,31 @@
-"""CUDA graphs for decode-only steps (vLLM's approach).
+"""CUDA graphs for decode and verification steps (vLLM's approach).
 
 A decode step of a small model is mostly kernel-launch overhead on a GPU:
 hundreds of small launches of a few microseconds each. The model's forward
 over a decode batch is captured once per padded batch size (1, 2, 4, 8, then
 every multiple of 8 up to max_num_seqs) into a CUDA graph that reads its
 inputs from static device buffers; a step copies its inputs there and
-replays the graph of the smallest size that holds its batch. Pad rows have
-sequence length 0 and slot -1: the attention reads no key for them and the
-cache store writes nothing (a linear-attention layer's state: they write the
-cache's pad slot, kvcache/linear_state.py). Steps with a prefill chunk, drafts to verify,
-prompt logprobs or an MTP proposer's hidden streams run eagerly, as do
-DeepSeek-V4's (its pool builds per-step metadata from host lists) and models
-whose attention backend cannot be captured (AttentionBackend.capturable).
+replays the graph of the smallest size that holds its batch. With a
+speculative config (n-gram drafts) a second set takes 1 + k rows per
+sequence, for verification steps: a sequence with fewer drafts gets pad rows
+after its own (the positions after its tokens, slot -1, its sequence length
+counting them: its real rows keep their positions, and causal attention
+keeps the pads out of their view). Pad sequences have sequence length 0 and
+slot -1: the attention reads no key for them and the cache store writes
+nothing (a linear-attention layer's state: they write the cache's pad slot,
+kvcache/linear_state.py). Steps with a prefill chunk or prompt logprobs run
+eagerly, as do DeepSeek-V4's (its pool builds per-step metadata from host
+lists), an MTP proposer's (it keeps every step's hidden streams), and those
+whose layer caches say they cannot be captured (`not_capturable`, and for
+verification steps `spans_not_capturable`: TurboQuant's hot tokens and
+linear-attention spans run per sequence).
 
 The captured metadata's host-side values are fixed at capture: every
-sequence counts as a decode, seq_lens (the host list) is max_model_len for
-every row, the block tables are max_model_len wide. A capturable backend
-therefore sizes its launches from those bounds and reads the real lengths
-from seq_lens_t on the device. `emulate=True` (tests, on CPU) replays by
+sequence counts as a decode (one row) or as a span of 1 + k rows,
+seq_lens (the host list) is max_model_len for every sequence, the block
+tables are max_model_len wide. A capturable backend therefore sizes its
+launches from those bounds and reads the real lengths from seq_lens_t and
+query_start_loc_t on the device. `emulate=True` (tests, on CPU) replays by
 running the forward again over the static buffers with that same frozen
 metadata and with every host sync forbidden (forbid_host_syncs), which
 checks all of this without a GPU; only the capture itself needs CUDA.

@@ -1,4 +1,4 @@
-"""CUDA graphs for decode steps (engine/cuda_graph.py), checked on CPU.
+"""CUDA graphs for decode and verification steps (engine/cuda_graph.py), checked on CPU.
 
 What a capture needs besides CUDA is checked here with the graphs emulated
 (DecodeGraphs(emulate=True)): the static buffers, the batch padded to a
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.cuda_graph import HostSyncError, capture_sizes, forbid_host_syncs
+from engine.cuda_graph import HostSyncError, capture_sizes, forbid_host_syncs, why_not_capturable
 from model_zoo import cpu_ops
 from parallel.quant import fp_methods
 from tiny_models import (save_tiny_gemma3, save_tiny_gemma4, save_tiny_llama, save_tiny_qwen3, save_tiny_qwen3_5,
@@ -291,7 +291,8 @@ def test_turboquant_decode_replayed_equals_eager(tmp_path, monkeypatch, kv):
     """TurboQuant layers through tq-triton (decode, hot pass and the one-launch
     store, interpreted): eager gives the CPU kernel's greedy tokens, captured
     steps (padded 3 -> 4: the pad rows' slot -1 writes nothing) eager's
-    tokens and logprobs."""
+    tokens and logprobs; k8v4's verification steps too (tq4's hot tokens
+    keep them eager)."""
     monkeypatch.setattr(cpu_ops, "ENABLED", False)
     save_tiny_llama(tmp_path)
     prompts = token_prompts(3, lo=3, hi=20, seed=2)
@@ -312,3 +313,19 @@ def test_turboquant_decode_replayed_equals_eager(tmp_path, monkeypatch, kv):
     for a, b in zip(out, ref):
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert max(abs(la[t] - lb[t]) for t in la) < 1e-4
+    # Verification steps (n-gram drafts): captured over coded blocks (tq-triton's
+    # one-launch prefill kernel), not with hot tokens (a torch pass per sequence).
+    if kv == "tq4":
+        assert "hot tokens" in why_not_capturable(llm.core.caches, spans=True)
+        return
+    del llm
+    rep = [p[:4] * 3 for p in prompts]
+    want = _toks(_engine(tmp_path, kv_cache_dtype=kv).generate(rep, greedy))
+    llm = _engine(tmp_path, kv_cache_dtype=kv, speculative_config=NGRAM)
+    graphs = llm.core._capture_graphs(emulate=True)
+    assert graphs.query_lens == (1, 4)
+    llm.core.runner.graphs = graphs
+    shapes, run = [], graphs.run
+    graphs.run = lambda b, q, *a: (shapes.append((b, q)), run(b, q, *a))[1]
+    assert _toks(llm.generate(rep, greedy)) == want
+    assert llm.core.get_stats().spec_decode_num_accepted_tokens_total > 0 and (4, 4) in shapes

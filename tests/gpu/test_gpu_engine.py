@@ -115,6 +115,27 @@ def test_hybrid_cuda_graphs_equal_eager(tmp_path):
     assert [toks(graphs.generate([p], greedy(16)))[0] for p in ps[:2]] == ref[:2]
 
 
+@pytest.mark.parametrize("kv", ["auto", "k8v4"])
+def test_verification_graphs_equal_eager(tmp_path, kv):
+    """n-gram drafts (k = 3) on CUDA: verification steps replayed as graphs of
+    4 rows per sequence give the tokens of eager decoding without drafts."""
+    from tiny_models import save_tiny_llama, token_prompts
+    save_tiny_llama(tmp_path)
+    ps = [([5, 6, 7, 8] * 6)[:n] for n in (9, 13, 21)] + token_prompts(2, lo=20, hi=40, seed=4)
+    kw = dict(device="cuda", dtype="float32", kv_cache_dtype=kv)
+    eager = LLM(str(tmp_path), enforce_eager=True, **kw)
+    ref = toks(eager.generate(ps, greedy(24)))
+    del eager
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    llm = LLM(str(tmp_path), enforce_eager=False, speculative_config=spec, **kw)
+    graphs = llm.core.graphs
+    assert graphs is not None and graphs.query_lens == (1, 4)
+    shapes, run = [], graphs.run
+    graphs.run = lambda b, q, *a: (shapes.append((b, q)), run(b, q, *a))[1]
+    assert toks(llm.generate(ps, greedy(24))) == ref
+    assert any(q == 4 for _, q in shapes) and llm.core.get_stats().spec_decode_num_accepted_tokens_total > 0
+
+
 def test_seeded_sampling_repeats_alone_and_in_batch(family):
     name, path, _, vocab = family
     llm = LLM(path, device="cuda", dtype="float32", **engine_kw(name))
