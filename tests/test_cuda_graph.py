@@ -15,6 +15,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.cuda_graph import HostSyncError, capture_sizes, forbid_host_syncs, why_not_capturable
+from kvcache.linear_state import LinearStateCache
 from model_zoo import cpu_ops
 from parallel.quant import fp_methods
 from tiny_models import (save_tiny_gemma3, save_tiny_gemma4, save_tiny_llama, save_tiny_qwen3, save_tiny_qwen3_5,
@@ -153,24 +154,29 @@ def test_replayed_decode_equals_eager(graph_env, tmp_path, family, monkeypatch):
     assert [done["a"], done["b"]] == _toks(ref_g)[:2]
 
 
+def _one_sequence_padded_to_2(path, state):
+    """One 6-token prompt, 4 greedy tokens, eager then with every decode
+    replayed at size 2: [(tokens, state(llm)) eager, (...) replayed]."""
+    p = token_prompts(1, lo=6, hi=7, seed=3)[0]
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    runs = []
+    for emulate in (False, True):
+        llm = _engine(path, max_num_seqs=2, enable_prefix_caching=False)
+        if emulate:
+            replays = _emulate(llm)
+            llm.core.runner.graphs.sizes = [2]     # every decode pads to 2
+        runs.append((_toks(llm.generate([p], sp)), state(llm)))
+    assert replays == [2, 2, 2] and runs[0][0] == runs[1][0]
+    return runs
+
+
 def test_pad_rows_write_nothing(graph_env, tmp_path):
     """Decodes of one sequence padded to 2 rows: the pad's KV write is
     skipped. The pool holds exactly the sequence's rows (6 prompt + 3 decoded
     tokens written), equal to the eager run's (up to the last bits a
     2-row matmul may change), and the tokens are the eager ones."""
     save_tiny_llama(tmp_path)
-    p = token_prompts(1, lo=6, hi=7, seed=3)[0]
-    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    runs = []
-    for emulate in (False, True):
-        llm = _engine(tmp_path, max_num_seqs=2, enable_prefix_caching=False)
-        if emulate:
-            replays = _emulate(llm)
-            llm.core.runner.graphs.sizes = [2]     # every decode pads to 2
-        toks = _toks(llm.generate([p], sp))
-        runs.append((toks, [(c.k.clone(), c.v.clone()) for c in llm.core.caches]))
-    assert replays == [2, 2, 2]
-    assert runs[0][0] == runs[1][0]
+    runs = _one_sequence_padded_to_2(tmp_path, lambda llm: [(c.k.clone(), c.v.clone()) for c in llm.core.caches])
     for (k0, v0), (k1, v1) in zip(runs[0][1], runs[1][1]):
         for a, b in ((k0, k1), (v0, v1)):
             assert int(a.flatten(1).ne(0).any(1).sum()) == int(b.flatten(1).ne(0).any(1).sum()) == 9
@@ -182,18 +188,9 @@ def test_pad_rows_of_linear_attention_write_the_pad_slot(graph_env, tmp_path):
     DeltaNet layer's state ends as in the eager run, and only the pad slot
     (the last, kvcache/linear_state.PAD_SLOT) took the pad row's writes."""
     save_tiny_qwen3_next(tmp_path)
-    p = token_prompts(1, lo=6, hi=7, seed=3)[0]
-    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    runs = []
-    for emulate in (False, True):
-        llm = _engine(tmp_path, max_num_seqs=2, enable_prefix_caching=False)
-        if emulate:
-            replays = _emulate(llm)
-            llm.core.runner.graphs.sizes = [2]
-        toks = _toks(llm.generate([p], sp))
-        states = [(c.conv.clone(), c.recurrent.clone()) for c in llm.core.caches if type(c).__name__ == "LinearStateCache"]
-        runs.append((toks, states))
-    assert replays == [2, 2, 2] and runs[0][0] == runs[1][0] and runs[0][1]
+    runs = _one_sequence_padded_to_2(tmp_path, lambda llm: [
+        (c.conv.clone(), c.recurrent.clone()) for c in llm.core.caches if isinstance(c, LinearStateCache)])
+    assert runs[0][1]
     for eager, graphed in zip(runs[0][1], runs[1][1]):
         for a, b in zip(eager, graphed):
             torch.testing.assert_close(a[:-1], b[:-1], rtol=1e-5, atol=1e-5)
