@@ -96,10 +96,15 @@ class DecodeGraphs:
 
     def __init__(self, model: torch.nn.Module, kv_caches: list, widths: list[int], max_model_len: int,
                  max_num_seqs: int, device: torch.device, emulate: bool = False,
-                 query_lens: tuple[int, ...] = (1,)):
+                 query_lens: tuple[int, ...] = (1,), max_num_tokens: int | None = None):
         self.model, self.kv_caches, self.device, self.emulate = model, kv_caches, device, emulate
         self.sizes = capture_sizes(max_num_seqs)
-        self.query_lens = tuple(sorted(set(query_lens)))
+        # A graph's rows stay within a step's token budget (what the KV budget
+        # profiled): verification sizes of more rows are not captured.
+        cap = max_num_tokens or self.sizes[-1] * max(query_lens)
+        self.sizes_of = {q: [b for b in self.sizes if b * q <= cap] for q in sorted(set(query_lens))}
+        self.sizes_of = {q: v for q, v in self.sizes_of.items() if v}
+        self.query_lens = tuple(self.sizes_of)
         n, t = self.sizes[-1], self.sizes[-1] * self.query_lens[-1]
         z = dict(dtype=torch.long, device=device)
         self.ids = torch.zeros(t, **z)
@@ -113,9 +118,9 @@ class DecodeGraphs:
         self.pool = None
         self.replays = 0
 
-    def size_for(self, batch: int) -> int | None:
-        """The captured size a batch of this many sequences pads to."""
-        return next((b for b in self.sizes if b >= batch), None)
+    def size_for(self, batch: int, q: int = 1) -> int | None:
+        """The captured size a batch of this many sequences of q rows pads to."""
+        return next((b for b in self.sizes_of.get(q, ()) if b >= batch), None)
 
     def _meta(self, b: int, q: int) -> AttentionMetadata:
         groups = [GroupMetadata(s[:b * q], t[:b]) for s, t in zip(self.slots, self.tables)]
@@ -131,7 +136,7 @@ class DecodeGraphs:
         """Largest first, all graphs sharing one memory pool (vLLM's order:
         smaller graphs reuse the larger ones' blocks)."""
         for q in reversed(self.query_lens):
-            for b in reversed(self.sizes):
+            for b in reversed(self.sizes_of[q]):
                 meta = self._meta(b, q)
                 # Warm-up, eagerly: compiles kernels and moves lazily placed
                 # constants before capture; with syncs forbidden, a step that

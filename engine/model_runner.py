@@ -300,7 +300,7 @@ class ModelRunner:
                 return 0, 0
         if any(len(t) > w.shape[1] for tg, w in zip(tables, g.tables) for t in tg):
             return 0, 0
-        b = g.size_for(len(sched))
+        b = g.size_for(len(sched), q)
         return (b, q) if b else (0, 0)
 
     def stage(self, plan: StepPlan) -> StepPlan:

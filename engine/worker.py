@@ -182,7 +182,8 @@ class Worker:
                 query_lens = (1, 1 + self.spec.num_speculative_tokens)
         widths = [-(-self.max_model_len // args.block_size)] * len(self.plan.groups)
         graphs = DecodeGraphs(self.model, self.caches, widths, self.max_model_len, args.max_num_seqs,
-                              self.device, emulate=emulate, query_lens=query_lens)
+                              self.device, emulate=emulate, query_lens=query_lens,
+                              max_num_tokens=args.max_num_batched_tokens)
         used = torch.cuda.memory_allocated(self.device) if not emulate else 0
         try:
             graphs.capture()

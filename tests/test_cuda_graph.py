@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.cuda_graph import HostSyncError, capture_sizes, forbid_host_syncs, why_not_capturable
+from engine.cuda_graph import DecodeGraphs, HostSyncError, capture_sizes, forbid_host_syncs, why_not_capturable
 from kvcache.linear_state import LinearStateCache
 from model_zoo import cpu_ops
 from parallel.quant import fp_methods
@@ -28,6 +28,10 @@ def test_capture_sizes():
     assert capture_sizes(8) == [1, 2, 4, 8]
     assert capture_sizes(30) == [1, 2, 4, 8, 16, 24, 30]
     assert capture_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    # Verification graphs (4 rows per sequence) only up to the step's token budget.
+    g = DecodeGraphs(None, [], [4], 64, 32, torch.device("cpu"), query_lens=(1, 4), max_num_tokens=64)
+    assert g.sizes_of == {1: [1, 2, 4, 8, 16, 24, 32], 4: [1, 2, 4, 8, 16]} and g.query_lens == (1, 4)
+    assert (g.size_for(3, 4), g.size_for(17, 4), g.size_for(17)) == (4, None, 24)
 
 
 @pytest.mark.parametrize("op", [
@@ -164,7 +168,7 @@ def _one_sequence_padded_to_2(path, state):
         llm = _engine(path, max_num_seqs=2, enable_prefix_caching=False)
         if emulate:
             replays = _emulate(llm)
-            llm.core.runner.graphs.sizes = [2]     # every decode pads to 2
+            llm.core.runner.graphs.sizes_of[1] = [2]     # every decode pads to 2
         runs.append((_toks(llm.generate([p], sp)), state(llm)))
     assert replays == [2, 2, 2] and runs[0][0] == runs[1][0]
     return runs
@@ -244,7 +248,7 @@ def test_steps_that_stay_eager(graph_env, tmp_path):
     save_tiny_llama(tmp_path)
     llm = _engine(tmp_path)
     replays = _emulate(llm)
-    llm.core.runner.graphs.sizes = [1, 2]
+    llm.core.runner.graphs.sizes_of[1] = [1, 2]
     prompts = token_prompts(3, lo=4, hi=9, seed=5)
     sp = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     llm.generate(prompts, sp)
