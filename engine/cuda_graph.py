@@ -133,26 +133,27 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Largest first, all graphs sharing one memory pool (vLLM's order:
+        """Most rows first, all graphs sharing one memory pool (vLLM's order:
         smaller graphs reuse the larger ones' blocks)."""
-        for q in reversed(self.query_lens):
-            for b in reversed(self.sizes_of[q]):
-                meta = self._meta(b, q)
-                # Warm-up, eagerly: compiles kernels and moves lazily placed
-                # constants before capture; with syncs forbidden, a step that
-                # cannot be captured fails here with the op's name.
-                with forbid_host_syncs():
-                    self._forward(b, q, meta)
-                if self.emulate:
-                    self.graphs[b, q] = (None, meta, None)
-                    continue
-                meta.memo.clear()
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    hidden = self._forward(b, q, meta)
-                self.pool = graph.pool()
-                self.graphs[b, q] = (graph, meta, hidden)
+        shapes = sorted(((b, q) for q, sizes in self.sizes_of.items() for b in sizes),
+                        key=lambda bq: (bq[0] * bq[1], bq[1]), reverse=True)
+        for b, q in shapes:
+            meta = self._meta(b, q)
+            # Warm-up, eagerly: compiles kernels and moves lazily placed
+            # constants before capture; with syncs forbidden, a step that
+            # cannot be captured fails here with the op's name.
+            with forbid_host_syncs():
+                self._forward(b, q, meta)
+            if self.emulate:
+                self.graphs[b, q] = (None, meta, None)
+                continue
+            meta.memo.clear()
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                hidden = self._forward(b, q, meta)
+            self.pool = graph.pool()
+            self.graphs[b, q] = (graph, meta, hidden)
         if not self.emulate:
             torch.cuda.synchronize(self.device)
 
