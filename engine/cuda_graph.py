@@ -102,10 +102,10 @@ class DecodeGraphs:
         # A graph's rows stay within a step's token budget (what the KV budget
         # profiled): verification sizes of more rows are not captured.
         cap = max_num_tokens or self.sizes[-1] * max(query_lens)
-        self.sizes_of = {q: [b for b in self.sizes if b * q <= cap] for q in sorted(set(query_lens))}
-        self.sizes_of = {q: v for q, v in self.sizes_of.items() if v}
+        fits = {q: [b for b in self.sizes if b * q <= cap] for q in sorted(set(query_lens))}
+        self.sizes_of = {q: v for q, v in fits.items() if v}
         self.query_lens = tuple(self.sizes_of)
-        n, t = self.sizes[-1], self.sizes[-1] * self.query_lens[-1]
+        n, t = self.sizes[-1], max(v[-1] * q for q, v in self.sizes_of.items())
         z = dict(dtype=torch.long, device=device)
         self.ids = torch.zeros(t, **z)
         self.pos = torch.zeros(t, **z)

@@ -165,16 +165,17 @@ class ModelRunner:
             chain(s.req.token_ids[s.start:s.start + s.num_new_tokens - len(s.spec_token_ids)], s.spec_token_ids)
             for s in sched), np.int64, T)
         seq_of_tok = np.repeat(np.arange(B), n)
-        real = np.arange(T) + (qsl[:B] - (np.cumsum(n) - n))[seq_of_tok]   # each token's row
-        tok_pos = real - qsl[:B][seq_of_tok] + start[seq_of_tok]
         if pad_to:
-            ids[:] = 0
-            ids[real] = tok_ids
             seq_of_row = np.repeat(np.arange(B), m)
             pos[:B * q] = np.arange(B * q) - qsl[:B][seq_of_row] + start[seq_of_row]
+            real = np.arange(T) + (qsl[:B] - (np.cumsum(n) - n))[seq_of_tok]   # each token's row
+            tok_pos = pos[real]
+            ids[:] = 0
+            ids[real] = tok_ids
         else:
+            tok_pos = pos[:T]
+            np.add(np.arange(T), (start - qsl[:B])[seq_of_tok], out=tok_pos)
             ids[:T] = tok_ids
-            pos[:T] = tok_pos
         first_row = np.cumsum(per) - per
         rows[:] = np.repeat(qsl[:B] + n - per, per) + np.arange(R) - np.repeat(first_row, per)
         for g, (tg, ln, w) in enumerate(zip(tables, lens, widths)):

@@ -10,9 +10,10 @@ QuantizeMethodBase shape): one object per layer, `LinearBase.quant`.
   (QuantizedTensor.narrow) as it cuts a dense one: a column-parallel rank
   keeps its rows, a row-parallel one its columns, on the type's blocks.
   CPU: a fused C++ GEMV for up to 16 rows (parallel/quant/gguf_cpu.py),
-  else the layer dequantized into one buffer shared by all layers, then
-  F.linear (the host never holds a dense model); CUDA: the Triton kernels
-  of parallel/quant/gguf.py, dequantizing in registers.
+  else the weight dequantized TILE_ELEMENTS at a time into one buffer shared
+  by all layers, each tile multiplied into its output columns (the host
+  never holds a dense layer); CUDA: the Triton kernels of
+  parallel/quant/gguf.py, dequantizing in registers.
 
 - GGUFExperts: a MoE layer's routed experts as the GGUF file stacks them
   (ffn_{gate,up,down}_exps: one [E, rows, row_bytes] tensor per projection,
