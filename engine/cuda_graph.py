@@ -17,8 +17,9 @@ kvcache/linear_state.py). Steps with a prefill chunk or prompt logprobs run
 eagerly, as do DeepSeek-V4's (its pool builds per-step metadata from host
 lists), an MTP proposer's (it keeps every step's hidden streams), and those
 whose layer caches say they cannot be captured (`not_capturable`, and for
-verification steps `spans_not_capturable`: TurboQuant's hot tokens and
-linear-attention spans run per sequence).
+verification steps `spans_not_capturable(1 + k)`: linear-attention spans
+run per sequence, and so do TurboQuant's hot passes except on tq-triton
+with 1 + k <= block_size + 1).
 
 The captured metadata's host-side values are fixed at capture: every
 sequence counts as a decode (one row) or as a span of 1 + k rows,
@@ -181,11 +182,12 @@ class DecodeGraphs:
             return self._forward(b, q, meta)
 
 
-def why_not_capturable(kv_caches, spans: bool = False) -> str | None:
-    """Why decode steps over these caches (spans: verification steps, 1 + k
-    rows per sequence) must stay eager (None: they can be captured): each
-    layer cache says for itself."""
+def why_not_capturable(kv_caches, rows_per_seq: int = 1) -> str | None:
+    """Why decode steps over these caches (rows_per_seq > 1: verification
+    steps, 1 + k rows per sequence) must stay eager (None: they can be
+    captured): each layer cache says for itself."""
     if not isinstance(kv_caches, list):
         return f"{type(kv_caches).__name__} keeps per-sequence state outside the block tables"
     return next((why for c in kv_caches if c is not None
-                 and (why := c.spans_not_capturable if spans else c.not_capturable)), None)
+                 and (why := c.spans_not_capturable(rows_per_seq) if rows_per_seq > 1 else c.not_capturable)),
+                None)

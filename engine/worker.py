@@ -175,7 +175,7 @@ class Worker:
         args, t0 = self.args, time.monotonic()
         query_lens = (1,)
         if self.spec is not None:     # verification steps: 1 + k rows per sequence
-            why = why_not_capturable(self.caches, spans=True)
+            why = why_not_capturable(self.caches, 1 + self.spec.num_speculative_tokens)
             if why:
                 log.info("CUDA graphs for verification steps off: %s", why)
             else:

@@ -43,9 +43,8 @@ class LayerCache:
         b = self.backend
         return None if b.capturable else f"attention backend {b.name} is not capturable"
 
-    @property
-    def spans_not_capturable(self) -> str | None:
-        """Why a verification step (1 + k rows per sequence) over this layer cannot be a CUDA graph."""
+    def spans_not_capturable(self, rows: int) -> str | None:
+        """Why a verification step (`rows` = 1 + k rows per sequence) over this layer cannot be a CUDA graph."""
         return self.not_capturable
 
     def store(self, meta: AttentionMetadata, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -40,8 +40,9 @@ class LinearStateCache:
     # Its layer's decode is torch ops over the slots the block tables name,
     # which a capture's warm-up checks for host syncs like any other.
     not_capturable = None
-    # Several rows of a sequence (a verification step) run per sequence, over host lengths.
-    spans_not_capturable = "linear-attention spans run per sequence over the host's lengths"
+    def spans_not_capturable(self, rows: int) -> str | None:
+        # Several rows of a sequence (a verification step) run per sequence, over host lengths.
+        return "linear-attention spans run per sequence over the host's lengths"
 
     @property
     def nbytes(self) -> int:

@@ -120,11 +120,11 @@ class TQLayerCache(LayerCache):
         self.k_mean = mean.to(device=self.signs.device, dtype=torch.float32).view(self.num_kv_heads,
                                                                                   self.head_dim)
 
-    @property
-    def spans_not_capturable(self) -> str | None:
-        if self.hot:
-            return "hot tokens' passes over several rows of a sequence run per sequence in torch"
-        return super().spans_not_capturable
+    def spans_not_capturable(self, rows: int) -> str | None:
+        if self.hot and rows > self.backend.hot_span_rows(self):
+            return (f"hot tokens' passes over {rows} rows of a sequence run per sequence in torch "
+                    f"(attention backend {self.backend.name})")
+        return super().spans_not_capturable(rows)
 
     @property
     def nbytes(self) -> int:
@@ -161,7 +161,7 @@ class TQLayerCache(LayerCache):
         hot_slots = meta.groups[self.extra_groups[0]].slot_mapping if self.hot else None
         # A backend with a store of its own (tq-triton: one launch, no sync)
         # writes them, unless a hot prefill needs its chunk's rows back (below).
-        if (not self.hot or meta.num_prefills == 0) and self.backend.store(self, slots, k, v, hot_slots):
+        if not self._hot_prefill_in_torch(meta) and self.backend.store(self, slots, k, v, hot_slots):
             return
         if not self.hot:
             self.write(slots, k, v)
@@ -174,6 +174,16 @@ class TQLayerCache(LayerCache):
                          {n: t[qsl[i]:qsl[i + 1]] for n, t in hv.items()})
                         for i in range(meta.num_decodes, meta.num_seqs)]
         self._next_chunk = 0
+
+    def _hot_prefill_in_torch(self, meta) -> bool:
+        """Whether a prefill of this step runs its HOT pass in torch
+        (_hot_prefill), which reads its chunk's new rows from store(): one
+        longer than the backend's hot_span_rows passes through blocks the
+        hot group does not hold."""
+        if not self.hot:
+            return False
+        limit, qsl = self.backend.hot_span_rows(self), meta.query_start_loc
+        return any(qsl[i + 1] - qsl[i] > limit for i in range(meta.num_decodes, meta.num_seqs))
 
     def attention(self, q: torch.Tensor, meta, scale: float) -> torch.Tensor:
         # The prefills read store()'s chunks in batch order; from the first again at
@@ -261,14 +271,16 @@ class TQLayerCache(LayerCache):
         o = acc.float() @ self.kc.rot_t(acc.device).T            # unrotate(acc)
         return o.permute(0, 3, 1, 2, 4).reshape(B, Lq, H * G, D).to(dtype)
 
-    def _hot_prefill(self, qr, block_table, hot_table, seq_len):
+    def _hot_prefill(self, qr, block_table, hot_table, seq_len, chunk: int | None = None):
         """The HOT pass of a prefill chunk: each query attends to block 0
         and to its own block up to itself, rows before the chunk from the hot
         pool, the chunk's own rows from store() (their middle blocks have no
-        hot block). Block-diagonal, so [nb, bs, 2 * bs] scores at most.
+        hot block): the step's chunk-th prefill's (default: the next one).
+        Block-diagonal, so [nb, bs, 2 * bs] scores at most.
         Returns (out [1, H, G, Lq, D], lse [1, H, G, Lq])."""
-        new_k, new_v = self._chunks[self._next_chunk]
-        self._next_chunk += 1
+        if chunk is None:
+            chunk, self._next_chunk = self._next_chunk, self._next_chunk + 1
+        new_k, new_v = self._chunks[chunk]
         _, H, G, Lq, D = qr.shape
         bs, dev, f32 = self.block_size, qr.device, torch.float32
         start = seq_len - Lq
@@ -323,6 +335,11 @@ class TQTorchBackend(AttentionBackend):
     softmax in torch), one batched decode and one call per prefill; runs on
     any device. tq-cpu (tq_cpu.py) is this with attend / attend_passes in
     the compiled kernel."""
+
+    def hot_span_rows(self, cache) -> int:
+        """Rows per sequence up to which a prefill's HOT pass reads only the
+        hot pool (none here: every one runs TQLayerCache._hot_prefill)."""
+        return 0
 
     def attend(self, cache, qr, cols, block_tables, qpos, seq_lens, part=ALL, v_tables=None):
         """One pass (TQLayerCache._attend_torch's contract) -> (acc, lse)."""

@@ -21,9 +21,12 @@ CUDA graph. head_dim above 128 rotates in torch (one matmul each way): its
 
 Prefill (tq_prefill) is one launch for every prefilling sequence of the
 step (varlen through query_start_loc) over rotated queries, with a part
-rule: ALL, or with hot tokens the CODED pass, whose HOT counterpart runs in
-torch per sequence (TQLayerCache._hot_prefill: the chunk's middle blocks
-have no hot block) and is merged by log-sum-exp.
+rule: ALL, or with hot tokens the CODED pass and a HOT one (a second
+launch), merged by log-sum-exp. The HOT launch reads only the hot pool,
+which holds block 0 and at most two blocks of new tokens: right for spans
+of up to block_size + 1 tokens (speculative verification, short prompt
+tails); a longer chunk's HOT rows are redone in torch per sequence
+(TQLayerCache._hot_prefill: the chunk's middle blocks have no hot block).
 
 triton is imported on first use: importing kvcache never needs it.
 """
@@ -31,7 +34,7 @@ import torch
 
 from kvcache.backends import AttentionBackend, register_backend
 from kvcache.dense_triton import decode_splits
-from kvcache.tq_cache import ALL, CODED, merge
+from kvcache.tq_cache import ALL, CODED, HOT, merge
 
 _KIND = {"f16": 0, "int8": 1, "tq": 2}
 _HOT = {"": 0, "k": 1, "kv": 2}
@@ -161,14 +164,18 @@ def tq_paged_decode(cache, q: torch.Tensor, block_tables: torch.Tensor, seq_lens
     return out
 
 
-def prefill_tiles(D: int):
-    """(rows, keys per tile, warps, stages) of a prefill program, chosen as decode_tiles'."""
-    return (64, 32, 8, 2) if D <= 128 else (32, 16, 8, 2) if D <= 256 else (16, 16, 8, 1)
+def prefill_tiles(D: int, part: int = ALL):
+    """(rows, keys per tile, warps, stages) of a prefill program, chosen as
+    decode_tiles'. A HOT pass serves short spans ((1 + k) x G rows for a
+    verification step) and keeps two key ranges live: half the rows."""
+    rows, bn, warps, stages = (64, 32, 8, 2) if D <= 128 else (32, 16, 8, 2) if D <= 256 else (16, 16, 8, 1)
+    return (max(16, rows // 2) if part == HOT else rows), bn, warps, stages
 
 
 def tq_prefill(cache, qr: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                query_start_loc: torch.Tensor, max_query_len: int, first_seq: int = 0,
-               num_seqs: int | None = None, part: int = ALL, rows: int | None = None, block_n: int | None = None):
+               num_seqs: int | None = None, part: int = ALL, hot_tables: torch.Tensor | None = None,
+               rows: int | None = None, block_n: int | None = None):
     """Causal (and windowed) attention of several sequences' new tokens over
     their compressed prefix, which already holds those tokens: one launch.
 
@@ -178,15 +185,18 @@ def tq_prefill(cache, qr: torch.Tensor, block_tables: torch.Tensor, seq_lens: to
     seq_lens[i] positions; block_tables [B, W], seq_lens [B],
     query_start_loc [B + 1]: integer tensors on qr's device; max_query_len:
     a host bound on those sequences' row counts (sizes the grid). part:
-    tq_cache ALL or CODED (with hot tokens: the HOT pass would need hot
-    blocks at every column its queries sit in, and the engine's hot group
-    skips a chunk's middle blocks, so the backend runs it in torch:
-    TQLayerCache._hot_prefill).
+    tq_cache ALL, CODED or HOT (hot_tables: the hot group's [B, W]). HOT
+    reads the hot copies of block 0 and of the blocks its queries sit in,
+    so it is right only for sequences of at most block_size + 1 new tokens
+    (at most two blocks, both held by the hot group); a longer chunk passes
+    through blocks the hot group skips, and its HOT pass runs in torch
+    (TQLayerCache._hot_prefill; the backend overwrites those rows).
     Returns (rotated output [T, Hq, D] in qr's dtype, log-sum-exp [T, Hq]
     float32, -inf with output 0 for a row that sees no key); only those
     sequences' rows are written.
     """
-    assert part in (ALL, CODED)
+    assert part in (ALL, CODED, HOT)
+    assert part != HOT or hot_tables is not None, "a HOT pass reads the hot group's block tables"
     _, _, kernel = _kernels()
     T, Hq, D = qr.shape
     H = cache.num_kv_heads
@@ -194,7 +204,7 @@ def tq_prefill(cache, qr: torch.Tensor, block_tables: torch.Tensor, seq_lens: to
     assert D == cache.head_dim and Hq == G * H
     dev = qr.device
     n_seqs = query_start_loc.shape[0] - 1 - first_seq if num_seqs is None else num_seqs
-    r, bn, warps, stages = prefill_tiles(D)
+    r, bn, warps, stages = prefill_tiles(D, part)
     rows, bn = rows or r, block_n or bn
     out = torch.empty_like(qr)
     lse = torch.empty(T, Hq, dtype=torch.float32, device=dev)
@@ -204,17 +214,18 @@ def tq_prefill(cache, qr: torch.Tensor, block_tables: torch.Tensor, seq_lens: to
     kc, k, vc, v = cache.part_stores(part)
     kd, ks, kcb, kst, kce = _component(kc, k, dev)
     vd, vs, vcb, vst, vce = _component(vc, v, dev)
+    kt, vt = (hot_tables, cache.hot_v_tables(hot_tables, block_tables)) if part == HOT else (block_tables,) * 2
     win = cache.sliding_window
     # Query head h * G + g of token t sits at t * stride(0) + (h * G + g) * stride(1).
     kernel[(n_tiles, n_seqs, H)](
-        qr, out, lse, block_tables, query_start_loc, seq_lens, first_seq,
+        qr, out, lse, kt, vt, query_start_loc, seq_lens, first_seq,
         kd, ks, kcb, vd, vs, vcb,
         qr.stride(0), G * qr.stride(1), qr.stride(1), out.stride(0), G * out.stride(1), out.stride(1),
-        lse.stride(0), G * lse.stride(1), lse.stride(1), block_tables.stride(0),
+        lse.stride(0), G * lse.stride(1), lse.stride(1), kt.stride(0), vt.stride(0),
         *kst, *vst, win or 0, cache.sink, G=G, BLOCK_SIZE=cache.block_size, D=D, ROWS=rows, BLOCK_N=bn,
         K_KIND=kce[0], K_BITS=kce[1], K_GROUP=kce[2], V_KIND=vce[0], V_BITS=vce[1], V_GROUP=vce[2],
-        HAS_WINDOW=win is not None, F32=qr.dtype == torch.float32, PART=part, num_warps=warps,
-        num_stages=stages)
+        HAS_WINDOW=win is not None, F32=qr.dtype == torch.float32, PART=part, V_TABLE=vt is not kt,
+        num_warps=warps, num_stages=stages)
     return out, lse
 
 
@@ -228,9 +239,17 @@ def _heads(x: torch.Tensor, H: int) -> torch.Tensor:
 class TQTritonBackend(AttentionBackend):
     """A step in two to four launches: the decodes (one batched launch, plus
     the split merge), every prefill chunk's coded keys (one launch), and
-    with hot tokens each prefill's HOT pass in torch. The new K/V go in
-    with one more (kvcache/tq_store.py); a decode-only step can be captured."""
+    with hot tokens their HOT pass (one more launch; in torch, per sequence,
+    for a chunk longer than hot_span_rows). The new K/V go in with one more
+    (kvcache/tq_store.py). A decode-only step can be captured, and so can a
+    verification step of up to hot_span_rows rows per sequence."""
     capturable = True
+
+    def hot_span_rows(self, cache) -> int:
+        """Rows per sequence whose HOT pass the kernel runs from the hot pool:
+        block_size + 1 new tokens sit in at most two blocks, the two the hot
+        group holds besides block 0 (kvcache/kv_manager.py)."""
+        return cache.block_size + 1
 
     def store(self, cache, slot_mapping, k, v, hot_slots=None):
         from kvcache.tq_store import tq_store
@@ -261,12 +280,18 @@ class TQTritonBackend(AttentionBackend):
         if not cache.hot:
             out[t0:] = _derotate(cache, o[t0:], q.dtype)
             return
-        H = cache.num_kv_heads
+        ho, hlse = tq_prefill(cache, qr, block_tables, seq_lens_t, qsl_t, max_query_len, first_seq=first,
+                              part=HOT, hot_tables=hot_tables)
+        out[t0:] = _derotate(cache, merge(o[t0:], lse[t0:], ho[t0:], hlse[t0:]), q.dtype)
+        # Longer chunks: their HOT rows in torch, over store()'s rows (a host
+        # check; in a captured step every sequence is a short span).
+        H, limit = cache.num_kv_heads, self.hot_span_rows(cache)
         for i in range(first, len(seq_lens)):
             s, e = qsl[i], qsl[i + 1]
-            hot = cache._hot_prefill(_heads(qr[s:e], H), block_tables[i], hot_tables[i], seq_lens[i])
-            acc = merge(_heads(o[s:e], H), _heads(lse[s:e], H), *hot)
-            out[s:e] = cache._finish(acc, q.dtype)[0]
+            if e - s > limit:
+                hot = cache._hot_prefill(_heads(qr[s:e], H), block_tables[i], hot_tables[i], seq_lens[i],
+                                         chunk=i - first)
+                out[s:e] = cache._finish(merge(_heads(o[s:e], H), _heads(lse[s:e], H), *hot), q.dtype)[0]
 
     def decode(self, cache, q, block_tables, seq_lens, scale, hot_tables=None):
         return tq_paged_decode(cache, q, block_tables, seq_lens.to(q.device), scale, hot_tables)

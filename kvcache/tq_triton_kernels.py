@@ -234,25 +234,75 @@ def tq_decode_kernel(q_ptr, rot_ptr, o_ptr, lse_ptr, bt_ptr, hbt_ptr, seq_len_pt
         tl.store(lse_ptr + split * sl_s + b.to(tl.int64) * sl_b + (h * G + g) * sl_h, lse, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["seq0", "s_bt", "window", "sink"])
-def tq_attn_kernel(q_ptr, o_ptr, lse_ptr, bt_ptr, qsl_ptr, seq_len_ptr, seq0,
+@triton.jit
+def _prefill_ranges(q, m, l, acc, lo, hi, lo2, hi2, qpos, own, bt_row, vbt_row, window, sink,
+                   k_data, k_scale, k_cb, v_data, v_scale, v_cb, h,
+                   ks_slot, ks_h, ksc_slot, ksc_h, vs_slot, vs_h, vsc_slot, vsc_h,
+                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                   K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr,
+                   V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr,
+                   HAS_WINDOW: tl.constexpr, F32: tl.constexpr, PART: tl.constexpr,
+                   V_TABLE: tl.constexpr):
+    """Online softmax (base 2) of one prefill row tile over the keys [lo, hi)
+    then [lo2, hi2) (one loop: a second inlined loop body spills registers),
+    K through bt_row and V through vbt_row when V_TABLE (else the same
+    blocks), with each row's causal, window and part masks (rows of one
+    tile sit at different positions, in different blocks)."""
+    n1 = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)
+    n_tiles = n1 + tl.cdiv(tl.maximum(hi2 - lo2, 0), BLOCK_N)
+    for i in range(0, n_tiles):
+        in1 = i < n1
+        kpos = tl.where(in1, lo + i * BLOCK_N, lo2 + (i - n1) * BLOCK_N) + tl.arange(0, BLOCK_N)
+        kmask = kpos < tl.where(in1, hi, hi2)
+        col = kpos // BLOCK_SIZE
+        off = kpos % BLOCK_SIZE
+        slots = tl.load(bt_row + col, mask=kmask, other=0).to(tl.int64) * BLOCK_SIZE + off
+        if V_TABLE:
+            vslots = tl.load(vbt_row + col, mask=kmask, other=0).to(tl.int64) * BLOCK_SIZE + off
+        else:
+            vslots = slots
+        k = _load_tile(k_data, k_scale, k_cb, slots, h, kmask, ks_slot, ks_h, ksc_slot, ksc_h,
+                       K_KIND, K_BITS, K_GROUP, BLOCK_N, D)
+        s = _dot(q, tl.trans(k), F32)
+        valid = (kpos[None, :] <= qpos[:, None]) & kmask[None, :]
+        if HAS_WINDOW:
+            valid = valid & (kpos[None, :] > qpos[:, None] - window)
+        if PART == 1:       # CODED
+            valid = valid & (kpos[None, :] >= sink) & (kpos[None, :] < own[:, None])
+        elif PART == 2:     # HOT
+            valid = valid & ((kpos[None, :] < sink) | (kpos[None, :] >= own[:, None]))
+        p, alpha, m, l = _online(s, valid, m, l)
+        v = _load_tile(v_data, v_scale, v_cb, vslots, h, kmask, vs_slot, vs_h, vsc_slot, vsc_h,
+                       V_KIND, V_BITS, V_GROUP, BLOCK_N, D)
+        acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v, F32)
+    return m, l, acc
+
+
+@triton.jit(do_not_specialize=["seq0", "s_bt", "s_vbt", "window", "sink"])
+def tq_attn_kernel(q_ptr, o_ptr, lse_ptr, bt_ptr, vbt_ptr, qsl_ptr, seq_len_ptr, seq0,
                    k_data, k_scale, k_cb, v_data, v_scale, v_cb,
-                   sq_t, sq_h, sq_g, so_t, so_h, so_g, sl_t, sl_h, sl_g, s_bt,
+                   sq_t, sq_h, sq_g, so_t, so_h, so_g, sl_t, sl_h, sl_g, s_bt, s_vbt,
                    ks_slot, ks_h, ksc_slot, ksc_h, vs_slot, vs_h, vsc_slot, vsc_h,
                    window, sink, G: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    D: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                    K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr,
                    V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr,
-                   HAS_WINDOW: tl.constexpr, F32: tl.constexpr, PART: tl.constexpr):
+                   HAS_WINDOW: tl.constexpr, F32: tl.constexpr, PART: tl.constexpr,
+                   V_TABLE: tl.constexpr):
     """Chunked prefill over compressed blocks: grid (row tiles, sequences,
     KV heads). A program takes ROWS (token, query head) rows, token-major,
     of sequence seq0 + program_id(1), whose queries are rows
     [qsl[b], qsl[b + 1]) of q (rotated, scaled) and the last of its
-    seq_len[b] positions. PART (tq_cache ALL / CODED) picks the keys a
+    seq_len[b] positions. PART (tq_cache ALL / CODED / HOT) picks the keys a
     query at position p sees besides the causal and window masks: ALL every
-    one; CODED those in [sink, own(p)), own(p) the start of p's block (the
-    HOT rest runs in torch: TQLayerCache._hot_prefill). Writes the rotated
-    output and its log-sum-exp (natural log)."""
+    one; CODED those in [sink, own(p)), own(p) the start of p's block; HOT
+    the rest: [0, sink) and [own(p), p], K (and V) from the hot copies
+    through bt_ptr. HOT reads the hot table at column 0 and the columns
+    its rows sit in, so it is right only for a sequence whose new tokens
+    all sit in blocks the hot group holds (at most two: kv_manager keeps
+    the first new token's block and the last one's). Keys through bt_ptr,
+    values through vbt_ptr when V_TABLE (HOT with hot "k": coded values). Writes the
+    rotated output and its log-sum-exp (natural log)."""
     tile = tl.program_id(0)
     b = seq0 + tl.program_id(1)
     h = tl.program_id(2)
@@ -280,33 +330,27 @@ def tq_attn_kernel(q_ptr, o_ptr, lse_ptr, bt_ptr, qsl_ptr, seq_len_ptr, seq0,
     if HAS_WINDOW:
         lo = tl.maximum(p_min - window + 1, 0)
     hi = tl.where(p_min <= p_max, p_max + 1, lo)       # empty for a tile past the queries
-    if PART == 1:                                       # CODED: [sink, last row's own block)
-        lo = tl.maximum(lo, sink)
-        hi = tl.minimum(hi, p_max // BLOCK_SIZE * BLOCK_SIZE)
-    n_tiles = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)
 
     m = tl.full([ROWS], -1e30, tl.float32)
     l = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, D], tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * s_bt
-    for i in range(0, n_tiles):
-        kpos = lo + i * BLOCK_N + tl.arange(0, BLOCK_N)
-        kmask = kpos < hi
-        slots = tl.load(bt_row + kpos // BLOCK_SIZE, mask=kmask, other=0).to(tl.int64) * BLOCK_SIZE \
-            + kpos % BLOCK_SIZE
-        k = _load_tile(k_data, k_scale, k_cb, slots, h, kmask, ks_slot, ks_h, ksc_slot, ksc_h,
-                       K_KIND, K_BITS, K_GROUP, BLOCK_N, D)
-        s = _dot(q, tl.trans(k), F32)
-        valid = (kpos[None, :] <= qpos[:, None]) & kmask[None, :]
-        if HAS_WINDOW:
-            valid = valid & (kpos[None, :] > qpos[:, None] - window)
-        # Rows of one tile sit in different blocks: the part rule per row.
-        if PART == 1:
-            valid = valid & (kpos[None, :] >= sink) & (kpos[None, :] < own[:, None])
-        p, alpha, m, l = _online(s, valid, m, l)
-        v = _load_tile(v_data, v_scale, v_cb, slots, h, kmask, vs_slot, vs_h, vsc_slot, vsc_h,
-                       V_KIND, V_BITS, V_GROUP, BLOCK_N, D)
-        acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v, F32)
+    vbt_row = vbt_ptr + b.to(tl.int64) * s_vbt
+    lo2 = lo                                            # a second range: HOT only
+    hi2 = lo
+    if PART == 2:
+        # The sinks, then the first row's own block on (from block 1: disjoint).
+        lo2 = tl.maximum(p_min // BLOCK_SIZE * BLOCK_SIZE, sink)
+        hi2 = hi
+        hi = tl.minimum(hi, sink)
+    elif PART == 1:                                     # CODED: [sink, last row's own block)
+        lo = tl.maximum(lo, sink)
+        hi = tl.minimum(hi, p_max // BLOCK_SIZE * BLOCK_SIZE)
+    m, l, acc = _prefill_ranges(q, m, l, acc, lo, hi, lo2, hi2, qpos, own, bt_row, vbt_row, window,
+                                sink, k_data, k_scale, k_cb, v_data, v_scale, v_cb, h,
+                                ks_slot, ks_h, ksc_slot, ksc_h, vs_slot, vs_h, vsc_slot, vsc_h,
+                                BLOCK_SIZE, BLOCK_N, D, K_KIND, K_BITS, K_GROUP, V_KIND, V_BITS, V_GROUP,
+                                HAS_WINDOW, F32, PART, V_TABLE)
 
     has = l > 0
     out = acc / tl.where(has, l, 1.0)[:, None]

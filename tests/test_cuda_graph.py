@@ -292,8 +292,8 @@ def test_turboquant_decode_replayed_equals_eager(tmp_path, monkeypatch, kv):
     """TurboQuant layers through tq-triton (decode, hot pass and the one-launch
     store, interpreted): eager gives the CPU kernel's greedy tokens, captured
     steps (padded 3 -> 4: the pad rows' slot -1 writes nothing) eager's
-    tokens and logprobs; k8v4's verification steps too (tq4's hot tokens
-    keep them eager)."""
+    tokens and logprobs; verification steps too (tq4's hot tokens: the HOT
+    prefill launch over the hot pool, for spans up to block_size + 1)."""
     monkeypatch.setattr(cpu_ops, "ENABLED", False)
     save_tiny_llama(tmp_path)
     prompts = token_prompts(3, lo=3, hi=20, seed=2)
@@ -315,10 +315,11 @@ def test_turboquant_decode_replayed_equals_eager(tmp_path, monkeypatch, kv):
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert max(abs(la[t] - lb[t]) for t in la) < 1e-4
     # Verification steps (n-gram drafts): captured over coded blocks (tq-triton's
-    # one-launch prefill kernel), not with hot tokens (a torch pass per sequence).
-    if kv == "tq4":
-        assert "hot tokens" in why_not_capturable(llm.core.caches, spans=True)
-        return
+    # one-launch prefill kernel) and, with hot tokens, the one-launch HOT pass;
+    # spans longer than block_size + 1 would need the torch pass per sequence.
+    bs = llm.core.args.block_size
+    assert why_not_capturable(llm.core.caches, bs + 1) is None
+    assert ("hot tokens" in (why_not_capturable(llm.core.caches, bs + 2) or "")) == (kv == "tq4")
     del llm
     rep = [p[:4] * 3 for p in prompts]
     want = _toks(_engine(tmp_path, kv_cache_dtype=kv).generate(rep, greedy))

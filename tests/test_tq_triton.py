@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kvcache.metadata import AttentionMetadata, GroupMetadata
-from kvcache.tq_cache import ALL, CODED, TQLayerCache
+from kvcache.tq_cache import ALL, CODED, HOT, TQLayerCache
 from kvcache.tq_triton import decode_tiles, prefill_tiles, tq_paged_decode, tq_prefill
 from kvcache.turboquant import F16, INT8, tq
 from tq_paged import BS, assert_close, paged_cache
@@ -200,6 +200,32 @@ def test_prefill_coded_part(hot, kf, vf, G, D):
         torch.testing.assert_close(lse[s:e].view(e - s, 2, G).permute(1, 2, 0)[None], ref_lse, rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("hot,kf,vf,G,D", HOT_CASES)
+def test_prefill_hot_part_of_short_spans(hot, kf, vf, G, D):
+    # The HOT pass of spans of at most BS + 1 tokens (a verification step):
+    # one token; a span inside one block; BS + 1 tokens over two blocks; a
+    # span from block 0 into block 1; a whole prompt inside block 0. Every
+    # hot column but 0 and the span's own ones is poisoned (NaN if read).
+    lens, chunks = [45, 44, 50, 20, 5], [1, 4, BS + 1, 9, 5]
+    c, bt, ht = paged_cache(FORMATS[kf], FORMATS[vf], 2, D, lens, hot=hot)
+    qsl = [0]
+    for n in chunks:
+        qsl.append(qsl[-1] + n)
+    cols = [sorted({0, (L - n) // BS, (L - 1) // BS}) for L, n in zip(lens, chunks)]
+    q = torch.randn(qsl[-1], 2 * G, D, generator=torch.Generator().manual_seed(8))
+    qr = ((q.float() @ c.kc.rot_t("cpu")) * D ** -0.5).to(q.dtype)
+    out, lse = tq_prefill(c, qr, bt, torch.tensor(lens), torch.tensor(qsl), BS + 1, part=HOT,
+                          hot_tables=_poisoned(c, ht, cols), rows=32, block_n=16)
+    qr5 = c._rotate_q(q.unsqueeze(0), D ** -0.5)
+    for i, L in enumerate(lens):
+        s, e = qsl[i], qsl[i + 1]
+        ref, ref_lse = c._attend_torch(qr5[:, :, :, s:e], torch.arange(-(-L // BS))[None], ht[i:i + 1],
+                                       torch.arange(L - (e - s), L)[None], torch.tensor([L]), HOT,
+                                       c.hot_v_tables(ht[i:i + 1], bt[i:i + 1]))
+        _close(out[s:e].view(e - s, 2, G, D).permute(1, 2, 0, 3)[None], ref)
+        torch.testing.assert_close(lse[s:e].view(e - s, 2, G).permute(1, 2, 0)[None], ref_lse, rtol=0, atol=1e-4)
+
+
 # -- the tq-triton backend in a mixed batch -----------------------------------------
 @pytest.mark.parametrize("hot,window", [("", 24), ("k", None), ("kv", None)])
 def test_attention_mixed_batch_matches_torch_path(hot, window):
@@ -251,10 +277,10 @@ def _decode_spec(arch, dt, D, k, v, hot):
 def _prefill_spec(arch, dt, D, k, v, part):
     (kk, kb, kg), (vk, vb, vg) = k, v
     kg, vg = kg or D, vg or D                           # 0: one norm per head
-    rows, bn, warps, stages = prefill_tiles(D)
+    rows, bn, warps, stages = prefill_tiles(D, part)
     const = dict(G=4, BLOCK_SIZE=16, D=D, ROWS=rows, BLOCK_N=bn, K_KIND=kk, K_BITS=kb, K_GROUP=kg, V_KIND=vk,
-                 V_BITS=vb, V_GROUP=vg, HAS_WINDOW=part == ALL, F32=dt == "fp32", PART=part)
-    ptrs = dict(q_ptr=dt, o_ptr=dt, lse_ptr="fp32", bt_ptr="i64", qsl_ptr="i64", seq_len_ptr="i64",
+                 V_BITS=vb, V_GROUP=vg, HAS_WINDOW=part == ALL, F32=dt == "fp32", PART=part, V_TABLE=part == HOT)
+    ptrs = dict(q_ptr=dt, o_ptr=dt, lse_ptr="fp32", bt_ptr="i64", vbt_ptr="i64", qsl_ptr="i64", seq_len_ptr="i64",
                 k_data=_STORE[kk], k_scale="fp16", k_cb="fp32", v_data=_STORE[vk], v_scale="fp16", v_cb="fp32")
     return spec("kvcache.tq_triton_kernels:tq_attn_kernel", arch, const, ptrs, warps, stages)
 
@@ -267,7 +293,8 @@ _DECODES = [("bf16", 128, TQ4, TQ4, 0), ("bf16", 128, TQ4, TQ4, 1), ("bf16", 128
             ("bf16", 128, Q8, TQ4, 2), ("fp16", 64, TQ2, F16K, 0), ("bf16", 256, TQ5G32, TQ3, 0),
             ("bf16", 512, (2, 5, 0), (2, 5, 0), 0)]
 _PREFILLS = [("bf16", 128, TQ4, TQ3, CODED), ("bf16", 128, Q8, TQ4, ALL), ("bf16", 256, TQ5G32, TQ3, ALL),
-             ("bf16", 512, TQ4, TQ3, ALL)]
+             ("bf16", 512, TQ4, TQ3, ALL), ("bf16", 128, Q8, TQ4, HOT), ("bf16", 128, Q8, Q8, HOT),
+             ("bf16", 256, Q8, TQ4, HOT)]
 
 
 @pytest.mark.parametrize("arch", [90, 121])

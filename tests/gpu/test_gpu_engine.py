@@ -115,10 +115,11 @@ def test_hybrid_cuda_graphs_equal_eager(tmp_path):
     assert [toks(graphs.generate([p], greedy(16)))[0] for p in ps[:2]] == ref[:2]
 
 
-@pytest.mark.parametrize("kv", ["auto", "k8v4"])
+@pytest.mark.parametrize("kv", ["auto", "k8v4", "tq4"])
 def test_verification_graphs_equal_eager(tmp_path, kv):
     """n-gram drafts (k = 3) on CUDA: verification steps replayed as graphs of
-    4 rows per sequence give the tokens of eager decoding without drafts."""
+    4 rows per sequence give the tokens of eager decoding without drafts
+    (tq4: hot tokens, their HOT pass in one launch from the hot pool)."""
     from tiny_models import save_tiny_llama, token_prompts
     save_tiny_llama(tmp_path)
     ps = [([5, 6, 7, 8] * 6)[:n] for n in (9, 13, 21)] + token_prompts(2, lo=20, hi=40, seed=4)
