@@ -154,7 +154,7 @@ def test_matmul_backends():
     y = gguf.matmul(x, raw, "Q6_K", k)                     # M = 3: the fused GEMV
     assert y.shape == (1, 3, 48)
     check_gemv(y.view(3, 48), x.view(3, k), w)
-    x = torch.randn(4, 5, k)                               # M = 20 > GEMV_MAX_M: dequantize + F.linear, exact
+    x = torch.randn(4, 5, k)                               # M = 20 > Q6_K's gemv_max_m: dequantize + F.linear, exact
     assert torch.equal(gguf.matmul(x, raw, "Q6_K", k), F.linear(x, w))
     assert torch.equal(gguf.matmul(x, raw, "Q6_K", k, backend="cpu"), F.linear(x, w))
     with pytest.raises(ValueError):
@@ -174,13 +174,19 @@ def _layer():
     return layer, w, k
 
 
-def test_gguf_blocks_matmul():
+def test_gguf_blocks_matmul(monkeypatch):
     layer, w, k = _layer()
-    assert gguf_cpu.GEMV_MAX_M == 16
-    for shape in [(1, k), (2, k), (2, 4, k), (16, k)]:     # M = 1, 2, 8, 16: the fused GEMV per shard
+    assert gguf_cpu.gemv_max_m("Q4_K") == 16 and gguf_cpu.gemv_max_m("Q6_K") == 8
+    calls, gemv = [], gguf_cpu.gemv_checked
+    monkeypatch.setattr(gguf_cpu, "gemv_checked", lambda x, raw, g, k, out: (calls.append(out.shape[1]),
+                                                                               gemv(x, raw, g, k, out))[1])
+    # M = 1, 2, 8: the fused GEMV for both quantized shards; 16: for the Q4_K
+    # rows only (Q6_K's GEMV stops at 8 rows), the Q6_K rows in a tile.
+    for shape, gemv_cols in [((1, k), [40, 16]), ((2, k), [40, 16]), ((2, 4, k), [40, 16]), ((16, k), [40])]:
         x = torch.randn(shape)
+        calls.clear()
         y = layer.matmul(None, x)
-        assert y.shape == (*shape[:-1], 64)
+        assert y.shape == (*shape[:-1], 64) and calls == gemv_cols
         check_gemv(y.reshape(-1, 64), x.reshape(-1, k), w)
     x = torch.randn(1, 17, k)                              # M = 17: dequantized tiles + matmuls
     matches_linear(layer.matmul(None, x), x, w)

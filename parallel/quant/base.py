@@ -9,7 +9,7 @@ QuantizeMethodBase shape): one object per layer, `LinearBase.quant`.
   own type. Under tensor parallelism the layer cuts each checkpoint tensor
   (QuantizedTensor.narrow) as it cuts a dense one: a column-parallel rank
   keeps its rows, a row-parallel one its columns, on the type's blocks.
-  CPU: a fused C++ GEMV for up to 16 rows (parallel/quant/gguf_cpu.py),
+  CPU: a fused C++ GEMV for up to 8-24 rows by type (gguf_cpu.gemv_max_m),
   else the weight dequantized TILE_ELEMENTS at a time into one buffer shared
   by all layers, each tile multiplied into its output columns (the host
   never holds a dense layer); CUDA: the Triton kernels of
@@ -215,40 +215,37 @@ class GGUFBlocks(QuantMethod):
                               for s in shards], dim=-1)
         x2 = x if x.dim() == 2 else x.reshape(-1, self.k)
         m = x2.shape[0]
-        if 0 < m <= gguf_cpu.GEMV_MAX_M and x.is_cpu and gguf_cpu.reason(x.dtype) is None:
-            # A few rows (decode): the compiled fused GEMV per shard, into its columns of y
-            # (the shards' shapes were checked at load). ~120 calls per decode step: the
-            # per-shard arguments are built once (_gemv_args).
-            y = torch.empty(m, self.n, dtype=x.dtype)
-            args = self._gemv or self._gemv_args()
-            if len(args) == 1 and args[0][1] is not None:
-                gguf_cpu.gemv_checked(x2, args[0][0], args[0][1], self.k, y)
-            else:
-                for data, g, lo, hi in args:
-                    if g is not None:
-                        gguf_cpu.gemv_checked(x2, data, g, self.k, y[:, lo:hi])
-                    else:
-                        y[:, lo:hi].copy_(F.linear(x2, data.to(x.dtype)))
-            return y if x.dim() == 2 else y.view(*x.shape[:-1], self.n)
-        # More rows: TILE_ELEMENTS of the weight at a time dequantized (compiled
-        # kernel when built, else the torch reference) into the shared buffer,
-        # then a matmul into those columns of y.
         y = torch.empty(m, self.n, dtype=x.dtype)
-        step = max(1, TILE_ELEMENTS // self.k)
-        w = scratch(min(step, self.n) * self.k, x.dtype, x.device).view(-1, self.k)
-        for s in shards:
-            for a in range(0, s.rows, step):
-                b = min(a + step, s.rows)
-                if s.fmt:
-                    tile = gguf.dequantize(s.data[a:b], s.fmt, self.k, x.dtype, out=w[:b - a])
-                else:
-                    tile = s.data[a:b].to(x.dtype)
-                torch.mm(x2, tile.t(), out=y[:, s.offset + a:s.offset + b])
+        # Few rows (decode): the compiled fused GEMV, for a shard of up to its
+        # type's gguf_cpu.gemv_max_m rows; more rows, dense rows or no kernel:
+        # dequantized tiles and a matmul. Each shard into its columns of y.
+        # ~120 calls per decode step: the per-shard arguments are built once.
+        gemv = m > 0 and x.is_cpu and gguf_cpu.reason(x.dtype) is None
+        for s, g, max_m in self._gemv or self._gemv_args():
+            out = y if s.rows == self.n else y[:, s.offset:s.offset + s.rows]
+            if gemv and m <= max_m:
+                gguf_cpu.gemv_checked(x2, s.data, g, self.k, out)
+            else:
+                self._tiles(x2, s, out)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.n)
 
+    def _tiles(self, x2, s: Shard, out) -> None:
+        """out = x2 @ shard^T, TILE_ELEMENTS of the weight at a time dequantized
+        (compiled kernel when built, else the torch reference) into the shared
+        buffer, each tile multiplied into its columns."""
+        step = max(1, TILE_ELEMENTS // self.k)
+        w = scratch(min(step, s.rows) * self.k, x2.dtype, x2.device).view(-1, self.k)
+        for a in range(0, s.rows, step):
+            b = min(a + step, s.rows)
+            if s.fmt:
+                tile = gguf.dequantize(s.data[a:b], s.fmt, self.k, x2.dtype, out=w[:b - a])
+            else:
+                tile = s.data[a:b].to(x2.dtype)
+            torch.mm(x2, tile.t(), out=out[:, a:b])
+
     def _gemv_args(self) -> list:
-        """[(rows, ggml type id or None for dense rows, first column, end column)] per shard."""
-        self._gemv = [(s.data, gguf_cpu.type_id(s.fmt) if s.fmt else None, s.offset, s.offset + s.rows)
+        """[(shard, ggml type id, most rows for the GEMV: 0 for dense rows)]."""
+        self._gemv = [(s, gguf_cpu.type_id(s.fmt), gguf_cpu.gemv_max_m(s.fmt)) if s.fmt else (s, None, 0)
                       for s in self.shards.values()]
         return self._gemv
 

@@ -269,7 +269,7 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: str, k: int,
     x.dtype, or any contiguous one of at least N*k elements: its first N*k
     are used; allocated when None), then F.linear. "cpu": the same with the
     compiled dequantisation (same W, bit for bit), except that with no
-    scratch given and at most gguf_cpu.GEMV_MAX_M rows of x it runs the
+    scratch given and at most gguf_cpu.gemv_max_m(qtype) rows of x it runs the
     fused GEMV (W never written out; fp32 accumulation in another order).
     "triton": the kernels of gguf_triton (M <= GEMV_MAX_M rows: GEMV-shaped,
     split along N and K; more: tl.dot tiles), fp32 accumulation; on CPU
@@ -285,7 +285,7 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: str, k: int,
     if backend == "cpu":
         from parallel.quant import gguf_cpu
         x2 = x.reshape(-1, k)
-        if scratch is None and x2.shape[0] <= gguf_cpu.GEMV_MAX_M:
+        if scratch is None and x2.shape[0] <= gguf_cpu.gemv_max_m(qtype):
             return gguf_cpu.gemv(x2, raw, qtype, k).view(*x.shape[:-1], n)
         w = dequantize(raw, qtype, k, x.dtype, out=_scratch_view(scratch, n, k, x), backend="cpu")
         return F.linear(x, w)

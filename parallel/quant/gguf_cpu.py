@@ -33,15 +33,23 @@ CXX = os.environ.get("CXX", "g++")
 # values must equal the torch reference's (the GEMV's FMAs are explicit).
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17"]
 # Rows of x up to which GGUFBlocks / gguf.matmul take the fused GEMV rather
-# than dequantize + F.linear. Measured on SmolLM2 / Gemma3 layer shapes (Zen 4,
-# AVX-512): with W cache-resident the two break even at M ~ 16-24 on one
-# thread (~32 on two); with W streamed from memory (a whole model, the LM
-# head) the GEMV still wins at M = 64.
+# than dequantize + matmul (gemv_max_m). The GEMV decodes W once per 8 rows
+# of x, so where the two cross depends on what decoding a type costs:
+# Q6_K's is the dearest (the GEMV loses at 16 rows), Q8_0's the cheapest (it
+# wins at 24 rows, most on the LM heads). Measured on the SmolLM2 / Gemma3 layers:
+# tests/bench/gguf_cpu_crossover.py (results/gguf_cpu_crossover.md, a
+# 2-core AVX2 EPYC); an earlier Zen 4 (AVX-512) run had the crossover at
+# 16-24 rows on one thread for cache-resident layers, later for LM heads.
 GEMV_MAX_M = 16
+GEMV_MAX_M_BY_TYPE = {"Q8_0": 24, "Q6_K": 8}
 DTYPES = (torch.float32, torch.bfloat16)
 # type -> (ggml id, elements per block, bytes per block), as parallel/quant/gguf.py's QTYPES
 _TYPES = {"Q8_0": (8, 32, 34), "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22),
           "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210)}
+
+
+def gemv_max_m(qtype: str) -> int:
+    return GEMV_MAX_M_BY_TYPE.get(qtype, GEMV_MAX_M)
 
 
 def enabled() -> bool:
@@ -129,7 +137,7 @@ def gemv(x: torch.Tensor, raw: torch.Tensor, qtype: str, k: int, out: torch.Tens
     any row stride: a column range of a wider output) else a new tensor of
     x's dtype. fp32 accumulation; any M (each 8 rows of x take one more
     decoding of W, read from memory once: dequantize + F.linear is faster
-    beyond GEMV_MAX_M rows)."""
+    beyond gemv_max_m(qtype) rows)."""
     g = _check(raw, qtype, k)
     if x.dim() != 2 or x.shape[1] != k or x.dtype not in DTYPES or x.device.type != "cpu":
         raise ValueError(f"x must be a CPU float32 / bfloat16 [M, {k}] tensor, got {x.dtype} "
