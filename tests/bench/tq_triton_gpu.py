@@ -14,6 +14,11 @@ size 16, bf16 queries, blocks shuffled as a pool hands them out.
 - prefill: a 2,048-token chunk over an 8K compressed context (one launch,
   rotation and de-rotation in torch) vs masked SDPA over the dense context,
   and 2,048 tokens from 0 vs SDPA's causal (flash) kernel.
+- verify: a speculative verification step (batch 16, 1 + 3 rows per
+  sequence at 8K context) through the tq-triton backend's forward (query
+  rotation, the CODED launch, with hot tokens the HOT launch over the hot
+  pool, merge, de-rotation), eager and replayed from a CUDA graph, hot
+  tokens off and "k", next to masked SDPA over dense bf16 KV.
 - --sweep: the 8K batch-16 tq4 decode with other (keys per tile, warps,
   pipeline stages) than tq_triton.decode_tiles picks, to tune it.
 Every config first checks its output against the torch reference path on
@@ -223,7 +228,61 @@ def write(results, meta):
                  f"{r['kernel_vs_sdpa']}x", f"{r['max_rel_err_fp32']:.1e}", f"{r['max_rel_err_bf16']:.1e}",
                  "yes" if r["correct"] else "**NO**"]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
+    lines += ["", "| verify (1 + k rows per sequence) | hot | context | batch | rows | step us | graph us | "
+              "SDPA bf16 us (masked) | graph / SDPA | rel err fp32 | rel err bf16 | correct |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in (r for r in results if r["case"] == "verify"):
+        cells = [r["preset"], r["hot"], r["context"], r["batch"], r["rows"], r["step_us"], r["graph_us"],
+                 r["sdpa_bf16_us"], f"{r['graph_vs_sdpa']}x", f"{r['max_rel_err_fp32']:.1e}",
+                 f"{r['max_rel_err_bf16']:.1e}", "yes" if r["correct"] else "**NO**"]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
     (OUT / "tq_triton_gpu.md").write_text("\n".join(lines) + "\n")
+
+
+def run_verify(preset, ctx, batch, rows, hot, iters):
+    from kvcache.metadata import AttentionMetadata, GroupMetadata
+    dev = torch.device(DEV)
+    cache, bt, ht, g = filled_cache(preset, ctx, batch, hot, dev)
+    # Every sequence's last `rows` positions, inside its last block (the hot group holds it).
+    assert ctx % BS == 0 and rows <= BS
+    qsl = [i * rows for i in range(batch + 1)]
+    lens = [ctx] * batch
+    pos = torch.arange(ctx - rows, ctx, device=dev).repeat(batch)
+    seq = torch.arange(batch, device=dev).repeat_interleave(rows)
+    groups = [GroupMetadata(t[seq, pos // BS] * BS + pos % BS, t) for t in ([bt, ht] if hot else [bt])]
+    meta = AttentionMetadata(qsl, lens, 0, groups, seq_lens_t=torch.tensor(lens, device=dev),
+                             query_start_loc_t=torch.tensor(qsl, device=dev))
+    q = torch.randn(batch * rows, HQ, D, device=dev, generator=g, dtype=QDT)
+    scale = D ** -0.5
+    qr = cache._rotate_q(q.float().view(batch, rows, HQ, D), scale)
+    cols = torch.arange(ctx // BS, device=dev).expand(batch, -1)
+    qpos = pos.view(batch, rows)
+    lens_t = meta.seq_lens_t
+    if hot:
+        from kvcache.tq_cache import CODED, HOT, merge
+        own = (ctx - 1) // BS
+        hot_cols = torch.tensor([0, own], device=dev).expand(batch, -1)
+        acc = merge(*cache._attend_torch(qr, cols, bt, qpos, lens_t, CODED),
+                    *cache._attend_torch(qr, hot_cols, ht, qpos, lens_t, HOT, cache.hot_v_tables(ht, bt)))
+    else:
+        acc, _ = cache._attend_torch(qr, cols, bt, qpos, lens_t)
+    ref = cache._finish(acc, torch.float32).reshape(batch * rows, HQ, D)
+    cache.backend = "tq-triton"
+    err32 = rel_err(cache.attention(q.float(), meta, scale), ref)
+    err16 = rel_err(cache.attention(q, meta, scale), ref)
+    step = lambda: cache.attention(q, meta, scale)   # noqa: E731
+    t_eager = cuda_time_us(step, iters)
+    t_graph = graph_time_us(step, iters)
+    kd = torch.randn(batch, H, ctx, D, device=dev, dtype=torch.bfloat16, generator=g)
+    vd = torch.randn(batch, H, ctx, D, device=dev, dtype=torch.bfloat16, generator=g)
+    qd = q.view(batch, rows, HQ, D).transpose(1, 2).to(kd.dtype)                     # [B, HQ, rows, D]
+    mask = torch.arange(ctx, device=dev)[None, :] <= torch.arange(ctx - rows, ctx, device=dev)[:, None]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    t_sdpa = cuda_time_us(lambda: sdpa(qd, kd, vd, attn_mask=mask, scale=scale, enable_gqa=True), iters)
+    return {"case": "verify", "preset": preset, "hot": hot or "off", "context": ctx, "batch": batch, "rows": rows,
+            "step_us": round(t_eager, 1), "graph_us": round(t_graph, 1), "sdpa_bf16_us": round(t_sdpa, 1),
+            "graph_vs_sdpa": round(t_graph / t_sdpa, 3), "max_rel_err_fp32": err32, "max_rel_err_bf16": err16,
+            "correct": err32 < 1e-4 and err16 < 3e-2}
 
 
 def main():
@@ -268,6 +327,15 @@ def main():
             results.append(run_decode("tq4", 8192 if DEV == "cuda" else 64, 16 if DEV == "cuda" else 2, a.iters, "",
                                       meta["copy_GBps"], tiles))
             log(json.dumps(results[-1]))
+    for preset in a.presets.split(","):
+        for hot in ("" if h == "off" else h for h in a.hot.split(",")):
+            kf, vf = parse_preset(preset)
+            if hot and not (kf.kind == "tq" or (hot == "kv" and vf.kind == "tq")):
+                continue
+            ctx, batch = (8192, 16) if DEV == "cuda" else (64, 2)
+            results.append(run_verify(preset, ctx, batch, 4, hot, max(5, a.iters // 5)))
+            log(json.dumps(results[-1]))
+            torch.cuda.empty_cache()
     for preset in a.presets.split(","):
         for ctx, chunk in ((8192, 2048), (2048, 2048)) if DEV == "cuda" else ((64, 16), (32, 32)):
             results.append(run_prefill(preset, ctx, chunk, max(5, a.iters // 5)))
