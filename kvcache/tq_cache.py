@@ -160,30 +160,37 @@ class TQLayerCache(LayerCache):
         slots = meta.groups[self.group_id].slot_mapping
         hot_slots = meta.groups[self.extra_groups[0]].slot_mapping if self.hot else None
         # A backend with a store of its own (tq-triton: one launch, no sync)
-        # writes them, unless a hot prefill needs its chunk's rows back (below).
-        if not self._hot_prefill_in_torch(meta) and self.backend.store(self, slots, k, v, hot_slots):
+        # writes them, unless a hot prefill needs the new rows back (below).
+        if not self.reads_new_rows(meta) and self.backend.store(self, slots, k, v, hot_slots):
             return
         if not self.hot:
             self.write(slots, k, v)
             return
         hk, hv = self.write(slots, k, v, hot_slots)
-        # Each prefill's new rows, in batch order: _prefill reads its chunk's
-        # own-block keys from them (a chunk's middle blocks have no hot block).
+        # The new rows, [T, ...] as the flat batch (tq-triton's HOT launch) and
+        # each prefill's, in batch order (_hot_prefill): a chunk's middle blocks
+        # have no hot block, so its own-block keys come from these.
+        self.new_rows = (hk, hv)
         qsl = meta.query_start_loc
         self._chunks = [({n: t[qsl[i]:qsl[i + 1]] for n, t in hk.items()},
                          {n: t[qsl[i]:qsl[i + 1]] for n, t in hv.items()})
                         for i in range(meta.num_decodes, meta.num_seqs)]
         self._next_chunk = 0
 
-    def _hot_prefill_in_torch(self, meta) -> bool:
-        """Whether a prefill of this step runs its HOT pass in torch
-        (_hot_prefill), which reads its chunk's new rows from store(): one
-        longer than the backend's hot_span_rows passes through blocks the
-        hot group does not hold."""
+    def reads_new_rows(self, meta) -> bool:
+        """Whether this step's HOT passes read the new tokens' rows from
+        store() (write returns them): a prefill longer than the backend's
+        hot_span_rows passes through blocks the hot group does not hold."""
         if not self.hot:
             return False
         limit, qsl = self.backend.hot_span_rows(self), meta.query_start_loc
         return any(qsl[i + 1] - qsl[i] > limit for i in range(meta.num_decodes, meta.num_seqs))
+
+    def next_chunk_rows(self) -> tuple[dict, dict]:
+        """The next prefill's new rows (hot K, hot or coded V) from store(), in batch order."""
+        rows = self._chunks[self._next_chunk]
+        self._next_chunk += 1
+        return rows
 
     def attention(self, q: torch.Tensor, meta, scale: float) -> torch.Tensor:
         # The prefills read store()'s chunks in batch order; from the first again at
@@ -271,16 +278,14 @@ class TQLayerCache(LayerCache):
         o = acc.float() @ self.kc.rot_t(acc.device).T            # unrotate(acc)
         return o.permute(0, 3, 1, 2, 4).reshape(B, Lq, H * G, D).to(dtype)
 
-    def _hot_prefill(self, qr, block_table, hot_table, seq_len, chunk: int | None = None):
+    def _hot_prefill(self, qr, block_table, hot_table, seq_len, new_rows):
         """The HOT pass of a prefill chunk: each query attends to block 0
         and to its own block up to itself, rows before the chunk from the hot
-        pool, the chunk's own rows from store() (their middle blocks have no
-        hot block): the step's chunk-th prefill's (default: the next one).
-        Block-diagonal, so [nb, bs, 2 * bs] scores at most.
+        pool, the chunk's own rows new_rows (hot K, hot or coded V) from
+        store() (their middle blocks have no hot block). Block-diagonal, so
+        [nb, bs, 2 * bs] scores at most.
         Returns (out [1, H, G, Lq, D], lse [1, H, G, Lq])."""
-        if chunk is None:
-            chunk, self._next_chunk = self._next_chunk, self._next_chunk + 1
-        new_k, new_v = self._chunks[chunk]
+        new_k, new_v = new_rows
         _, H, G, Lq, D = qr.shape
         bs, dev, f32 = self.block_size, qr.device, torch.float32
         start = seq_len - Lq
@@ -381,7 +386,7 @@ class TQTorchBackend(AttentionBackend):
         if cache.hot:
             # Coded pass over blocks 1 up to the last query's own block;
             # the hot pass (block 0 + each query's own block) in torch.
-            hot = cache._hot_prefill(qr, block_table, hot_table, seq_len)
+            hot = cache._hot_prefill(qr, block_table, hot_table, seq_len, cache.next_chunk_rows())
             cols = torch.arange(1, max(1, (seq_len - 1) // bs), device=dev)[None]
             if cols.shape[1] == 0:
                 return cache._finish(hot[0], q.dtype)[0]

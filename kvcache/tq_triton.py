@@ -22,11 +22,16 @@ CUDA graph. head_dim above 128 rotates in torch (one matmul each way): its
 Prefill (tq_prefill) is one launch for every prefilling sequence of the
 step (varlen through query_start_loc) over rotated queries, with a part
 rule: ALL, or with hot tokens the CODED pass and a HOT one (a second
-launch), merged by log-sum-exp. The HOT launch reads only the hot pool,
-which holds block 0 and at most two blocks of new tokens: right for spans
-of up to block_size + 1 tokens (speculative verification, short prompt
-tails); a longer chunk's HOT rows are redone in torch per sequence
-(TQLayerCache._hot_prefill: the chunk's middle blocks have no hot block).
+launch), merged by log-sum-exp. The hot pool holds block 0 and a chunk's
+first and last blocks, which is every hot key of a span of up to
+block_size + 1 tokens (speculative verification, short prompt tails): then
+the HOT launch reads only the pool, and the step's store is tq_store's one
+launch (capturable). A longer chunk passes through blocks without a hot
+copy: TQLayerCache.write stores the step (a host sync) and returns the new
+rows, from which the HOT launch reads the new tokens' keys (hot "k"); with
+hot "kv" the long chunks' HOT rows are redone in torch per sequence
+(TQLayerCache._hot_prefill): new values from a second source would spill
+the kernel's registers.
 
 triton is imported on first use: importing kvcache never needs it.
 """
@@ -175,7 +180,7 @@ def prefill_tiles(D: int, part: int = ALL):
 def tq_prefill(cache, qr: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                query_start_loc: torch.Tensor, max_query_len: int, first_seq: int = 0,
                num_seqs: int | None = None, part: int = ALL, hot_tables: torch.Tensor | None = None,
-               rows: int | None = None, block_n: int | None = None):
+               new_rows: tuple | None = None, rows: int | None = None, block_n: int | None = None):
     """Causal (and windowed) attention of several sequences' new tokens over
     their compressed prefix, which already holds those tokens: one launch.
 
@@ -186,11 +191,12 @@ def tq_prefill(cache, qr: torch.Tensor, block_tables: torch.Tensor, seq_lens: to
     query_start_loc [B + 1]: integer tensors on qr's device; max_query_len:
     a host bound on those sequences' row counts (sizes the grid). part:
     tq_cache ALL, CODED or HOT (hot_tables: the hot group's [B, W]). HOT
-    reads the hot copies of block 0 and of the blocks its queries sit in,
-    so it is right only for sequences of at most block_size + 1 new tokens
-    (at most two blocks, both held by the hot group); a longer chunk passes
-    through blocks the hot group skips, and its HOT pass runs in torch
-    (TQLayerCache._hot_prefill; the backend overwrites those rows).
+    reads the hot copies of block 0 and of the blocks its queries sit in;
+    the hot group holds a chunk's first and last blocks, so that is right
+    for sequences of at most block_size + 1 new tokens. A longer chunk
+    passes through blocks the hot group skips: with hot "k", new_rows, the
+    step's rows as TQLayerCache.write returns them ([T, H, ...] as the flat
+    batch), supply every new token's key (its coded value is in its block).
     Returns (rotated output [T, Hq, D] in qr's dtype, log-sum-exp [T, Hq]
     float32, -inf with output 0 for a row that sees no key); only those
     sequences' rows are written.
@@ -215,17 +221,22 @@ def tq_prefill(cache, qr: torch.Tensor, block_tables: torch.Tensor, seq_lens: to
     kd, ks, kcb, kst, kce = _component(kc, k, dev)
     vd, vs, vcb, vst, vce = _component(vc, v, dev)
     kt, vt = (hot_tables, cache.hot_v_tables(hot_tables, block_tables)) if part == HOT else (block_tables,) * 2
+    nkd, nks, nkst = kd, ks, kst
+    if new_rows is not None:
+        # Hot K rows only: with "k" the coded values are all in their blocks.
+        assert part == HOT and cache.hot == "k", "new rows serve a HOT pass with hot 'k'"
+        nkd, nks, _, nkst, _ = _component(kc, new_rows[0], dev)
     win = cache.sliding_window
     # Query head h * G + g of token t sits at t * stride(0) + (h * G + g) * stride(1).
     kernel[(n_tiles, n_seqs, H)](
         qr, out, lse, kt, vt, query_start_loc, seq_lens, first_seq,
-        kd, ks, kcb, vd, vs, vcb,
+        kd, ks, kcb, vd, vs, vcb, nkd, nks,
         qr.stride(0), G * qr.stride(1), qr.stride(1), out.stride(0), G * out.stride(1), out.stride(1),
         lse.stride(0), G * lse.stride(1), lse.stride(1), kt.stride(0), vt.stride(0),
-        *kst, *vst, win or 0, cache.sink, G=G, BLOCK_SIZE=cache.block_size, D=D, ROWS=rows, BLOCK_N=bn,
-        K_KIND=kce[0], K_BITS=kce[1], K_GROUP=kce[2], V_KIND=vce[0], V_BITS=vce[1], V_GROUP=vce[2],
+        *kst, *vst, *nkst, win or 0, cache.sink, G=G, BLOCK_SIZE=cache.block_size, D=D, ROWS=rows,
+        BLOCK_N=bn, K_KIND=kce[0], K_BITS=kce[1], K_GROUP=kce[2], V_KIND=vce[0], V_BITS=vce[1], V_GROUP=vce[2],
         HAS_WINDOW=win is not None, F32=qr.dtype == torch.float32, PART=part, V_TABLE=vt is not kt,
-        num_warps=warps, num_stages=stages)
+        NEW_ROWS=new_rows is not None, num_warps=warps, num_stages=stages)
     return out, lse
 
 
@@ -239,16 +250,18 @@ def _heads(x: torch.Tensor, H: int) -> torch.Tensor:
 class TQTritonBackend(AttentionBackend):
     """A step in two to four launches: the decodes (one batched launch, plus
     the split merge), every prefill chunk's coded keys (one launch), and
-    with hot tokens their HOT pass (one more launch; in torch, per sequence,
-    for a chunk longer than hot_span_rows). The new K/V go in with one more
-    (kvcache/tq_store.py). A decode-only step can be captured, and so can a
-    verification step of up to hot_span_rows rows per sequence."""
+    with hot tokens their HOT pass (one more). The new K/V go in with one
+    more (kvcache/tq_store.py), unless a chunk is longer than hot_span_rows:
+    then TQLayerCache.write stores them and returns their rows, which the
+    HOT launch reads (write syncs with the host). A decode-only step can be
+    captured, and so can a verification step of up to hot_span_rows rows
+    per sequence."""
     capturable = True
 
     def hot_span_rows(self, cache) -> int:
-        """Rows per sequence whose HOT pass the kernel runs from the hot pool:
-        block_size + 1 new tokens sit in at most two blocks, the two the hot
-        group holds besides block 0 (kvcache/kv_manager.py)."""
+        """Rows per sequence whose HOT pass reads only the hot pool: block_size
+        + 1 new tokens sit in at most two blocks, the two the hot group holds
+        besides block 0 (kvcache/kv_manager.py)."""
         return cache.block_size + 1
 
     def store(self, cache, slot_mapping, k, v, hot_slots=None):
@@ -265,13 +278,16 @@ class TQTritonBackend(AttentionBackend):
             tq_paged_decode(cache, q[:nd], group.block_tables[:nd], meta.seq_lens_t[:nd], scale,
                             None if hot is None else hot[:nd], out=out[:nd])
         if B > nd:
-            self._prefills(cache, q, scale, out, group.block_tables, hot, meta.seq_lens_t,
-                           meta.query_start_loc_t, meta.query_start_loc, meta.seq_lens, nd, meta.max_query_len)
+            self._prefills(cache, q, scale, out, group.block_tables, hot, meta.seq_lens_t, meta.query_start_loc_t,
+                           meta.query_start_loc, meta.seq_lens, nd, meta.max_query_len,
+                           cache.new_rows if cache.reads_new_rows(meta) else None)
         return out
 
-    def _prefills(self, cache, q, scale, out, block_tables, hot_tables, seq_lens_t, qsl_t, qsl, seq_lens,
-                  first, max_query_len):
-        """Sequences first.. of the flat batch, each a chunk over its prefix."""
+    def _prefills(self, cache, q, scale, out, block_tables, hot_tables, seq_lens_t, qsl_t, qsl, seq_lens, first,
+                  max_query_len, new_rows):
+        """Sequences first.. of the flat batch, each a chunk over its prefix;
+        new_rows: the step's rows from store() when a chunk is longer than
+        hot_span_rows (None: none is)."""
         t0 = qsl[first]
         qr = torch.empty_like(q)
         qr[t0:] = _rotate(cache, q[t0:], scale)
@@ -280,17 +296,22 @@ class TQTritonBackend(AttentionBackend):
         if not cache.hot:
             out[t0:] = _derotate(cache, o[t0:], q.dtype)
             return
+        kv_long = new_rows is not None and cache.hot == "kv"
         ho, hlse = tq_prefill(cache, qr, block_tables, seq_lens_t, qsl_t, max_query_len, first_seq=first,
-                              part=HOT, hot_tables=hot_tables)
+                              part=HOT, hot_tables=hot_tables, new_rows=None if kv_long else new_rows)
         out[t0:] = _derotate(cache, merge(o[t0:], lse[t0:], ho[t0:], hlse[t0:]), q.dtype)
-        # Longer chunks: their HOT rows in torch, over store()'s rows (a host
-        # check; in a captured step every sequence is a short span).
+        if not kv_long:
+            return
+        # Hot "kv" and a chunk longer than hot_span_rows: its HOT rows again in
+        # torch (TQLayerCache._hot_prefill over store()'s rows), per sequence.
+        # The kernel would need the new values from a second source too, which
+        # costs registers it does not have (tests/test_tq_triton.py compiles it).
         H, limit = cache.num_kv_heads, self.hot_span_rows(cache)
         for i in range(first, len(seq_lens)):
             s, e = qsl[i], qsl[i + 1]
             if e - s > limit:
-                hot = cache._hot_prefill(_heads(qr[s:e], H), block_tables[i], hot_tables[i], seq_lens[i],
-                                         chunk=i - first)
+                rows = tuple({n: t[s:e] for n, t in r.items()} for r in new_rows)
+                hot = cache._hot_prefill(_heads(qr[s:e], H), block_tables[i], hot_tables[i], seq_lens[i], rows)
                 out[s:e] = cache._finish(merge(_heads(o[s:e], H), _heads(lse[s:e], H), *hot), q.dtype)[0]
 
     def decode(self, cache, q, block_tables, seq_lens, scale, hot_tables=None):
@@ -299,7 +320,9 @@ class TQTritonBackend(AttentionBackend):
     def prefill(self, cache, q, block_table, seq_len, scale, hot_table=None):
         dev = q.device
         out = torch.empty_like(q)
+        # One sequence: the next prefill of the step's rows from store(), as tq-torch reads them.
+        rows = cache.next_chunk_rows() if cache.hot and q.shape[0] > self.hot_span_rows(cache) else None
         self._prefills(cache, q, scale, out, block_table[None], None if hot_table is None else hot_table[None],
                        torch.tensor([seq_len], device=dev), torch.tensor([0, q.shape[0]], device=dev),
-                       [0, q.shape[0]], [seq_len], 0, q.shape[0])
+                       [0, q.shape[0]], [seq_len], 0, q.shape[0], rows)
         return out

@@ -9,6 +9,13 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
+def _int8_rows(ptrs, scale_ptrs, mask, D: tl.constexpr):
+    """[N] int8 rows (pointers to each row's first byte) times their scales -> [N, D] float32."""
+    q = tl.load(ptrs[:, None] + tl.arange(0, D)[None, :], mask=mask[:, None], other=0).to(tl.float32)
+    return q * tl.load(scale_ptrs, mask=mask, other=0.0).to(tl.float32)[:, None]
+
+
+@triton.jit
 def _load_tile(data, scale, cb, slots, h, mask,
                s_slot, s_h, sc_slot, sc_h,
                KIND: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
@@ -26,9 +33,7 @@ def _load_tile(data, scale, cb, slots, h, mask,
     if KIND == 0:                                       # f16
         x = tl.load(data + row + d[None, :], mask=m2, other=0.0).to(tl.float32)
     elif KIND == 1:                                     # int8 * per-vector scale
-        q = tl.load(data + row + d[None, :], mask=m2, other=0).to(tl.float32)
-        s = tl.load(scale + slots * sc_slot + h * sc_h, mask=mask, other=0.0).to(tl.float32)
-        x = q * s[:, None]
+        x = _int8_rows(data + slots * s_slot + h * s_h, scale + slots * sc_slot + h * sc_h, mask, D)
     else:                                               # tq: packed codes (turboquant.pack_bits)
         if BITS == 4:
             # Byte j: coordinate 2j in the low nibble, 2j + 1 in the high one.
@@ -91,6 +96,20 @@ def _online(s, valid, m, l):
 
 
 @triton.jit
+def _slots(bt_row, vbt_row, kpos, kmask, BLOCK_SIZE: tl.constexpr, V_TABLE: tl.constexpr):
+    """The K slots of key positions kpos through one block-table row, and
+    the V slots (through vbt_row when V_TABLE, else the same)."""
+    col = kpos // BLOCK_SIZE
+    off = kpos % BLOCK_SIZE
+    slots = tl.load(bt_row + col, mask=kmask, other=0).to(tl.int64) * BLOCK_SIZE + off
+    if V_TABLE:
+        vslots = tl.load(vbt_row + col, mask=kmask, other=0).to(tl.int64) * BLOCK_SIZE + off
+    else:
+        vslots = slots
+    return slots, vslots
+
+
+@triton.jit
 def _decode_range(qr, m, l, acc, lo, hi, i_first, i_last, bt_row, vbt_row,
                   k_data, k_scale, k_cb, v_data, v_scale, v_cb, h,
                   ks_slot, ks_h, ksc_slot, ksc_h, vs_slot, vs_h, vsc_slot, vsc_h,
@@ -107,13 +126,7 @@ def _decode_range(qr, m, l, acc, lo, hi, i_first, i_last, bt_row, vbt_row,
     for i in range(i_first, i_last):
         kpos = lo + i * BLOCK_N + n
         kmask = kpos < hi
-        col = kpos // BLOCK_SIZE
-        off = kpos % BLOCK_SIZE
-        slots = tl.load(bt_row + col, mask=kmask, other=0).to(tl.int64) * BLOCK_SIZE + off
-        if V_TABLE:
-            vslots = tl.load(vbt_row + col, mask=kmask, other=0).to(tl.int64) * BLOCK_SIZE + off
-        else:
-            vslots = slots
+        slots, vslots = _slots(bt_row, vbt_row, kpos, kmask, BLOCK_SIZE, V_TABLE)
         k = _load_tile(k_data, k_scale, k_cb, slots, h, kmask, ks_slot, ks_h, ksc_slot, ksc_h,
                        K_KIND, K_BITS, K_GROUP, BLOCK_N, D)
         p, alpha, m, l = _online(_dot(qr, tl.trans(k), F32), kmask[None, :], m, l)
@@ -236,33 +249,41 @@ def tq_decode_kernel(q_ptr, rot_ptr, o_ptr, lse_ptr, bt_ptr, hbt_ptr, seq_len_pt
 
 @triton.jit
 def _prefill_ranges(q, m, l, acc, lo, hi, lo2, hi2, qpos, own, bt_row, vbt_row, window, sink,
-                   k_data, k_scale, k_cb, v_data, v_scale, v_cb, h,
-                   ks_slot, ks_h, ksc_slot, ksc_h, vs_slot, vs_h, vsc_slot, vsc_h,
-                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                   K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr,
-                   V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr,
-                   HAS_WINDOW: tl.constexpr, F32: tl.constexpr, PART: tl.constexpr,
-                   V_TABLE: tl.constexpr):
+                    k_data, k_scale, k_cb, v_data, v_scale, v_cb, h,
+                    ks_slot, ks_h, ksc_slot, ksc_h, vs_slot, vs_h, vsc_slot, vsc_h,
+                    ctx, q_start, nk_data, nk_scale, nks_t, nks_h, nksc_t, nksc_h,
+                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                    K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr,
+                    V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr,
+                    HAS_WINDOW: tl.constexpr, F32: tl.constexpr, PART: tl.constexpr,
+                    V_TABLE: tl.constexpr, NEW_ROWS: tl.constexpr):
     """Online softmax (base 2) of one prefill row tile over the keys [lo, hi)
     then [lo2, hi2) (one loop: a second inlined loop body spills registers),
     K through bt_row and V through vbt_row when V_TABLE (else the same
     blocks), with each row's causal, window and part masks (rows of one
-    tile sit at different positions, in different blocks)."""
+    tile sit at different positions, in different blocks). NEW_ROWS: keys
+    at positions >= ctx, the sequence's new tokens, come from the step's
+    hot K rows (nk, int8, row q_start + position - ctx) instead of the
+    blocks (a HOT pass with hot "k" whose chunk passes through blocks the
+    hot group does not hold; its coded values are all in their blocks)."""
     n1 = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)
     n_tiles = n1 + tl.cdiv(tl.maximum(hi2 - lo2, 0), BLOCK_N)
     for i in range(0, n_tiles):
         in1 = i < n1
         kpos = tl.where(in1, lo + i * BLOCK_N, lo2 + (i - n1) * BLOCK_N) + tl.arange(0, BLOCK_N)
         kmask = kpos < tl.where(in1, hi, hi2)
-        col = kpos // BLOCK_SIZE
-        off = kpos % BLOCK_SIZE
-        slots = tl.load(bt_row + col, mask=kmask, other=0).to(tl.int64) * BLOCK_SIZE + off
-        if V_TABLE:
-            vslots = tl.load(vbt_row + col, mask=kmask, other=0).to(tl.int64) * BLOCK_SIZE + off
+        slots, vslots = _slots(bt_row, vbt_row, kpos, kmask, BLOCK_SIZE, V_TABLE)
+        if NEW_ROWS:
+            # Hot K is int8: each key's row pointer from its one source (one
+            # load per byte; two masked loads summed need more registers).
+            new = kpos >= ctx
+            rows = (q_start + kpos - ctx).to(tl.int64)
+            k = _int8_rows(tl.where(new, nk_data + rows * nks_t + h * nks_h, k_data + slots * ks_slot + h * ks_h),
+                           tl.where(new, nk_scale + rows * nksc_t + h * nksc_h,
+                                    k_scale + slots * ksc_slot + h * ksc_h), kmask, D)
         else:
-            vslots = slots
-        k = _load_tile(k_data, k_scale, k_cb, slots, h, kmask, ks_slot, ks_h, ksc_slot, ksc_h,
-                       K_KIND, K_BITS, K_GROUP, BLOCK_N, D)
+            k = _load_tile(k_data, k_scale, k_cb, slots, h, kmask, ks_slot, ks_h, ksc_slot, ksc_h,
+                           K_KIND, K_BITS, K_GROUP, BLOCK_N, D)
         s = _dot(q, tl.trans(k), F32)
         valid = (kpos[None, :] <= qpos[:, None]) & kmask[None, :]
         if HAS_WINDOW:
@@ -280,15 +301,15 @@ def _prefill_ranges(q, m, l, acc, lo, hi, lo2, hi2, qpos, own, bt_row, vbt_row, 
 
 @triton.jit(do_not_specialize=["seq0", "s_bt", "s_vbt", "window", "sink"])
 def tq_attn_kernel(q_ptr, o_ptr, lse_ptr, bt_ptr, vbt_ptr, qsl_ptr, seq_len_ptr, seq0,
-                   k_data, k_scale, k_cb, v_data, v_scale, v_cb,
+                   k_data, k_scale, k_cb, v_data, v_scale, v_cb, nk_data, nk_scale,
                    sq_t, sq_h, sq_g, so_t, so_h, so_g, sl_t, sl_h, sl_g, s_bt, s_vbt,
                    ks_slot, ks_h, ksc_slot, ksc_h, vs_slot, vs_h, vsc_slot, vsc_h,
-                   window, sink, G: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   nks_t, nks_h, nksc_t, nksc_h, window, sink, G: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    D: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                    K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr,
                    V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr,
                    HAS_WINDOW: tl.constexpr, F32: tl.constexpr, PART: tl.constexpr,
-                   V_TABLE: tl.constexpr):
+                   V_TABLE: tl.constexpr, NEW_ROWS: tl.constexpr):
     """Chunked prefill over compressed blocks: grid (row tiles, sequences,
     KV heads). A program takes ROWS (token, query head) rows, token-major,
     of sequence seq0 + program_id(1), whose queries are rows
@@ -298,9 +319,10 @@ def tq_attn_kernel(q_ptr, o_ptr, lse_ptr, bt_ptr, vbt_ptr, qsl_ptr, seq_len_ptr,
     one; CODED those in [sink, own(p)), own(p) the start of p's block; HOT
     the rest: [0, sink) and [own(p), p], K (and V) from the hot copies
     through bt_ptr. HOT reads the hot table at column 0 and the columns
-    its rows sit in, so it is right only for a sequence whose new tokens
-    all sit in blocks the hot group holds (at most two: kv_manager keeps
-    the first new token's block and the last one's). Keys through bt_ptr,
+    its rows sit in: the hot group holds the first new token's block and
+    the last one's (kv_manager), not a long chunk's middle ones, so with
+    NEW_ROWS the new tokens' keys come from the step's hot K rows nk
+    ([T, H, D] as the flat batch) instead (hot "k" only). Keys through bt_ptr,
     values through vbt_ptr when V_TABLE (HOT with hot "k": coded values). Writes the
     rotated output and its log-sum-exp (natural log)."""
     tile = tl.program_id(0)
@@ -349,8 +371,9 @@ def tq_attn_kernel(q_ptr, o_ptr, lse_ptr, bt_ptr, vbt_ptr, qsl_ptr, seq_len_ptr,
     m, l, acc = _prefill_ranges(q, m, l, acc, lo, hi, lo2, hi2, qpos, own, bt_row, vbt_row, window,
                                 sink, k_data, k_scale, k_cb, v_data, v_scale, v_cb, h,
                                 ks_slot, ks_h, ksc_slot, ksc_h, vs_slot, vs_h, vsc_slot, vsc_h,
+                                ctx, q_start, nk_data, nk_scale, nks_t, nks_h, nksc_t, nksc_h,
                                 BLOCK_SIZE, BLOCK_N, D, K_KIND, K_BITS, K_GROUP, V_KIND, V_BITS, V_GROUP,
-                                HAS_WINDOW, F32, PART, V_TABLE)
+                                HAS_WINDOW, F32, PART, V_TABLE, NEW_ROWS)
 
     has = l > 0
     out = acc / tl.where(has, l, 1.0)[:, None]

@@ -16,6 +16,15 @@ def log(msg):
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def write_results(stem: str, res: dict, lines: list[str]) -> None:
+    """results/<stem>.json (res) and .md (lines), and the table on stdout."""
+    import json
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / f"{stem}.json").write_text(json.dumps(res, indent=1))
+    (OUT / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def kv_args(preset: str) -> dict:
     """Engine arguments for 'tq4' or 'tq4:off' / 'tq4:kv': a KV preset and,
     after a colon, its hot tokens (kv_hot; the engine's default otherwise)."""

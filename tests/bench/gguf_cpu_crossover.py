@@ -10,10 +10,9 @@ Writes tests/bench/results/gguf_cpu_crossover.{json,md} (CPU model and flags,
 threads, commit).
 """
 import argparse
-import json
 import time
 
-from bench_paths import OUT, log, machine  # puts the repo on sys.path
+from bench_paths import log, machine, write_results  # puts the repo on sys.path
 
 import numpy as np
 import torch
@@ -95,10 +94,7 @@ def main():
         cells = " | ".join(f"{g:.2f} / {d:.2f}" for g, d in zip(r["gemv_ms"], r["tiles_ms"]))
         lines.append(f"| {r['model']} | {r['tensor']} | {r['type']} | {r['n']} x {r['k']} | {cells} | "
                      f"{r['gemv_wins_up_to']} | {gguf_cpu.gemv_max_m(r['type'])} |")
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / f"{args.out}.json").write_text(json.dumps(res, indent=1))
-    (OUT / f"{args.out}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(args.out, res, lines)
 
 
 if __name__ == "__main__":

@@ -14,11 +14,10 @@ of ops launched, and the top ops.
 Writes tests/bench/results/step_profile_<model>.{json,md}.
 """
 import argparse
-import json
 import time
 from collections import defaultdict
 
-from bench_paths import OUT, log, machine, make_prompts, variant_args  # puts the repo on sys.path
+from bench_paths import log, machine, make_prompts, variant_args, write_results  # puts the repo on sys.path
 
 
 # The compiled CPU kernels are called through ctypes, not as torch ops: the
@@ -121,11 +120,7 @@ def main():
         lines.append(f"| {r['config']} | {r['resolved']} | {r['batch']} | {r['unprofiled_wall_ms']:.1f} | "
                      f"{r['wall_ms']:.1f} | {r['op_self_ms']:.1f} | {r['host_ms']:.1f} | {100 * r['host_share']:.0f}% | "
                      f"{r['ops_per_step']:.0f} | {top} | {most} |")
-    stem = args.out or f"step_profile_{args.model}"
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / f"{stem}.json").write_text(json.dumps(res, indent=1))
-    (OUT / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(args.out or f"step_profile_{args.model}", res, lines)
 
 
 if __name__ == "__main__":
