@@ -13,9 +13,6 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"     # before triton is first imported: CPU tensors
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -25,6 +22,7 @@ from kvcache.dense_cache import DenseLayerCache
 from kvcache.dense_triton import dense_paged_decode, dense_paged_prefill
 from kvcache.metadata import AttentionMetadata, GroupMetadata
 from tq_paged import assert_close
+from triton_compile import assert_fit, spec
 
 BS = 16
 
@@ -165,42 +163,8 @@ def test_mixed_batch_two_launches(H, G, D, window, monkeypatch):
 
 
 # -- compiling for the GPUs ---------------------------------------------------------
-_COMPILE = """
-import sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from kvcache.dense_triton_kernels import dense_paged_attn_kernel as k, merge_splits_kernel as mk
-arch = int(sys.argv[1])
-DIV = ("q_ptr", "k_ptr", "v_ptr", "o_ptr", "lse_ptr", "bt_ptr", "qsl_ptr", "seq_len_ptr", "sq_t", "sq_h",
-       "sk_slot", "sk_h", "sv_slot", "sv_h", "so_s", "so_t", "so_h")
-
-
-def build(fn, ptrs, const, warps):
-    # Launches specialise 16-divisible ints and pointers: so does this.
-    sig = {n: "constexpr" if n in const else "*" + ptrs[n] if n in ptrs else "fp32" if n == "qk_scale" else "i32"
-           for n in fn.arg_names}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(n),): v for n, v in const.items()},
-                    attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in DIV if n in fn.arg_names})
-    c = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
-    assert c.asm["cubin"]
-
-
-for spec in sys.argv[2:]:
-    q, kv, d, rows, bn, splits, decode, win, warps = spec.split(",")
-    const = dict(G=4, BLOCK_SIZE=16, D=int(d), D_PAD=int(d), ROWS=int(rows), BLOCK_N=int(bn),
-                 DECODE=decode == "1", HAS_WINDOW=win == "1", F32=q == "fp32", WRITE_LSE=int(splits) > 1)
-    ptrs = dict(q_ptr=q, k_ptr=kv, v_ptr=kv, o_ptr="fp32" if int(splits) > 1 else q, lse_ptr="fp32",
-                bt_ptr="i64", qsl_ptr="i64", seq_len_ptr="i64")
-    build(k, ptrs, const, int(warps))
-build(mk, dict(o_part="fp32", lse_part="fp32", out_ptr="bf16", lse_ptr="fp32"),
-      dict(S_PAD=8, D=128, D_PAD=128, WRITE_LSE=True), 2)
-from kvcache.dense_triton_kernels import store_kv_kernel as sk
-for src, dst in (("bf16", "bf16"), ("fp32", "bf16"), ("fp32", "fp32")):
-    build(sk, dict(k_ptr=src, v_ptr=src, kc_ptr=dst, vc_ptr=dst, slot_ptr="i64"),
-          dict(H=8, H_PAD=8, D=128, D_PAD=128), 4)
-"""
-
+_DIV = ("q_ptr", "k_ptr", "v_ptr", "o_ptr", "lse_ptr", "bt_ptr", "qsl_ptr", "seq_len_ptr", "sq_t", "sq_h",
+        "sk_slot", "sk_h", "sv_slot", "sv_h", "so_s", "so_t", "so_h")
 # q dtype, storage, head_dim, rows, block_n, splits, decode, window, warps: the
 # tiles dense_triton._tiles picks for split bf16 decodes, bf16 prefills with
 # and without a window, an fp32 prefill.
@@ -208,17 +172,30 @@ _SPECS = {90: ["bf16,bf16,128,16,64,4,1,0,4", "bf16,bf16,256,64,32,1,0,1,8", "fp
           121: ["bf16,bf16,128,64,32,1,0,1,4", "bf16,bf16,256,16,32,4,1,0,4"]}
 
 
+def _attn_spec(arch, case):
+    q, kv, d, rows, bn, splits, decode, win, warps = case.split(",")
+    const = dict(G=4, BLOCK_SIZE=16, D=int(d), D_PAD=int(d), ROWS=int(rows), BLOCK_N=int(bn),
+                 DECODE=decode == "1", HAS_WINDOW=win == "1", F32=q == "fp32", WRITE_LSE=int(splits) > 1)
+    ptrs = dict(q_ptr=q, k_ptr=kv, v_ptr=kv, o_ptr="fp32" if int(splits) > 1 else q, lse_ptr="fp32",
+                bt_ptr="i64", qsl_ptr="i64", seq_len_ptr="i64")
+    # Launches specialise 16-divisible ints and pointers: so does this.
+    return spec("kvcache.dense_triton_kernels:dense_paged_attn_kernel", arch, const, ptrs, int(warps),
+                floats=("qk_scale",), divisible=_DIV)
+
+
 @pytest.mark.parametrize("arch", [90, 121])
 def test_kernels_compile_for_gpus(arch):
     # The interpreter skips Triton's type checks and lowering; compiling for
     # H100/H200 (sm_90) and GB10 (sm_121) targets, no GPU needed, catches
-    # what only the GPU build sees.
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    r = subprocess.run([sys.executable, "-c", _COMPILE, str(arch), *_SPECS[arch]], capture_output=True,
-                       text=True, env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert r.returncode == 0, r.stderr[-3000:]
-
+    # what only the GPU build sees, and register spills.
+    K = "kvcache.dense_triton_kernels:"
+    specs = [_attn_spec(arch, c) for c in _SPECS[arch]]
+    specs.append(spec(K + "merge_splits_kernel", arch, dict(S_PAD=8, D=128, D_PAD=128, WRITE_LSE=True),
+                      dict(o_part="fp32", lse_part="fp32", out_ptr="bf16", lse_ptr="fp32"), 2))
+    for src, dst in (("bf16", "bf16"), ("fp32", "bf16"), ("fp32", "fp32")):
+        specs.append(spec(K + "store_kv_kernel", arch, dict(H=8, H_PAD=8, D=128, D_PAD=128),
+                          dict(k_ptr=src, v_ptr=src, kc_ptr=dst, vc_ptr=dst, slot_ptr="i64"), 4))
+    assert_fit([s["kernel"] for s in specs], specs)
 
 
 @pytest.mark.parametrize("src, dst", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),

@@ -267,3 +267,38 @@ def test_grouped_experts_refuse_wrong_rows():
     with pytest.raises(ValueError, match="gguf w13: expected Q8_0 rows"):
         moe.moe_forward(torch.zeros(3, 64), torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1), w13, w2,
                         "gguf", 7.0, backend="triton")
+
+
+# -- compiling for the GPUs ---------------------------------------------------------------
+# (kernel, M, activations) per target: the GEMV's 8-warp tiles (12 rows: where Q6_K's spilled on
+# sm_121; 16: Q5_0's on sm_90), the GEMM's 64-row bf16 tiles (prefill; K-quants spilled on sm_121
+# with 4 warps), fp32 GEMM tiles on sm_90 (the parity tests' dtype on an H200).
+_COMPILES = {90: [("gemv", 16, "bf16"), ("gemm", 2048, "bf16"), ("gemm", 2048, "fp32")],
+             121: [("gemv", 12, "bf16"), ("gemm", 2048, "bf16")]}
+
+
+@pytest.mark.parametrize("arch", [90, 121])
+def test_kernels_compile_for_gpus(arch):
+    # The tiles gemv_config / gemm_config pick, for every type, compiled for
+    # H100/H200 (sm_90) and GB10 (sm_121) with no GPU: ptxas must fit them
+    # in registers (no spills) and shared memory.
+    from parallel.quant.gguf_triton import _CODES, gemm_config, gemv_config
+    from triton_compile import assert_fit, spec
+    cases, specs = [], []
+    for name in SIX + ["Q5_0"]:
+        t, code = QTYPES[name], _CODES[name][0]
+        for kind, M, x in _COMPILES[arch]:
+            if kind == "gemv":
+                c = gemv_config(t, M)
+                const = dict(QT=code, TS=t.type_size, M=M, M_PAD=1 << (M - 1).bit_length(), BN=c["block_n"],
+                             BK=c["block_k"])
+                ptrs = dict(x_ptr=x, w_ptr="u8", y_ptr="fp32")
+            else:
+                c = gemm_config(t, M, x == "fp32")
+                const = dict(QT=code, TS=t.type_size, BM=c["block_m"], BN=c["block_n"], BK=c["block_k"],
+                             F32=x == "fp32")
+                ptrs = dict(x_ptr=x, w_ptr="u8", y_ptr=x)
+            cases.append((name, kind, M, x))
+            specs.append(spec(f"parallel.quant.gguf_triton:gguf_{kind}_kernel", arch, const, ptrs, c["num_warps"],
+                              c.get("num_stages")))
+    assert_fit(cases, specs)

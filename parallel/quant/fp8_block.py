@@ -166,8 +166,19 @@ def split_k(n_tiles: int, k_tiles: int, device, splits: int | None) -> tuple[int
     return per, -(-k_tiles // per)
 
 
+def gemm_tiles(M: int, f32: bool) -> dict:
+    """Default GEMM tiles of the fp8 / mxfp4 kernels: the largest without
+    register spills on sm_90 and sm_121 (tests/test_quant_fp.py compiles
+    them): 8 warps for 64-row tiles; fp32 activations (an exact FMA dot) on
+    16 x 32 tiles, 8 warps. Not timed on a GPU."""
+    if f32:
+        return {"block_m": 16, "block_n": 32, "num_warps": 8, "num_stages": 2}
+    bm = 64 if M >= 64 else 32
+    return {"block_m": bm, "block_n": 64, "num_warps": 8 if bm == 64 else 4, "num_stages": 3}
+
+
 def launch(x, n: int, k: int, gemv, gemm, w_args, consts, *, block_k: int, splits=None,
-           block_m=None, block_n=None, num_warps=4):
+           block_m=None, block_n=None, num_warps=None):
     """Shared launcher of the fp8 / mxfp4 kernels: x [..., k] -> [..., n]."""
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
@@ -187,16 +198,17 @@ def launch(x, n: int, k: int, gemv, gemm, w_args, consts, *, block_k: int, split
             part = torch.empty(splits, M, n, dtype=torch.float32, device=x.device)
             s_ys = part.stride(0)
         gemv[(n_tiles, splits)](x2, *w_args, part, n, k, x2.stride(0), s_ys, part.stride(-2), per,
-                                M=M, M_PAD=next_pow2(M), BN=bn, BK=block_k, **consts, num_warps=num_warps)
+                                M=M, M_PAD=next_pow2(M), BN=bn, BK=block_k, **consts, num_warps=num_warps or 4)
         y = y if splits == 1 else part.sum(0).to(x.dtype)
     else:
-        bm = block_m or (64 if M >= 64 else 32)
-        bn = block_n or 64
+        f32 = x.dtype == torch.float32
+        t = gemm_tiles(M, f32)
+        bm, bn = block_m or t["block_m"], block_n or t["block_n"]
         y = torch.empty(M, n, dtype=x.dtype, device=x.device)
         grid = (triton.cdiv(M, bm) * triton.cdiv(n, bn),)
         gemm[grid](x2, *w_args, y, M, n, k, x2.stride(0), y.stride(0),
-                   BM=bm, BN=bn, BK=block_k, F32=x.dtype == torch.float32, **consts,
-                   num_warps=num_warps, num_stages=2 if x.dtype == torch.float32 else 3)
+                   BM=bm, BN=bn, BK=block_k, F32=f32, **consts,
+                   num_warps=num_warps or t["num_warps"], num_stages=t["num_stages"])
     return y.view(*x.shape[:-1], n)
 
 

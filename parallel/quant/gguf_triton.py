@@ -21,10 +21,10 @@ format's alignment allows: 16 bytes for Q4_K / Q5_K, 4 for Q4_1, 2 for the
 18 / 22 / 34 / 210-byte blocks of Q4_0 / Q5_0 / Q8_0 / Q6_K), and broadcast over the nibbles / bit fields it holds, with the
 scales loaded once per sub-block. Nothing is architecture-specific beyond
 tl.dot (fp16 / bf16 mma on sm_80+): every kernel and default configuration
-compiles (triton 3.9 -> ptxas) for sm_90a (H200) and sm_121a (GB10) without
-register spills, except fp32 activations in the GEMM with Q6_K (an FMA dot
-in exact fp32: ~330 bytes) and 4 bytes in the Q4_K GEMV at M = 16 (sm_90). The tile sizes (gemv_config,
-gemm_config) are first guesses, not timed on a GPU.
+compiles for sm_90a (H200) and sm_121a (GB10) without register spills, with
+triton 3.9 and 3.6 (tests/test_quant_gguf.py checks ptxas's report). The
+tile sizes (gemv_config, gemm_config) are the largest that fit, not timed
+on a GPU.
 
 This module imports triton at import time: gguf.matmul loads it on first
 use of the Triton path.
@@ -234,25 +234,31 @@ def _code(t: GGUFType, block_k: int) -> int:
 
 def gemv_config(t: GGUFType, M: int) -> dict:
     """Default GEMV tiles: 16 x 256 and 4 warps for up to 4 activation rows;
-    32 x 256 (Q6_K 32 x 128) and 8 warps beyond, so that the activations each
-    program re-reads stay near the weight bytes it reads. First guesses,
-    checked for registers only (ptxas, sm_90 and sm_121: no spills), not
-    timed."""
+    32 x 256 and 8 warps beyond (Q5_0 32 x 128; Q6_K 16 x 128 and 4 warps),
+    so that the activations each program re-reads stay near the weight bytes
+    it reads. Register fit checked by ptxas for sm_90 and sm_121 (no spills,
+    tests/test_quant_gguf.py); not timed."""
     if M <= 4:
         return {"block_n": 16, "block_k": 256, "num_warps": 4}
-    return {"block_n": 32, "block_k": 128 if t.name == "Q6_K" else 256, "num_warps": 8}
+    if t.name == "Q6_K":
+        return {"block_n": 16, "block_k": 128, "num_warps": 4}
+    return {"block_n": 32, "block_k": 128 if t.name == "Q5_0" else 256, "num_warps": 8}
 
 
 def gemm_config(t: GGUFType, M: int, f32: bool = False) -> dict:
-    """Default tl.dot tiles. Q6_K (the bulkiest unpacking) with 8 warps, and
-    fp32 activations (an FMA dot in exact fp32: large operands) on smaller
-    tiles with 8 warps, to stay clear of register spills (Q6_K in fp32
-    still spills a little)."""
+    """Default tl.dot tiles, the largest without register spills on sm_90
+    and sm_121 (tests/test_quant_gguf.py): 8 warps for 64-row tiles, Q6_K
+    (the bulkiest unpacking, 128-wide units) on 32 columns there; fp32
+    activations (an FMA dot in exact fp32: large operands) on 16 x 32 tiles
+    (Q6_K 16 x 16, one stage). Not timed."""
     block_k = max(64, _CODES[t.name][1])
+    q6 = t.name == "Q6_K"
     if f32:
-        return {"block_m": 32 if M > 16 else 16, "block_n": 32, "block_k": block_k, "num_warps": 8}
-    return {"block_m": 64 if M >= 64 else 32 if M > 16 else 16, "block_n": 64, "block_k": block_k,
-            "num_warps": 8 if t.name == "Q6_K" else 4}
+        return {"block_m": 16, "block_n": 16 if q6 else 32, "block_k": block_k, "num_warps": 8,
+                "num_stages": 1 if q6 else 3}
+    block_m = 64 if M >= 64 else 32 if M > 16 else 16
+    return {"block_m": block_m, "block_n": 32 if q6 and block_m == 64 else 64, "block_k": block_k,
+            "num_warps": 8 if block_m == 64 or q6 else 4, "num_stages": 3}
 
 
 def gemv(x: torch.Tensor, raw: torch.Tensor, t: GGUFType, k: int, *, block_n: int | None = None,
@@ -303,5 +309,5 @@ def gemm(x: torch.Tensor, raw: torch.Tensor, t: GGUFType, k: int, *, block_m: in
     gguf_gemm_kernel[grid](
         x, raw, y, M, N, k, x.stride(0), raw.stride(0), y.stride(0),
         QT=code, TS=t.type_size, BM=block_m, BN=block_n, BK=block_k,
-        F32=x.dtype == torch.float32, num_warps=num_warps)
+        F32=x.dtype == torch.float32, num_warps=num_warps, num_stages=cfg["num_stages"])
     return y

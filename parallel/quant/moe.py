@@ -192,10 +192,25 @@ def _down_args(w2, fmt: str) -> tuple[tuple, dict]:
     return (d, s, *dst, *sst), dict(SCALE_E8M0=e8, QT=0, TS=0)
 
 
-def _gguf_block_k(w13, w2) -> int:
-    """Tiles must hold whole units of every type (a Q6_K unit is 128 wide)."""
-    (_, gt), (_, ut), _ = w13
-    return max(64, *(GGUF_CODES[t][1] for t in (gt, ut, w2[0][1])))
+def _gguf_block_k(*types: str) -> int:
+    """Tiles must hold whole units of each type (a Q6_K unit is 128 wide)."""
+    return max(64, *(GGUF_CODES[t][1] for t in types))
+
+
+def moe_tiles(kind: str, block_k: int, f32: bool = False) -> dict:
+    """block_n, num_warps and num_stages of _moe_{kind}_kernel: the largest
+    tiles that fit in registers on sm_90 and sm_121 (tests/test_quant_fp.py
+    compiles them: at most 24 bytes of spill, where 64-wide 4-warp tiles
+    spilled up to 2.9 KB). The up kernel holds two accumulators and two
+    weight tiles: 32 columns, 8 warps; 128-wide K tiles (Q6_K) also need
+    block_m <= 32, fp32 activations (an exact FMA dot) 16 x 16 tiles
+    (_moe_triton caps block_m) and one stage with Q6_K. Not timed on a
+    GPU."""
+    if f32:
+        return {"block_n": 16, "num_warps": 8, "num_stages": 1 if block_k > 64 else 2}
+    if kind == "up":
+        return {"block_n": 32, "num_warps": 8, "num_stages": 3}
+    return {"block_n": 64 if block_k == 64 else 32, "num_warps": 8, "num_stages": 3}
 
 
 def _check(wt, fmt: str, E: int, N: int, K: int, what: str):
@@ -221,7 +236,7 @@ def _check(wt, fmt: str, E: int, N: int, K: int, what: str):
 
 
 def _moe_triton(x, idx, w, w13, w2, fmt, limit, E, I, H, order, counts, starts, ends, act: str = "silu",
-                block_m: int | None = None, block_n: int = 64, block_k: int = 64, num_warps: int = 4):
+                block_m: int | None = None):
     _check(w13, fmt, E, 2 * I, H, "w13")
     _check(w2, fmt, E, H, I, "w2")
     T, k = idx.shape
@@ -229,8 +244,13 @@ def _moe_triton(x, idx, w, w13, w2, fmt, limit, E, I, H, order, counts, starts, 
     if block_m is None:
         mean = P / min(E, P)
         block_m = 16 if mean <= 16 else 32 if mean <= 32 else 64
+    F32 = x.dtype == torch.float32
+    bk_up = bk_down = 64
     if fmt == "gguf":
-        block_k = max(block_k, _gguf_block_k(w13, w2))
+        (_, gt), (_, ut), _ = w13
+        bk_up, bk_down = _gguf_block_k(gt, ut), _gguf_block_k(w2[0][1])
+    block_m = min(block_m, 16 if F32 else 32 if bk_up > 64 else 64)
+    up, down = moe_tiles("up", bk_up, F32), moe_tiles("down", bk_down, F32)
     tile_e, tile_r0, tile_r1 = _tile_map(counts, starts, ends, P, E, block_m)
     order32 = order.to(torch.int32)
     tok = torch.div(order32, k, rounding_mode="floor")
@@ -238,21 +258,19 @@ def _moe_triton(x, idx, w, w13, w2, fmt, limit, E, I, H, order, counts, starts, 
         x = x.contiguous()
     rw = w.reshape(-1).contiguous()
     code = FORMATS[fmt]
-    F32 = x.dtype == torch.float32
-    stages = 2 if F32 else 3
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)
     wa, const = _up_args(w13, fmt)
     w, s, u, *strides = wa
-    _moe_up_kernel[(tile_e.numel(), triton.cdiv(I, block_n))](
+    _moe_up_kernel[(tile_e.numel(), triton.cdiv(I, up["block_n"]))](
         x, w, s, u, h, tile_e, tile_r0, tile_r1, tok, I, H, x.stride(0), *strides, h.stride(0), limit,
-        FMT=code, BM=block_m, BN=block_n, BK=block_k, F32=F32, ACT=ACTS[act], **const,
-        num_warps=num_warps, num_stages=stages)
+        FMT=code, BM=block_m, BN=up["block_n"], BK=bk_up, F32=F32, ACT=ACTS[act], **const,
+        num_warps=up["num_warps"], num_stages=up["num_stages"])
     y = torch.zeros(P, H, dtype=x.dtype, device=x.device)
     (w, s, *strides), const = _down_args(w2, fmt)
-    _moe_down_kernel[(tile_e.numel(), triton.cdiv(H, block_n))](
+    _moe_down_kernel[(tile_e.numel(), triton.cdiv(H, down["block_n"]))](
         h, w, s, y, tile_e, tile_r0, tile_r1, order32, rw, H, I, h.stride(0), *strides, y.stride(0),
-        FMT=code, BM=block_m, BN=block_n, BK=block_k, F32=F32, **const,
-        num_warps=num_warps, num_stages=stages)
+        FMT=code, BM=block_m, BN=down["block_n"], BK=bk_down, F32=F32, **const,
+        num_warps=down["num_warps"], num_stages=down["num_stages"])
     return y.view(T, k, H).sum(1, dtype=torch.float32).to(x.dtype)
 
 
