@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, for a bare GPU machine (torch, triton, transformers installed; no
 # internet), in stages small enough for one call each on a lent machine (10 minutes at most per
-# command; none of these durations has been measured yet). Run from the repo root:
+# command; none of these durations has been measured yet; each stage but engine has its own timeout,
+# so that a hung stage leaves time for the next). Check it first on a CPU with the device's packages:
+# tests/gpu/device_env_check.sh. Run from the repo root:
 #   OUT=/some/dir bash tests/gpu/run.sh [stage ...]      # no stage: all of them, in this order
 # Stages:
 #   tests   pytest: tests/gpu (parity with transformers on CUDA, CUDA graphs = eager, batch
@@ -27,14 +29,16 @@ for stage in "${stages[@]}"; do
     case $stage in
     tests)
         python -c "import pytest" 2>/dev/null || python -m pip install -q --no-index --find-links .gpu-wheels pytest
-        python -m pytest -q -ra tests/gpu tests/test_sampler.py tests/test_engine_device.py 2>&1 | tee "$OUT/pytest.txt" ;;
+        # -v: one line per test as it ends, so a stage cut by its timeout still says which passed.
+        timeout 420 python -m pytest -v -ra tests/gpu tests/test_sampler.py tests/test_engine_device.py 2>&1 \
+            | tee "$OUT/pytest.txt" ;;
     graphs)
-        python tests/bench/gpu_engine.py --models llama-3.2-1b --only 1,4 --out "$OUT/gpu_engine_graphs" 2>&1 \
+        timeout 300 python tests/bench/gpu_engine.py --models llama-3.2-1b --only 1,4 --out "$OUT/gpu_engine_graphs" 2>&1 \
             | tee "$OUT/gpu_engine_graphs.log" ;;
     engine)
         python tests/bench/gpu_engine.py --out "$OUT/gpu_engine" 2>&1 | tee "$OUT/gpu_engine.log" ;;
     tq)
-        python tests/bench/tq_triton_gpu.py --hot off,k --sweep 2>&1 | tee "$OUT/tq_triton_gpu.log"
+        timeout 360 python tests/bench/tq_triton_gpu.py --hot off,k --sweep 2>&1 | tee "$OUT/tq_triton_gpu.log"
         cp tests/bench/results/tq_triton_gpu.* "$OUT/" 2>/dev/null || true ;;
     quant)
         # GGUF / FP8 / MXFP4 / grouped MoE (MXFP4 and GGUF experts) vs bf16 cuBLAS and the copy-bandwidth
