@@ -314,21 +314,23 @@ def _kernel_spec(arch, case):
     qt, ts, unit = _GG.get(fmt, (0, 0, 64))
     q = dict(QT=qt, TS=ts) | (dict(QTU=qt, TSU=ts, ACT=int(act)) if kind == "up" else {})
     t = moe.moe_tiles(kind, max(64, unit), x == "fp32")
+    # down: the rows it gets beside a 64-wide up kernel (Q4_K_M's Q4_K gate / up, Q6_K down), the most
+    rows = moe.moe_block_m(int(bm), max(64, unit) if kind == "up" else 64, x == "fp32")
     return spec(f"parallel.quant.moe:_moe_{kind}_kernel", arch,
-                dict(FMT=code, BM=int(bm), BN=t["block_n"], BK=max(64, unit), SCALE_E8M0=e8, F32=x == "fp32", **q),
+                dict(FMT=code, BM=rows, BN=t["block_n"], BK=max(64, unit), SCALE_E8M0=e8, F32=x == "fp32", **q),
                 ptrs, t["num_warps"], t["num_stages"], floats=("limit",))
 
 
 # kernel, activations, weight format (scales: fp8 fp32, fp8e8 / fp4 E8M0; a GGUF type name: the
-# grouped experts over GGUF blocks), rows (GEMV / GEMM: M; MoE: BLOCK_M): the tiles fp8_block.launch
-# and moe._moe_triton pick.
+# grouped experts over GGUF blocks), rows (GEMV / GEMM: M; MoE: mean rows per expert), as MoE
+# activation: the tiles fp8_block.launch and moe._moe_triton pick.
 _SPECS = {90: ["gemv,bf16,fp8,3", "gemm,bf16,fp8,64", "gemm,fp32,fp8e8,32", "gemv,bf16,fp4,1", "gemm,bf16,fp4,64",
                "up,bf16,dense,16", "up,bf16,dense,16,1", "down,bf16,fp8e8,64", "up,bf16,fp4,16", "down,bf16,fp4,64",
-               "up,bf16,Q4_K,16", "down,bf16,Q6_K,64", "up,bf16,Q8_0,64,1", "down,bf16,Q5_0,16", "up,bf16,Q6_K,32",
-               "up,fp32,fp8e8,16", "down,fp32,Q6_K,16", "gemv,bf16,fp8,16"],
+               "up,bf16,Q4_K,16", "down,bf16,Q6_K,64", "up,bf16,Q8_0,64,1", "down,bf16,Q5_0,16", "up,bf16,Q6_K,64",
+               "up,fp32,fp8e8,64", "down,fp32,Q6_K,16", "gemv,bf16,fp8,16"],
           121: ["gemv,bf16,fp8e8,2", "gemm,bf16,fp8,64", "gemm,bf16,fp4,32", "up,bf16,fp8,64", "up,bf16,fp4,16,1",
                 "down,bf16,fp4,16", "up,bf16,Q4_K,64", "down,bf16,Q6_K,16", "up,bf16,Q5_K,16", "up,bf16,Q8_0,64",
-                "up,bf16,Q6_K,32", "down,bf16,Q8_0,64", "up,fp32,fp4,16", "gemm,fp32,fp8,32"]}
+                "up,bf16,Q6_K,64", "down,bf16,Q8_0,64", "up,fp32,fp4,64", "gemm,fp32,fp8,32"]}
 
 
 @pytest.mark.parametrize("arch", [90, 121])

@@ -197,6 +197,13 @@ def _gguf_block_k(*types: str) -> int:
     return max(64, *(GGUF_CODES[t][1] for t in types))
 
 
+def moe_block_m(rows_per_expert: float, block_k_up: int, f32: bool = False) -> int:
+    """Row tile of both grouped launches: about the mean rows an expert gets,
+    capped where the up kernel's registers run out (moe_tiles)."""
+    bm = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 32 else 64
+    return min(bm, 16 if f32 else 32 if block_k_up > 64 else 64)
+
+
 def moe_tiles(kind: str, block_k: int, f32: bool = False) -> dict:
     """block_n, num_warps and num_stages of _moe_{kind}_kernel: the largest
     tiles that fit in registers on sm_90 and sm_121 (tests/test_quant_fp.py
@@ -204,7 +211,7 @@ def moe_tiles(kind: str, block_k: int, f32: bool = False) -> dict:
     spilled up to 2.9 KB). The up kernel holds two accumulators and two
     weight tiles: 32 columns, 8 warps; 128-wide K tiles (Q6_K) also need
     block_m <= 32, fp32 activations (an exact FMA dot) 16 x 16 tiles
-    (_moe_triton caps block_m) and one stage with Q6_K. Not timed on a
+    (moe_block_m caps the rows) and one stage with Q6_K. Not timed on a
     GPU."""
     if f32:
         return {"block_n": 16, "num_warps": 8, "num_stages": 1 if block_k > 64 else 2}
@@ -241,15 +248,12 @@ def _moe_triton(x, idx, w, w13, w2, fmt, limit, E, I, H, order, counts, starts, 
     _check(w2, fmt, E, H, I, "w2")
     T, k = idx.shape
     P = T * k
-    if block_m is None:
-        mean = P / min(E, P)
-        block_m = 16 if mean <= 16 else 32 if mean <= 32 else 64
     F32 = x.dtype == torch.float32
     bk_up = bk_down = 64
     if fmt == "gguf":
         (_, gt), (_, ut), _ = w13
         bk_up, bk_down = _gguf_block_k(gt, ut), _gguf_block_k(w2[0][1])
-    block_m = min(block_m, 16 if F32 else 32 if bk_up > 64 else 64)
+    block_m = moe_block_m(P / min(E, P), bk_up, F32) if block_m is None else block_m
     up, down = moe_tiles("up", bk_up, F32), moe_tiles("down", bk_down, F32)
     tile_e, tile_r0, tile_r1 = _tile_map(counts, starts, ends, P, E, block_m)
     order32 = order.to(torch.int32)
