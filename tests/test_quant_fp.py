@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from model_zoo.dsv4_checkpoint import dequant_fp4, dequant_fp8, pack_fp4
-from parallel.quant import fp8_block, moe, mxfp4
+from parallel.quant import fp8_block, gguf, moe, mxfp4
 from tq_paged import assert_close
 from triton_compile import assert_fit, spec
 
@@ -289,8 +289,8 @@ def test_import_and_torch_paths_without_triton():
 # -- compiling for the GPUs ---------------------------------------------------------------
 _W = {"fp8": ("fp8e4nv", "fp32"), "fp8e8": ("fp8e4nv", "u8"), "fp4": ("u8", "u8"), "dense": ("bf16", "bf16")}
 _MOD = {"fp8": "fp8_block", "fp8e8": "fp8_block", "fp4": "mxfp4"}
-_GG = {"Q8_0": (0, 34, 32), "Q4_0": (1, 18, 32), "Q4_1": (2, 20, 32), "Q5_0": (3, 22, 32), "Q4_K": (4, 144, 64),
-       "Q5_K": (5, 176, 64), "Q6_K": (6, 210, 128)}     # GGUF experts: code, bytes per block, tile unit
+# GGUF experts: type -> (kernel code, bytes per block, tile unit)
+_GG = {name: (code, gguf.QTYPES[name].type_size, unit) for name, (code, unit) in moe.GGUF_CODES.items()}
 
 
 def _kernel_spec(arch, case):
