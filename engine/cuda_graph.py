@@ -18,8 +18,7 @@ eagerly, as do DeepSeek-V4's (its pool builds per-step metadata from host
 lists), an MTP proposer's (it keeps every step's hidden streams), and those
 whose layer caches say they cannot be captured (`not_capturable`, and for
 verification steps `spans_not_capturable(1 + k)`: linear-attention spans
-run per sequence, and so do TurboQuant's hot passes except on tq-triton
-with 1 + k <= block_size + 1).
+run per sequence).
 
 The captured metadata's host-side values are fixed at capture: every
 sequence counts as a decode (one row) or as a span of 1 + k rows,

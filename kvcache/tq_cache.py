@@ -52,10 +52,12 @@ def _put(store: dict, slots: torch.Tensor, rows: dict) -> None:
 
 def merge(o1, lse1, o2, lse2):
     """Attention over two disjoint key sets -> over their union (o: [..., D],
-    lse: [...]; one side may be empty: lse -inf, o 0)."""
+    lse: [...]; either side may be empty: lse -inf, o 0; both: output 0,
+    e.g. a captured step's pad rows, whose NaN would reach the next layer's
+    store)."""
     m = torch.maximum(lse1, lse2).clamp_min(NEG)
     w1, w2 = torch.exp(lse1 - m).unsqueeze(-1), torch.exp(lse2 - m).unsqueeze(-1)
-    return ((o1.float() * w1 + o2.float() * w2) / (w1 + w2)).to(o1.dtype)
+    return ((o1.float() * w1 + o2.float() * w2) / (w1 + w2).clamp_min(1e-30)).to(o1.dtype)
 
 
 class TQLayerCache(LayerCache):
@@ -120,12 +122,6 @@ class TQLayerCache(LayerCache):
         self.k_mean = mean.to(device=self.signs.device, dtype=torch.float32).view(self.num_kv_heads,
                                                                                   self.head_dim)
 
-    def spans_not_capturable(self, rows: int) -> str | None:
-        if self.hot and rows > self.backend.hot_span_rows(self):
-            return (f"hot tokens' passes over {rows} rows of a sequence run per sequence in torch "
-                    f"(attention backend {self.backend.name})")
-        return super().spans_not_capturable(rows)
-
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for d in (self.k, self.v, self.hk, self.hv)
@@ -159,21 +155,18 @@ class TQLayerCache(LayerCache):
     def store(self, meta, k: torch.Tensor, v: torch.Tensor) -> None:
         slots = meta.groups[self.group_id].slot_mapping
         hot_slots = meta.groups[self.extra_groups[0]].slot_mapping if self.hot else None
-        # A backend with a store of its own (tq-triton: one launch, no sync)
-        # writes them, unless a hot prefill needs the new rows back (below).
-        if not self.reads_new_rows(meta) and self.backend.store(self, slots, k, v, hot_slots):
+        if not self.reads_new_rows(meta):
+            # A backend with a store of its own (tq-triton: one launch, no sync) writes them.
+            if not self.backend.store(self, slots, k, v, hot_slots):
+                self.write(slots, k, v, hot_slots)
             return
-        if not self.hot:
-            self.write(slots, k, v)
-            return
-        hk, hv = self.write(slots, k, v, hot_slots)
-        # The new rows, [T, ...] as the flat batch (tq-triton's HOT launch) and
-        # each prefill's, in batch order (_hot_prefill): a chunk's middle blocks
-        # have no hot block, so its own-block keys come from these.
-        self.new_rows = (hk, hv)
+        # A hot prefill passes through blocks without a hot copy: its HOT pass reads
+        # the new rows ([T, ...] as the flat batch: tq-triton's HOT launch) and each
+        # prefill's (in batch order, next_chunk_rows: _hot_prefill).
+        hk, hv = self.new_rows = self.backend.store_new_rows(self, slots, k, v, hot_slots)
         qsl = meta.query_start_loc
         self._chunks = [({n: t[qsl[i]:qsl[i + 1]] for n, t in hk.items()},
-                         {n: t[qsl[i]:qsl[i + 1]] for n, t in hv.items()})
+                         hv and {n: t[qsl[i]:qsl[i + 1]] for n, t in hv.items()})
                         for i in range(meta.num_decodes, meta.num_seqs)]
         self._next_chunk = 0
 
@@ -186,8 +179,9 @@ class TQLayerCache(LayerCache):
         limit, qsl = self.backend.hot_span_rows(self), meta.query_start_loc
         return any(qsl[i + 1] - qsl[i] > limit for i in range(meta.num_decodes, meta.num_seqs))
 
-    def next_chunk_rows(self) -> tuple[dict, dict]:
-        """The next prefill's new rows (hot K, hot or coded V) from store(), in batch order."""
+    def next_chunk_rows(self) -> tuple[dict, dict | None]:
+        """The next prefill's new rows (hot K; hot V, or coded V (tq-torch) or
+        None (tq-triton) with hot "k") from store(), in batch order."""
         rows = self._chunks[self._next_chunk]
         self._next_chunk += 1
         return rows
@@ -345,6 +339,12 @@ class TQTorchBackend(AttentionBackend):
         """Rows per sequence up to which a prefill's HOT pass reads only the
         hot pool (none here: every one runs TQLayerCache._hot_prefill)."""
         return 0
+
+    def store_new_rows(self, cache, slot_mapping, k, v, hot_slots):
+        """Store a step with a prefill whose HOT pass reads the new tokens'
+        rows, and return them as TQLayerCache.write does (hot K, hot or
+        coded V; [T, ...] as the flat batch)."""
+        return cache.write(slot_mapping, k, v, hot_slots)
 
     def attend(self, cache, qr, cols, block_tables, qpos, seq_lens, part=ALL, v_tables=None):
         """One pass (TQLayerCache._attend_torch's contract) -> (acc, lse)."""

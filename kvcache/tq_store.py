@@ -55,16 +55,29 @@ def _num_warps(D: int) -> int:
     return max(1, min(4, D // 128))
 
 
+def _int8_rows(like: torch.Tensor, T: int) -> dict:
+    H, D = like.shape[1:]
+    return {"q": like.new_empty(T, H, D, dtype=torch.int8), "scale": like.new_empty(T, H, 1, dtype=torch.float16)}
+
+
 def tq_store(cache, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             hot_slots: torch.Tensor | None = None) -> None:
+             hot_slots: torch.Tensor | None = None, new_rows: bool = False):
     """k, v: [T, Hkv, D] (any float dtype) into `cache` (a TQLayerCache) at
     rows slot_mapping [T] (integer, on k's device), and with hot_slots [T]
     also the hot int8 copies; negative slots are skipped. One launch, no
-    host sync."""
+    host sync. new_rows (with hot_slots): also return every new token's
+    int8 hot rows in batch order, (K rows, V rows with hot "kv" else None),
+    each {"q": [T, H, D] int8, "scale": [T, H, 1] fp16} as
+    TQLayerCache.write returns them: a HOT prefill pass over a chunk longer
+    than the hot group holds reads its new keys (and values) there."""
     from kvcache.tq_store_kernels import tq_store_kernel    # imports triton
     T, H, D = k.shape
+    assert not new_rows or hot_slots is not None, "new rows are the hot copies' rows"
+    rows = None
+    if new_rows:     # written whole by the kernel: no fill
+        rows = (_int8_rows(k, T), _int8_rows(k, T) if cache.hot == "kv" else None)
     if T == 0:
-        return
+        return rows
     assert (H, D) == (cache.num_kv_heads, cache.head_dim) and v.shape == k.shape
     if hot_slots is not None and not cache.hot:
         raise ValueError("hot_slots given for a cache without hot tokens")
@@ -83,6 +96,13 @@ def tq_store(cache, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         hvd, hvs = (cache.hv["q"], cache.hv["scale"]) if hot == 2 else (hkd, hks)
     else:
         hkd = hks = hvd = hvs = kd      # unused
+    if rows is not None:
+        nk = rows[0]
+        nv = rows[1] or nk
+        nst = (nk["q"].stride(0), nk["q"].stride(1), nk["scale"].stride(0), nk["scale"].stride(1))
+    else:
+        nk = nv = {"q": kd, "scale": kd}    # unused
+        nst = (0, 0, 0, 0)
     tq_store_kernel[(T, H)](
         yk, yv, slot_mapping, slot_mapping if hot_slots is None else hot_slots,
         yk.stride(0), yk.stride(1), yv.stride(0), yv.stride(1),
@@ -90,5 +110,7 @@ def tq_store(cache, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         vd, vs, vt, *vd_st, *vs_st,
         hkd, hks, hkd.stride(0), hkd.stride(1), hks.stride(0), hks.stride(1),
         hvd, hvs, hvd.stride(0), hvd.stride(1), hvs.stride(0), hvs.stride(1),
+        nk["q"], nk["scale"], nv["q"], nv["scale"], *nst,
         D=D, K_KIND=kk, K_BITS=kb, K_GROUP=kg, V_KIND=vk, V_BITS=vb, V_GROUP=vg, HOT=hot,
-        num_warps=_num_warps(D))
+        NEW_ROWS=0 if rows is None else hot, num_warps=_num_warps(D))
+    return rows

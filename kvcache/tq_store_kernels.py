@@ -89,13 +89,18 @@ def tq_store_kernel(yk_ptr, yv_ptr, slot_ptr, hot_slot_ptr, syk_t, syk_h, syv_t,
                     vd_ptr, vs_ptr, vcb_ptr, svd_s, svd_h, svs_s, svs_h,
                     hkd_ptr, hks_ptr, shkd_s, shkd_h, shks_s, shks_h,
                     hvd_ptr, hvs_ptr, shvd_s, shvd_h, shvs_s, shvs_h,
+                    nkd_ptr, nks_ptr, nvd_ptr, nvs_ptr, snd_t, snd_h, sns_t, sns_h,
                     D: tl.constexpr, K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr,
-                    V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, HOT: tl.constexpr):
+                    V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, HOT: tl.constexpr,
+                    NEW_ROWS: tl.constexpr):
     """Grid (tokens, KV heads): token t's rotated K and V rows of head h
     (fp32 [D], yk / yv) into the K / V stores at row slot_mapping[t], and
     with HOT (1: "k", 2: "kv") the int8 hot copies (K, and with 2 also V) at
     row hot_slots[t]. A negative slot writes nothing (a padded row of a
-    captured batch, a token without a hot block)."""
+    captured batch, a token without a hot block). NEW_ROWS (1: K, 2: K and
+    V): every token's int8 hot rows also at row t of nk / nv ([T, H, D]
+    int8, [T, H, 1] fp16 scales, both with the strides snd / sns), where a
+    HOT prefill pass reads the new tokens a chunk's middle blocks hold."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     yk_row = yk_ptr + t.to(tl.int64) * syk_t + h * syk_h
@@ -112,3 +117,8 @@ def tq_store_kernel(yk_ptr, yv_ptr, slot_ptr, hot_slot_ptr, syk_t, syk_h, syv_t,
             _store_int8(yk_row, hkd_ptr + hs * shkd_s + h * shkd_h, hks_ptr + hs * shks_s + h * shks_h, D)
             if HOT == 2:
                 _store_int8(yv_row, hvd_ptr + hs * shvd_s + h * shvd_h, hvs_ptr + hs * shvs_s + h * shvs_h, D)
+    if NEW_ROWS > 0:
+        row = t.to(tl.int64)
+        _store_int8(yk_row, nkd_ptr + row * snd_t + h * snd_h, nks_ptr + row * sns_t + h * sns_h, D)
+        if NEW_ROWS == 2:
+            _store_int8(yv_row, nvd_ptr + row * snd_t + h * snd_h, nvs_ptr + row * sns_t + h * sns_h, D)

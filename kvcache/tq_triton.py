@@ -25,13 +25,12 @@ rule: ALL, or with hot tokens the CODED pass and a HOT one (a second
 launch), merged by log-sum-exp. The hot pool holds block 0 and a chunk's
 first and last blocks, which is every hot key of a span of up to
 block_size + 1 tokens (speculative verification, short prompt tails): then
-the HOT launch reads only the pool, and the step's store is tq_store's one
-launch (capturable). A longer chunk passes through blocks without a hot
-copy: TQLayerCache.write stores the step (a host sync) and returns the new
-rows, from which the HOT launch reads the new tokens' keys (hot "k"); with
-hot "kv" the long chunks' HOT rows are redone in torch per sequence
-(TQLayerCache._hot_prefill): new values from a second source would spill
-the kernel's registers.
+the HOT launch reads only the pool. A longer chunk passes through blocks
+without a hot copy: the step's store (tq_store, the same one launch) then
+also writes every new token's int8 hot rows in batch order, and the HOT
+launch reads the new tokens' keys (and with hot "kv" values) from those
+rows, each key's row pointer from its one source. Either way the step
+stores in one launch with no host sync (capturable).
 
 triton is imported on first use: importing kvcache never needs it.
 """
@@ -172,9 +171,13 @@ def tq_paged_decode(cache, q: torch.Tensor, block_tables: torch.Tensor, seq_lens
 def prefill_tiles(D: int, part: int = ALL):
     """(rows, keys per tile, warps, stages) of a prefill program, chosen as
     decode_tiles'. A HOT pass serves short spans ((1 + k) x G rows for a
-    verification step) and keeps two key ranges live: half the rows."""
+    verification step), keeps two key ranges live and reads at most a block
+    or two of keys per range: half the rows, 16 keys a tile (32 spills
+    registers on sm_90 with int8 values from two sources, hot "kv")."""
     rows, bn, warps, stages = (64, 32, 8, 2) if D <= 128 else (32, 16, 8, 2) if D <= 256 else (16, 16, 8, 1)
-    return (max(16, rows // 2) if part == HOT else rows), bn, warps, stages
+    if part == HOT:
+        return max(16, rows // 2), 16, warps, stages
+    return rows, bn, warps, stages
 
 
 def tq_prefill(cache, qr: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -194,9 +197,10 @@ def tq_prefill(cache, qr: torch.Tensor, block_tables: torch.Tensor, seq_lens: to
     reads the hot copies of block 0 and of the blocks its queries sit in;
     the hot group holds a chunk's first and last blocks, so that is right
     for sequences of at most block_size + 1 new tokens. A longer chunk
-    passes through blocks the hot group skips: with hot "k", new_rows, the
-    step's rows as TQLayerCache.write returns them ([T, H, ...] as the flat
-    batch), supply every new token's key (its coded value is in its block).
+    passes through blocks the hot group skips: new_rows, the step's rows as
+    tq_store(new_rows=True) or TQLayerCache.write return them ([T, H, ...]
+    as the flat batch), supply every new token's int8 key, and with hot
+    "kv" its int8 value (with "k" its coded value is in its block).
     Returns (rotated output [T, Hq, D] in qr's dtype, log-sum-exp [T, Hq]
     float32, -inf with output 0 for a row that sees no key); only those
     sequences' rows are written.
@@ -221,29 +225,26 @@ def tq_prefill(cache, qr: torch.Tensor, block_tables: torch.Tensor, seq_lens: to
     kd, ks, kcb, kst, kce = _component(kc, k, dev)
     vd, vs, vcb, vst, vce = _component(vc, v, dev)
     kt, vt = (hot_tables, cache.hot_v_tables(hot_tables, block_tables)) if part == HOT else (block_tables,) * 2
-    nkd, nks, nkst = kd, ks, kst
+    nkd, nks, nkst = nvd, nvs, nvst = kd, ks, kst
+    new = 0
     if new_rows is not None:
-        # Hot K rows only: with "k" the coded values are all in their blocks.
-        assert part == HOT and cache.hot == "k", "new rows serve a HOT pass with hot 'k'"
+        assert part == HOT, "new rows serve a HOT pass"
+        new = _HOT[cache.hot]                   # 1: new keys; 2 ("kv"): new keys and values
         nkd, nks, _, nkst, _ = _component(kc, new_rows[0], dev)
+        if new == 2:
+            nvd, nvs, _, nvst, _ = _component(vc, new_rows[1], dev)
     win = cache.sliding_window
     # Query head h * G + g of token t sits at t * stride(0) + (h * G + g) * stride(1).
     kernel[(n_tiles, n_seqs, H)](
         qr, out, lse, kt, vt, query_start_loc, seq_lens, first_seq,
-        kd, ks, kcb, vd, vs, vcb, nkd, nks,
+        kd, ks, kcb, vd, vs, vcb, nkd, nks, nvd, nvs,
         qr.stride(0), G * qr.stride(1), qr.stride(1), out.stride(0), G * out.stride(1), out.stride(1),
         lse.stride(0), G * lse.stride(1), lse.stride(1), kt.stride(0), vt.stride(0),
-        *kst, *vst, *nkst, win or 0, cache.sink, G=G, BLOCK_SIZE=cache.block_size, D=D, ROWS=rows,
+        *kst, *vst, *nkst, *nvst, win or 0, cache.sink, G=G, BLOCK_SIZE=cache.block_size, D=D, ROWS=rows,
         BLOCK_N=bn, K_KIND=kce[0], K_BITS=kce[1], K_GROUP=kce[2], V_KIND=vce[0], V_BITS=vce[1], V_GROUP=vce[2],
         HAS_WINDOW=win is not None, F32=qr.dtype == torch.float32, PART=part, V_TABLE=vt is not kt,
-        NEW_ROWS=new_rows is not None, num_warps=warps, num_stages=stages)
+        NEW_ROWS=new, num_warps=warps, num_stages=stages)
     return out, lse
-
-
-def _heads(x: torch.Tensor, H: int) -> torch.Tensor:
-    """[Lq, Hq, ...] -> [1, H, G, Lq, ...] (the torch path's layout), a view."""
-    Lq, Hq = x.shape[:2]
-    return x.view(Lq, H, Hq // H, *x.shape[2:]).movedim(0, 2).unsqueeze(0)
 
 
 @register_backend("tq-triton", "tq")
@@ -251,11 +252,9 @@ class TQTritonBackend(AttentionBackend):
     """A step in two to four launches: the decodes (one batched launch, plus
     the split merge), every prefill chunk's coded keys (one launch), and
     with hot tokens their HOT pass (one more). The new K/V go in with one
-    more (kvcache/tq_store.py), unless a chunk is longer than hot_span_rows:
-    then TQLayerCache.write stores them and returns their rows, which the
-    HOT launch reads (write syncs with the host). A decode-only step can be
-    captured, and so can a verification step of up to hot_span_rows rows
-    per sequence."""
+    more (kvcache/tq_store.py), which also keeps the new tokens' int8 rows
+    for the HOT launch when a chunk is longer than hot_span_rows. No host
+    sync: decode-only and verification steps can be captured."""
     capturable = True
 
     def hot_span_rows(self, cache) -> int:
@@ -269,6 +268,11 @@ class TQTritonBackend(AttentionBackend):
         tq_store(cache, slot_mapping, k, v, hot_slots)
         return True
 
+    def store_new_rows(self, cache, slot_mapping, k, v, hot_slots):
+        """The store, keeping the new tokens' int8 hot rows (K; V with "kv")."""
+        from kvcache.tq_store import tq_store
+        return tq_store(cache, slot_mapping, k, v, hot_slots, new_rows=True)
+
     def forward(self, cache, q, meta, scale):
         group = meta.groups[cache.group_id]
         hot = meta.groups[cache.extra_groups[0]].block_tables if cache.hot else None
@@ -279,11 +283,11 @@ class TQTritonBackend(AttentionBackend):
                             None if hot is None else hot[:nd], out=out[:nd])
         if B > nd:
             self._prefills(cache, q, scale, out, group.block_tables, hot, meta.seq_lens_t, meta.query_start_loc_t,
-                           meta.query_start_loc, meta.seq_lens, nd, meta.max_query_len,
+                           meta.query_start_loc, nd, meta.max_query_len,
                            cache.new_rows if cache.reads_new_rows(meta) else None)
         return out
 
-    def _prefills(self, cache, q, scale, out, block_tables, hot_tables, seq_lens_t, qsl_t, qsl, seq_lens, first,
+    def _prefills(self, cache, q, scale, out, block_tables, hot_tables, seq_lens_t, qsl_t, qsl, first,
                   max_query_len, new_rows):
         """Sequences first.. of the flat batch, each a chunk over its prefix;
         new_rows: the step's rows from store() when a chunk is longer than
@@ -296,23 +300,9 @@ class TQTritonBackend(AttentionBackend):
         if not cache.hot:
             out[t0:] = _derotate(cache, o[t0:], q.dtype)
             return
-        kv_long = new_rows is not None and cache.hot == "kv"
         ho, hlse = tq_prefill(cache, qr, block_tables, seq_lens_t, qsl_t, max_query_len, first_seq=first,
-                              part=HOT, hot_tables=hot_tables, new_rows=None if kv_long else new_rows)
+                              part=HOT, hot_tables=hot_tables, new_rows=new_rows)
         out[t0:] = _derotate(cache, merge(o[t0:], lse[t0:], ho[t0:], hlse[t0:]), q.dtype)
-        if not kv_long:
-            return
-        # Hot "kv" and a chunk longer than hot_span_rows: its HOT rows again in
-        # torch (TQLayerCache._hot_prefill over store()'s rows), per sequence.
-        # The kernel would need the new values from a second source too, which
-        # costs registers it does not have (tests/test_tq_triton.py compiles it).
-        H, limit = cache.num_kv_heads, self.hot_span_rows(cache)
-        for i in range(first, len(seq_lens)):
-            s, e = qsl[i], qsl[i + 1]
-            if e - s > limit:
-                rows = tuple({n: t[s:e] for n, t in r.items()} for r in new_rows)
-                hot = cache._hot_prefill(_heads(qr[s:e], H), block_tables[i], hot_tables[i], seq_lens[i], rows)
-                out[s:e] = cache._finish(merge(_heads(o[s:e], H), _heads(lse[s:e], H), *hot), q.dtype)[0]
 
     def decode(self, cache, q, block_tables, seq_lens, scale, hot_tables=None):
         return tq_paged_decode(cache, q, block_tables, seq_lens.to(q.device), scale, hot_tables)
@@ -324,5 +314,5 @@ class TQTritonBackend(AttentionBackend):
         rows = cache.next_chunk_rows() if cache.hot and q.shape[0] > self.hot_span_rows(cache) else None
         self._prefills(cache, q, scale, out, block_table[None], None if hot_table is None else hot_table[None],
                        torch.tensor([seq_len], device=dev), torch.tensor([0, q.shape[0]], device=dev),
-                       [0, q.shape[0]], [seq_len], 0, q.shape[0], rows)
+                       [0, q.shape[0]], 0, q.shape[0], rows)
         return out

@@ -252,6 +252,7 @@ def _prefill_ranges(q, m, l, acc, lo, hi, lo2, hi2, qpos, own, bt_row, vbt_row, 
                     k_data, k_scale, k_cb, v_data, v_scale, v_cb, h,
                     ks_slot, ks_h, ksc_slot, ksc_h, vs_slot, vs_h, vsc_slot, vsc_h,
                     ctx, q_start, nk_data, nk_scale, nks_t, nks_h, nksc_t, nksc_h,
+                    nv_data, nv_scale, nvs_t, nvs_h, nvsc_t, nvsc_h,
                     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
                     K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr,
                     V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr,
@@ -264,8 +265,9 @@ def _prefill_ranges(q, m, l, acc, lo, hi, lo2, hi2, qpos, own, bt_row, vbt_row, 
     tile sit at different positions, in different blocks). NEW_ROWS: keys
     at positions >= ctx, the sequence's new tokens, come from the step's
     hot K rows (nk, int8, row q_start + position - ctx) instead of the
-    blocks (a HOT pass with hot "k" whose chunk passes through blocks the
-    hot group does not hold; its coded values are all in their blocks)."""
+    blocks, and with NEW_ROWS 2 (hot "kv") their values from the hot V rows
+    nv alike (a HOT pass whose chunk passes through blocks the hot group
+    does not hold; with hot "k" its coded values are all in their blocks)."""
     n1 = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)
     n_tiles = n1 + tl.cdiv(tl.maximum(hi2 - lo2, 0), BLOCK_N)
     for i in range(0, n_tiles):
@@ -274,8 +276,8 @@ def _prefill_ranges(q, m, l, acc, lo, hi, lo2, hi2, qpos, own, bt_row, vbt_row, 
         kmask = kpos < tl.where(in1, hi, hi2)
         slots, vslots = _slots(bt_row, vbt_row, kpos, kmask, BLOCK_SIZE, V_TABLE)
         if NEW_ROWS:
-            # Hot K is int8: each key's row pointer from its one source (one
-            # load per byte; two masked loads summed need more registers).
+            # Hot K (and V) is int8: each key's row pointer from its one source
+            # (one load per byte; two masked loads summed need more registers).
             new = kpos >= ctx
             rows = (q_start + kpos - ctx).to(tl.int64)
             k = _int8_rows(tl.where(new, nk_data + rows * nks_t + h * nks_h, k_data + slots * ks_slot + h * ks_h),
@@ -293,18 +295,23 @@ def _prefill_ranges(q, m, l, acc, lo, hi, lo2, hi2, qpos, own, bt_row, vbt_row, 
         elif PART == 2:     # HOT
             valid = valid & ((kpos[None, :] < sink) | (kpos[None, :] >= own[:, None]))
         p, alpha, m, l = _online(s, valid, m, l)
-        v = _load_tile(v_data, v_scale, v_cb, vslots, h, kmask, vs_slot, vs_h, vsc_slot, vsc_h,
-                       V_KIND, V_BITS, V_GROUP, BLOCK_N, D)
+        if NEW_ROWS == 2:
+            v = _int8_rows(tl.where(new, nv_data + rows * nvs_t + h * nvs_h, v_data + vslots * vs_slot + h * vs_h),
+                           tl.where(new, nv_scale + rows * nvsc_t + h * nvsc_h,
+                                    v_scale + vslots * vsc_slot + h * vsc_h), kmask, D)
+        else:
+            v = _load_tile(v_data, v_scale, v_cb, vslots, h, kmask, vs_slot, vs_h, vsc_slot, vsc_h,
+                           V_KIND, V_BITS, V_GROUP, BLOCK_N, D)
         acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v, F32)
     return m, l, acc
 
 
 @triton.jit(do_not_specialize=["seq0", "s_bt", "s_vbt", "window", "sink"])
 def tq_attn_kernel(q_ptr, o_ptr, lse_ptr, bt_ptr, vbt_ptr, qsl_ptr, seq_len_ptr, seq0,
-                   k_data, k_scale, k_cb, v_data, v_scale, v_cb, nk_data, nk_scale,
+                   k_data, k_scale, k_cb, v_data, v_scale, v_cb, nk_data, nk_scale, nv_data, nv_scale,
                    sq_t, sq_h, sq_g, so_t, so_h, so_g, sl_t, sl_h, sl_g, s_bt, s_vbt,
                    ks_slot, ks_h, ksc_slot, ksc_h, vs_slot, vs_h, vsc_slot, vsc_h,
-                   nks_t, nks_h, nksc_t, nksc_h, window, sink, G: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   nks_t, nks_h, nksc_t, nksc_h, nvs_t, nvs_h, nvsc_t, nvsc_h, window, sink, G: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    D: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                    K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr,
                    V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr,
@@ -322,7 +329,8 @@ def tq_attn_kernel(q_ptr, o_ptr, lse_ptr, bt_ptr, vbt_ptr, qsl_ptr, seq_len_ptr,
     its rows sit in: the hot group holds the first new token's block and
     the last one's (kv_manager), not a long chunk's middle ones, so with
     NEW_ROWS the new tokens' keys come from the step's hot K rows nk
-    ([T, H, D] as the flat batch) instead (hot "k" only). Keys through bt_ptr,
+    ([T, H, D] as the flat batch) instead, and with NEW_ROWS 2 (hot "kv")
+    their values from the hot V rows nv. Keys through bt_ptr,
     values through vbt_ptr when V_TABLE (HOT with hot "k": coded values). Writes the
     rotated output and its log-sum-exp (natural log)."""
     tile = tl.program_id(0)
@@ -372,7 +380,7 @@ def tq_attn_kernel(q_ptr, o_ptr, lse_ptr, bt_ptr, vbt_ptr, qsl_ptr, seq_len_ptr,
                                 sink, k_data, k_scale, k_cb, v_data, v_scale, v_cb, h,
                                 ks_slot, ks_h, ksc_slot, ksc_h, vs_slot, vs_h, vsc_slot, vsc_h,
                                 ctx, q_start, nk_data, nk_scale, nks_t, nks_h, nksc_t, nksc_h,
-                                BLOCK_SIZE, BLOCK_N, D, K_KIND, K_BITS, K_GROUP, V_KIND, V_BITS, V_GROUP,
+                                nv_data, nv_scale, nvs_t, nvs_h, nvsc_t, nvsc_h, BLOCK_SIZE, BLOCK_N, D, K_KIND, K_BITS, K_GROUP, V_KIND, V_BITS, V_GROUP,
                                 HAS_WINDOW, F32, PART, V_TABLE, NEW_ROWS)
 
     has = l > 0

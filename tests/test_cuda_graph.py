@@ -293,7 +293,8 @@ def test_turboquant_decode_replayed_equals_eager(tmp_path, monkeypatch, kv):
     store, interpreted): eager gives the CPU kernel's greedy tokens, captured
     steps (padded 3 -> 4: the pad rows' slot -1 writes nothing) eager's
     tokens and logprobs; verification steps too (tq4's hot tokens: the HOT
-    prefill launch over the hot pool, for spans up to block_size + 1)."""
+    prefill launch over the hot pool, and for spans longer than block_size +
+    1 over the new rows the store keeps)."""
     monkeypatch.setattr(cpu_ops, "ENABLED", False)
     save_tiny_llama(tmp_path)
     # Repeating prompts: the n-gram drafts below find matches in them.
@@ -316,17 +317,21 @@ def test_turboquant_decode_replayed_equals_eager(tmp_path, monkeypatch, kv):
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert max(abs(la[t] - lb[t]) for t in la) < 1e-4
     # Verification steps (n-gram drafts): captured over coded blocks (tq-triton's
-    # one-launch prefill kernel) and, with hot tokens, the one-launch HOT pass;
-    # spans longer than block_size + 1 would need the torch pass per sequence.
+    # one-launch prefill kernel) and, with hot tokens, the one-launch HOT pass,
+    # which for spans longer than block_size + 1 reads the store's new rows.
     bs = llm.core.args.block_size
     assert why_not_capturable(llm.core.caches, bs + 1) is None
-    assert ("hot tokens" in (why_not_capturable(llm.core.caches, bs + 2) or "")) == (kv == "tq4")
+    assert why_not_capturable(llm.core.caches, 2 * bs + 3) is None
     del llm
-    llm = _engine(tmp_path, kv_cache_dtype=kv, speculative_config=NGRAM)
-    graphs = llm.core._capture_graphs(emulate=True)
-    assert graphs.query_lens == (1, 4)
-    llm.core.runner.graphs = graphs
-    shapes, run = [], graphs.run
-    graphs.run = lambda b, q, *a: (shapes.append((b, q)), run(b, q, *a))[1]
-    assert _toks(llm.generate(prompts, greedy)) == _toks(ref)     # eager, without drafts
-    assert llm.core.get_stats().spec_decode_num_accepted_tokens_total > 0 and (4, 4) in shapes
+    # k = 3: spans of 4 rows (block_size 4) over the hot pool; k = 6 (tq4): 7
+    # rows, longer than block_size + 1, whose HOT pass reads the store's new rows.
+    for k in (3, 6) if kv == "tq4" else (3,):
+        llm = _engine(tmp_path, kv_cache_dtype=kv, speculative_config=NGRAM | {"num_speculative_tokens": k})
+        graphs = llm.core._capture_graphs(emulate=True)
+        assert graphs.query_lens == (1, 1 + k)
+        llm.core.runner.graphs = graphs
+        shapes, run = [], graphs.run
+        graphs.run = lambda b, q, *a: (shapes.append((b, q)), run(b, q, *a))[1]
+        assert _toks(llm.generate(prompts, greedy)) == _toks(ref)     # eager, without drafts
+        assert llm.core.get_stats().spec_decode_num_accepted_tokens_total > 0 and (4, 1 + k) in shapes
+        del llm

@@ -7,7 +7,7 @@ import torch
 
 from kvcache.kv_manager import NULL_BLOCK, KVCacheManager, KVGroup
 from kvcache.metadata import AttentionMetadata, GroupMetadata
-from kvcache.tq_cache import TQLayerCache
+from kvcache.tq_cache import TQLayerCache, merge
 from kvcache.turboquant import INT8, tq
 
 BS, H, G, D = 16, 2, 3, 64
@@ -96,3 +96,15 @@ def _run_plain(kf, vf, total, seed=0):
     bt = torch.arange(8)
     return torch.cat([c._prefill(q[:60], bt, 60, D ** -0.5)] +
                      [c._decode(q[p:p + 1], bt[None], torch.tensor([p + 1]), D ** -0.5) for p in (60, 61, 62)])
+
+
+def test_merge_of_two_empty_passes_is_zero():
+    # A row that sees no key in either pass (a captured step's pad rows):
+    # output 0, not 0 / 0; one empty side leaves the other as it is.
+    o1, o2 = torch.randn(3, 4), torch.randn(3, 4)
+    inf = float("-inf")
+    lse1, lse2 = torch.tensor([inf, 0.5, inf]), torch.tensor([inf, inf, 1.0])
+    out = merge(o1, lse1, o2, lse2)
+    assert torch.equal(out[0], torch.zeros(4))
+    torch.testing.assert_close(out[1], o1[1], rtol=0, atol=0)
+    torch.testing.assert_close(out[2], o2[2], rtol=0, atol=0)

@@ -123,8 +123,15 @@ def test_matches_torch_write(kn, vn, H, D, dtype, hot, mean):
         hot_slots[~valid] = -1
     # The torch write cannot take negative slots (index_copy_): it gets the
     # valid rows only.
-    a.write(slots[valid], k[valid], v[valid], None if hot_slots is None else hot_slots[valid])
-    tq_store(b, slots, k, v, hot_slots)
+    ref_rows = a.write(slots[valid], k[valid], v[valid], None if hot_slots is None else hot_slots[valid])
+    rows = tq_store(b, slots, k, v, hot_slots, new_rows=bool(hot))
+    if hot:
+        # The new tokens' int8 hot rows (what a long chunk's HOT pass reads), in
+        # batch order, as the torch write returns them: K, and V with "kv".
+        assert rows[1] is None if hot == "k" else rows[1] is not None
+        for got, ref in zip(rows, ref_rows if hot == "kv" else ref_rows[:1]):
+            for name in ("q", "scale"):
+                assert torch.equal(got[name][valid], ref[name]), name
 
     written = slots[valid]
     ok_k = _check_stores(a, b, before, "k", a.kc, written)
@@ -186,8 +193,9 @@ def test_exact_ties(monkeypatch):
 
 def test_empty_batch_writes_nothing():
     a, b, before = _caches(component("tq4"), component("tq3"), 2, 64, "k")
-    tq_store(b, torch.zeros(0, dtype=torch.long), torch.zeros(0, 2, 64), torch.zeros(0, 2, 64),
-             torch.zeros(0, dtype=torch.long))
+    rows = tq_store(b, torch.zeros(0, dtype=torch.long), torch.zeros(0, 2, 64), torch.zeros(0, 2, 64),
+                    torch.zeros(0, dtype=torch.long), new_rows=True)
+    assert rows[0]["q"].shape == (0, 2, 64) and rows[1] is None
     for (part, name), t in before.items():
         assert torch.equal(getattr(b, part)[name], t)
 
@@ -208,9 +216,11 @@ def test_kernel_compiles_for_gpus(arch):
     # H100/H200 (sm_90) and GB10 (sm_121) targets, no GPU needed: no register spills.
     specs = []
     for d, kk, kb, kg, vk, vb, vg, hot, slot in _CASES:
-        const = dict(D=d, K_KIND=kk, K_BITS=kb, K_GROUP=kg, V_KIND=vk, V_BITS=vb, V_GROUP=vg, HOT=hot)
+        # With hot tokens, also the new rows of a long hot prefill (the most work a program does).
+        const = dict(D=d, K_KIND=kk, K_BITS=kb, K_GROUP=kg, V_KIND=vk, V_BITS=vb, V_GROUP=vg, HOT=hot, NEW_ROWS=hot)
         ptrs = dict(yk_ptr="fp32", yv_ptr="fp32", slot_ptr=slot, hot_slot_ptr=slot, kd_ptr=_STORE[kk],
                     ks_ptr="fp16", kcb_ptr="fp32", vd_ptr=_STORE[vk], vs_ptr="fp16", vcb_ptr="fp32",
-                    hkd_ptr="i8", hks_ptr="fp16", hvd_ptr="i8", hvs_ptr="fp16")
+                    hkd_ptr="i8", hks_ptr="fp16", hvd_ptr="i8", hvs_ptr="fp16", nkd_ptr="i8", nks_ptr="fp16",
+                    nvd_ptr="i8", nvs_ptr="fp16")
         specs.append(spec("kvcache.tq_store_kernels:tq_store_kernel", arch, const, ptrs, tq_store_mod._num_warps(d)))
     assert_fit(_CASES, specs)

@@ -200,15 +200,14 @@ def test_prefill_coded_part(hot, kf, vf, G, D):
         torch.testing.assert_close(lse[s:e].view(e - s, 2, G).permute(1, 2, 0)[None], ref_lse, rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("hot,kf,vf,G,D,span", [(*c, "short") for c in HOT_CASES] +
-                         [(*c, "long") for c in HOT_CASES if c[0] == "k"])
+@pytest.mark.parametrize("hot,kf,vf,G,D,span", [(*c, s) for c in HOT_CASES for s in ("short", "long")])
 def test_prefill_hot_part(hot, kf, vf, G, D, span):
     # The HOT pass. Short spans (at most BS + 1 tokens, a verification
     # step): one token; inside one block; BS + 1 tokens over two blocks;
     # from block 0 into block 1; a whole prompt inside block 0. Long chunks
-    # (hot "k": the new tokens' rows given, as store() returns them; "kv"
-    # runs those in torch, test_attention_mixed_batch_matches_torch_path): from mid-block
-    # 0 over three blocks; a whole prompt of 40; 20 tokens from mid-block 1.
+    # (the new tokens' int8 rows given, as store() returns them: keys, and
+    # values with "kv"): from mid-block 0 over three blocks; a whole prompt
+    # of 40; 20 tokens from mid-block 1.
     # Every hot column but 0 and the chunk's first and last is poisoned (NaN
     # if read): the hot group holds no others.
     lens, chunks = ([45, 44, 50, 20, 5], [1, 4, BS + 1, 9, 5]) if span == "short" else ([50, 40, 43], [45, 40, 20])
@@ -221,11 +220,14 @@ def test_prefill_hot_part(hot, kf, vf, G, D, span):
     qr = ((q.float() @ c.kc.rot_t("cpu")) * D ** -0.5).to(q.dtype)
     new_rows = None
     if span == "long":
-        # Each chunk's rows as store() returns them: hot K, coded V.
+        # Each chunk's rows as store() returns them: hot K, hot V with "kv" (else
+        # coded V, which the kernel does not read). The paged cache's hot
+        # copies of every block are those rows (the poisoned table hides them).
         pos = torch.cat([torch.arange(L - n, L) for L, n in zip(lens, chunks)])
         seq = torch.cat([torch.full((n,), i) for i, n in enumerate(chunks)])
         hs, vs = ht[seq, pos // BS] * BS + pos % BS, bt[seq, pos // BS] * BS + pos % BS
-        new_rows = ({n: t[hs] for n, t in c.hk.items()}, {n: t[vs] for n, t in c.v.items()})
+        new_rows = ({n: t[hs] for n, t in c.hk.items()},
+                    {n: t[hs] for n, t in c.hv.items()} if hot == "kv" else {n: t[vs] for n, t in c.v.items()})
     out, lse = tq_prefill(c, qr, bt, torch.tensor(lens), torch.tensor(qsl), max(chunks), part=HOT,
                           hot_tables=_poisoned(c, ht, cols), new_rows=new_rows, rows=32, block_n=16)
     qr5 = c._rotate_q(q.unsqueeze(0), D ** -0.5)
@@ -292,10 +294,11 @@ def _prefill_spec(arch, dt, D, k, v, part):
     rows, bn, warps, stages = prefill_tiles(D, part)
     const = dict(G=4, BLOCK_SIZE=16, D=D, ROWS=rows, BLOCK_N=bn, K_KIND=kk, K_BITS=kb, K_GROUP=kg, V_KIND=vk,
                  V_BITS=vb, V_GROUP=vg, HAS_WINDOW=part == ALL, F32=dt == "fp32", PART=part,
-                 V_TABLE=part == HOT and vk != 1, NEW_ROWS=part == HOT and vk != 1)
-    # HOT: hot "k" (coded V through its own table; new K rows of a long chunk) or "kv" (int8 V).
+                 V_TABLE=part == HOT and vk != 1, NEW_ROWS=0 if part != HOT else 1 if vk != 1 else 2)
+    # HOT: hot "k" (coded V through its own table; new K rows of a long chunk) or "kv" (int8 V;
+    # new K and V rows): the long-chunk variants, which hold the most.
     ptrs = dict(q_ptr=dt, o_ptr=dt, lse_ptr="fp32", bt_ptr="i64", vbt_ptr="i64", qsl_ptr="i64", seq_len_ptr="i64",
-                nk_data="i8", nk_scale="fp16",
+                nk_data="i8", nk_scale="fp16", nv_data="i8", nv_scale="fp16",
                 k_data=_STORE[kk], k_scale="fp16", k_cb="fp32", v_data=_STORE[vk], v_scale="fp16", v_cb="fp32")
     return spec("kvcache.tq_triton_kernels:tq_attn_kernel", arch, const, ptrs, warps, stages)
 

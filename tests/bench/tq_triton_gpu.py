@@ -11,9 +11,12 @@ size 16, bf16 queries, blocks shuffled as a pool hands them out.
   replayed from a CUDA graph (no launch overhead: what a captured engine
   step pays); `GB/s` = the compressed bytes read / graph_us, next to the
   card's copy bandwidth measured in the same run.
-- prefill: a 2,048-token chunk over an 8K compressed context (one launch,
-  rotation and de-rotation in torch) vs masked SDPA over the dense context,
-  and 2,048 tokens from 0 vs SDPA's causal (flash) kernel.
+- prefill: a 2,048-token chunk over an 8K compressed context vs masked
+  SDPA over the dense context, and 2,048 tokens from 0 vs SDPA's causal
+  (flash) kernel, hot tokens off and "k": the coded launch alone (kernel
+  us) and the layer's whole step as the engine runs it (step us: the store,
+  with hot tokens keeping the new tokens' int8 rows, then rotation, the
+  coded and HOT launches, merge, de-rotation).
 - verify: a speculative verification step (batch 16, 1 + 3 rows per
   sequence at 8K context) through the tq-triton backend's forward (query
   rotation, the CODED launch, with hot tokens the HOT launch over the hot
@@ -169,22 +172,54 @@ def run_decode(preset, ctx, batch, iters, hot, copy_bw, tiles=None):
     }
 
 
-def run_prefill(preset, ctx, chunk, iters):
-    from kvcache.tq_cache import ALL
+def run_prefill(preset, ctx, chunk, iters, hot=""):
+    """A chunk of `chunk` new tokens ending at `ctx` (one sequence), as an
+    engine step runs it per layer: the store (tq_store: K/V, hot copies and,
+    with hot tokens and a chunk longer than block_size + 1, the new tokens'
+    int8 rows) and the attention (rotation, the coded launch, the HOT
+    launch, merge, de-rotation): step us. kernel us: the coded (ALL or
+    CODED) launch alone."""
+    from kvcache.metadata import AttentionMetadata, GroupMetadata
+    from kvcache.tq_cache import ALL, CODED, merge
     from kvcache.tq_triton import tq_prefill
     dev = torch.device(DEV)
-    cache, bt, _, g = filled_cache(preset, ctx, 1, "", dev)
+    cache, bt, ht, g = filled_cache(preset, ctx, 1, hot, dev)
     q = torch.randn(chunk, HQ, D, device=dev, generator=g, dtype=QDT)
+    k = (torch.randn(chunk, H, D, device=dev, generator=g) * 2 + 0.5).to(QDT)
+    v = torch.randn(chunk, H, D, device=dev, generator=g).to(QDT)
     scale = D ** -0.5
-    cache.backend = "tq-torch"
-    ref = cache._prefill(q.float(), bt[0], ctx, scale)
+    pos = torch.arange(ctx - chunk, ctx, device=dev)
+    col, off = pos // BS, pos % BS
+    groups = [GroupMetadata(bt[0, col] * BS + off, bt)]
+    if hot:
+        # The hot group's blocks: 0 and the newest (filled_cache's table); the
+        # chunk's other blocks have none (slot -1), as the manager hands them out.
+        last = (ctx - 1) // BS
+        hs = torch.where(col == 0, ht[0, 0] * BS + off, torch.where(col == last, ht[0, -1] * BS + off, -1))
+        groups.append(GroupMetadata(hs, ht))
+    meta = AttentionMetadata([0, chunk], [ctx], 0, groups, seq_lens_t=torch.tensor([ctx], device=dev),
+                             query_start_loc_t=torch.tensor([0, chunk], device=dev))
     cache.backend = "tq-triton"
-    err32 = rel_err(cache._prefill(q.float(), bt[0], ctx, scale), ref)
-    err16 = rel_err(cache._prefill(q, bt[0], ctx, scale), ref)
-    qr = ((q.float() @ cache.kc.rot_t(dev)) * scale).to(q.dtype)
-    lens, qsl = torch.tensor([ctx], device=dev), torch.tensor([0, chunk], device=dev)
-    t_kernel = cuda_time_us(lambda: tq_prefill(cache, qr, bt, lens, qsl, chunk, part=ALL), iters)
-    t_step = cuda_time_us(lambda: cache._prefill(q, bt[0], ctx, scale), iters)
+    cache.store(meta, k, v)
+    out32, out16 = cache.attention(q.float(), meta, scale), cache.attention(q, meta, scale)
+    # The torch reference over the same storage (what the store wrote).
+    qr = cache._rotate_q(q.float()[None], scale)
+    qpos, lens_t, cols = pos[None], meta.seq_lens_t, torch.arange(ctx // BS, device=dev)[None]
+    if hot:
+        # The chunk's rows as the torch path reads them: hot K; hot V ("kv") or coded V.
+        nk, nv = cache.new_rows
+        hot_rows = (nk, nv if hot == "kv" else cache._rows(cache.v, groups[0].slot_mapping))
+        acc = merge(*cache._attend_torch(qr, cols, bt, qpos, lens_t, CODED),
+                    *cache._hot_prefill(qr, bt[0], ht[0], ctx, hot_rows))
+    else:
+        acc, _ = cache._attend_torch(qr, cols, bt, qpos, lens_t)
+    ref = cache._finish(acc, torch.float32)[0]
+    err32, err16 = rel_err(out32, ref), rel_err(out16, ref)
+    qr16 = qr[0].permute(2, 0, 1, 3).reshape(chunk, HQ, D).to(QDT)
+    qsl = meta.query_start_loc_t
+    t_kernel = cuda_time_us(lambda: tq_prefill(cache, qr16, bt, lens_t, qsl, chunk, part=CODED if hot else ALL),
+                            iters)
+    t_step = cuda_time_us(lambda: (cache.store(meta, k, v), cache.attention(q, meta, scale)), iters)
     kd = torch.randn(1, H, ctx, D, device=dev, dtype=torch.bfloat16, generator=g)
     vd = torch.randn(1, H, ctx, D, device=dev, dtype=torch.bfloat16, generator=g)
     qd = q.transpose(0, 1).unsqueeze(0).to(kd.dtype)                                 # [1, HQ, chunk, D]
@@ -193,14 +228,13 @@ def run_prefill(preset, ctx, chunk, iters):
         t_sdpa = cuda_time_us(lambda: sdpa(qd, kd, vd, scale=scale, is_causal=True, enable_gqa=True), iters)
         base = "causal (flash)"
     else:
-        pos = torch.arange(ctx - chunk, ctx, device=dev)
         mask = torch.arange(ctx, device=dev)[None, :] <= pos[:, None]
         t_sdpa = cuda_time_us(lambda: sdpa(qd, kd, vd, attn_mask=mask, scale=scale, enable_gqa=True), iters)
         base = "masked"
-    return {"case": "prefill", "preset": preset, "context": ctx, "chunk": chunk, "kernel_us": round(t_kernel, 1),
-            "step_us": round(t_step, 1), "sdpa_bf16_us": round(t_sdpa, 1), "sdpa": base,
-            "kernel_vs_sdpa": round(t_kernel / t_sdpa, 3), "max_rel_err_fp32": err32, "max_rel_err_bf16": err16,
-            "correct": err32 < 1e-4 and err16 < 3e-2}
+    return {"case": "prefill", "preset": preset, "hot": hot or "off", "context": ctx, "chunk": chunk,
+            "kernel_us": round(t_kernel, 1), "step_us": round(t_step, 1), "sdpa_bf16_us": round(t_sdpa, 1),
+            "sdpa": base, "kernel_vs_sdpa": round(t_kernel / t_sdpa, 3), "step_vs_sdpa": round(t_step / t_sdpa, 3),
+            "max_rel_err_fp32": err32, "max_rel_err_bf16": err16, "correct": err32 < 1e-4 and err16 < 3e-2}
 
 
 def write(results, meta):
@@ -221,12 +255,14 @@ def write(results, meta):
                  f"{r['kv_bytes'] / 2**20:.1f}", f"{r['dense_bf16_bytes'] / 2**20:.1f}",
                  f"{r['max_rel_err_fp32']:.1e}", f"{r['max_rel_err_bf16']:.1e}", "yes" if r["correct"] else "**NO**"]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
-    lines += ["", "| prefill | context | chunk | kernel us | step us | SDPA bf16 us | SDPA | kernel / SDPA | "
-              "rel err fp32 | rel err bf16 | correct |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "prefill step us: the layer's store (K/V, hot copies, new rows) and attention (rotation, coded "
+              "and HOT launches, merge, de-rotation), eager; kernel us: the coded launch alone.", "",
+              "| prefill | hot | context | chunk | kernel us | step us | SDPA bf16 us | SDPA | kernel / SDPA | "
+              "step / SDPA | rel err fp32 | rel err bf16 | correct |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in (r for r in results if r["case"] == "prefill"):
-        cells = [r["preset"], r["context"], r["chunk"], r["kernel_us"], r["step_us"], r["sdpa_bf16_us"], r["sdpa"],
-                 f"{r['kernel_vs_sdpa']}x", f"{r['max_rel_err_fp32']:.1e}", f"{r['max_rel_err_bf16']:.1e}",
-                 "yes" if r["correct"] else "**NO**"]
+        cells = [r["preset"], r["hot"], r["context"], r["chunk"], r["kernel_us"], r["step_us"], r["sdpa_bf16_us"],
+                 r["sdpa"], f"{r['kernel_vs_sdpa']}x", f"{r['step_vs_sdpa']}x", f"{r['max_rel_err_fp32']:.1e}",
+                 f"{r['max_rel_err_bf16']:.1e}", "yes" if r["correct"] else "**NO**"]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     lines += ["", "| verify (1 + k rows per sequence) | hot | context | batch | rows | step us | graph us | "
               "SDPA bf16 us (masked) | graph / SDPA | rel err fp32 | rel err bf16 | correct |",
@@ -337,10 +373,15 @@ def main():
             log(json.dumps(results[-1]))
             torch.cuda.empty_cache()
     for preset in a.presets.split(","):
-        for ctx, chunk in ((8192, 2048), (2048, 2048)) if DEV == "cuda" else ((64, 16), (32, 32)):
-            results.append(run_prefill(preset, ctx, chunk, max(5, a.iters // 5)))
-            log(json.dumps(results[-1]))
-            torch.cuda.empty_cache()
+        for hot in ("" if h == "off" else h for h in a.hot.split(",")):
+            kf, vf = parse_preset(preset)
+            if hot and not (kf.kind == "tq" or (hot == "kv" and vf.kind == "tq")):
+                continue
+            # CPU: chunks longer than block_size + 1 too (the hot pass over the store's new rows).
+            for ctx, chunk in ((8192, 2048), (2048, 2048)) if DEV == "cuda" else ((64, 32), (32, 32)):
+                results.append(run_prefill(preset, ctx, chunk, max(5, a.iters // 5), hot))
+                log(json.dumps(results[-1]))
+                torch.cuda.empty_cache()
     bad = [r for r in results if not r["correct"]]
     if DEV == "cpu":
         log(f"cpu check: {len(results)} configs ran, {len(bad)} incorrect (nothing written)")
