@@ -15,10 +15,11 @@ slot -1: the attention reads no key for them and the cache store writes
 nothing (a linear-attention layer's state: they write the cache's pad slot,
 kvcache/linear_state.py). Steps with a prefill chunk or prompt logprobs run
 eagerly, as do DeepSeek-V4's (its pool builds per-step metadata from host
-lists), an MTP proposer's (it keeps every step's hidden streams), and those
-whose layer caches say they cannot be captured (`not_capturable`, and for
-verification steps `spans_not_capturable(1 + k)`: linear-attention spans
-run per sequence).
+lists) and those whose layer caches say they cannot be captured
+(`not_capturable`, and for verification steps `spans_not_capturable(1 + k)`:
+linear-attention spans longer than the state's checkpoints run per
+sequence). Under an MTP proposer the graphs capture the model's streams
+(forward_streams), which the proposer reads after the replay.
 
 The captured metadata's host-side values are fixed at capture: every
 sequence counts as a decode (one row) or as a span of 1 + k rows,
@@ -96,8 +97,10 @@ class DecodeGraphs:
 
     def __init__(self, model: torch.nn.Module, kv_caches: list, widths: list[int], max_model_len: int,
                  max_num_seqs: int, device: torch.device, emulate: bool = False,
-                 query_lens: tuple[int, ...] = (1,), max_num_tokens: int | None = None):
+                 query_lens: tuple[int, ...] = (1,), max_num_tokens: int | None = None, streams: bool = False):
         self.model, self.kv_caches, self.device, self.emulate = model, kv_caches, device, emulate
+        # streams: capture the model's pre-collapse streams (forward_streams), which an MTP proposer keeps.
+        self.forward = model.forward_streams if streams else model
         self.sizes = capture_sizes(max_num_seqs)
         # A graph's rows stay within a step's token budget (what the KV budget
         # profiled): verification sizes of more rows are not captured.
@@ -129,7 +132,7 @@ class DecodeGraphs:
                                  max_seq_len=self.max_model_len, max_query_len=q)
 
     def _forward(self, b: int, q: int, meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(self.ids[:b * q], self.pos[:b * q], meta)
+        return self.forward(self.ids[:b * q], self.pos[:b * q], meta)
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -283,12 +283,12 @@ class ModelRunner:
     def _graph_shape(self, sched: list[ScheduledRequest], tables) -> tuple[int, int]:
         """(captured batch size, rows per sequence) this step replays at, or
         (0, 0): eager. Decodes only (one known token each; no prompt logprob
-        to score, no hidden streams kept for a proposer) whose block tables
+        to score) whose block tables
         fit the captured width: with no drafts, the one-row graphs; with
         drafts, those of 1 + k rows when captured (k drafts at most, every
         sequence's rows within max_model_len)."""
         g = self.graphs
-        if g is None or self.keep_streams:
+        if g is None:
             return 0, 0
         for s in sched:
             if s.num_new_tokens - len(s.spec_token_ids) != 1 or (
@@ -334,6 +334,11 @@ class ModelRunner:
             b = plan.graph_batch
             groups = [GroupMetadata(d[5 + 2 * g], d[6 + 2 * g].view(b, w)) for g, w in enumerate(plan.widths)]
             hidden = self.graphs.run(b, plan.graph_rows, d[0], d[1], d[3], groups)
+            if self.keep_streams:
+                # The graph's output, valid until the next replay: the proposer
+                # reads it after this step (plan.qsl: the padded rows' layout).
+                self.last_step = StepRecord(self.sched, plan.qsl, hidden)
+                hidden = self.model.collapse(hidden)
             rows = d[4]
             return (self.model.compute_logits(hidden[rows]) if len(rows) else None), []
         input_ids, positions, meta, rows = self.inputs(plan)

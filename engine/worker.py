@@ -167,8 +167,7 @@ class Worker:
         or None, said in one line, when this model's decode cannot be
         captured. emulate: the same static buffers and frozen metadata, with
         replay re-running the forward (tests, on CPU)."""
-        why = "the MTP proposer keeps every step's hidden streams" if self._mtp_drafts else \
-            why_not_capturable(self.caches)
+        why = why_not_capturable(self.caches)
         if why:
             log.info("CUDA graphs off: %s", why)
             return None
@@ -183,7 +182,7 @@ class Worker:
         widths = [-(-self.max_model_len // args.block_size)] * len(self.plan.groups)
         graphs = DecodeGraphs(self.model, self.caches, widths, self.max_model_len, args.max_num_seqs,
                               self.device, emulate=emulate, query_lens=query_lens,
-                              max_num_tokens=args.max_num_batched_tokens)
+                              max_num_tokens=args.max_num_batched_tokens, streams=self._mtp_drafts)
         used = torch.cuda.memory_allocated(self.device) if not emulate else 0
         try:
             graphs.capture()

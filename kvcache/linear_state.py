@@ -41,8 +41,12 @@ class LinearStateCache:
     # which a capture's warm-up checks for host syncs like any other.
     not_capturable = None
     def spans_not_capturable(self, rows: int) -> str | None:
-        # Several rows of a sequence (a verification step) run per sequence, over host lengths.
-        return "linear-attention spans run per sequence over the host's lengths"
+        # Spans of one length up to `checkpoints` rows (a verification step) run a
+        # token at a time from device lengths (qwen3_next.GatedDeltaNet._rows);
+        # longer ones per sequence over the host's.
+        if rows <= self.checkpoints:
+            return None
+        return f"linear-attention spans of {rows} rows > {self.checkpoints} checkpoints run per sequence"
 
     @property
     def nbytes(self) -> int:

@@ -187,10 +187,13 @@ class GatedDeltaNet(nn.Module):
         meta None: one sequence from zero state. Otherwise each sequence
         continues from its slot's checkpoint of the state after its position
         start - 1 (zeros where its first token is in this step): the decodes
-        together, one token each, then each longer span (a prefill chunk, a
-        verification of drafts) whole. Each writes the state after each of its
-        last `checkpoints` positions (kvcache/linear_state.py), which is what
-        a rollback of rejected drafts resumes from."""
+        together, one token each, then the longer spans (prefill chunks,
+        verifications of drafts): all at once, a token at a time, when they
+        have the same length, at most `checkpoints` (a verification step, also
+        as a CUDA graph replays it: every sequence 1 + k rows), else each whole.
+        Each writes the state after each of its last `checkpoints` positions
+        (kvcache/linear_state.py), which is what a rollback of rejected drafts
+        resumes from."""
         w = self.conv1d.weight[:, 0]
         C = mixed.shape[1]
         if meta is None:
@@ -202,16 +205,14 @@ class GatedDeltaNet(nn.Module):
         qsl, lens, nd = meta.query_start_loc, meta.seq_lens, meta.num_decodes
         out = torch.empty(mixed.shape[0], self.num_v_heads, self.v_dim, dtype=torch.float32, device=mixed.device)
         if nd:
-            s, pos = slots[:nd], meta.seq_lens_t[:nd] - 1
-            # Gathered copies, zeroed for a sequence whose first token this is (a
-            # one-token prompt): a device mask, no host branch on the batch's contents.
-            keep = (pos > 0).to(torch.float32)
-            before, after = (pos - 1) % P, pos % P
-            conv = cache.conv[s, before] * keep[:, None, None]
-            rec = cache.recurrent[s, before] * keep[:, None, None, None]
-            y = gated_delta.conv_step(mixed[:nd], w, conv)
-            out[:nd] = gated_delta.recurrent_step(*self._heads(y), g[:nd], beta[:nd], rec)
-            cache.conv[s, after], cache.recurrent[s, after] = conv, rec
+            self._rows(cache, slots[:nd], meta.seq_lens_t[:nd] - 1, mixed[:nd, None], g[:nd, None],
+                       beta[:nd, None], out[:nd, None])
+        rows = {qsl[i + 1] - qsl[i] for i in range(nd, len(lens))}
+        if len(rows) == 1 and (R := rows.pop()) <= P:
+            a, B = qsl[nd], len(lens) - nd
+            self._rows(cache, slots[nd:], meta.seq_lens_t[nd:] - R, mixed[a:].reshape(B, R, -1),
+                       g[a:].reshape(B, R, -1), beta[a:].reshape(B, R, -1), out[a:].view(B, R, *out.shape[1:]))
+            return out
         for i in range(nd, len(lens)):
             a, e = qsl[i], qsl[i + 1]
             slot, start, n = slots[i], lens[i] - (e - a), e - a
@@ -226,6 +227,25 @@ class GatedDeltaNet(nn.Module):
             at = [(start + n - m + j) % P for j in range(m)]
             cache.conv[slot, at], cache.recurrent[slot, at] = conv1, rec1
         return out
+
+    def _rows(self, cache, slots, start, mixed, g, beta, out):
+        """B sequences of R rows each, a token at a time (recurrent steps),
+        all from device values (a CUDA graph can replay it): sequence b's
+        rows are positions start[b] ..; it continues from its slot's state
+        after start[b] - 1 (zeros where start[b] <= 0: its first token is
+        here, or a pad sequence's) and writes the state after each row.
+        mixed [B, R, C], g / beta [B, R, Hv], out [B, R, Hv, dv]."""
+        P, w = cache.checkpoints, self.conv1d.weight[:, 0]
+        # Gathered copies, zeroed by a device mask: no host branch on the batch's contents.
+        keep = (start > 0).to(torch.float32)
+        before = (start - 1) % P
+        conv = cache.conv[slots, before] * keep[:, None, None]
+        rec = cache.recurrent[slots, before] * keep[:, None, None, None]
+        for r in range(mixed.shape[1]):
+            y = gated_delta.conv_step(mixed[:, r], w, conv)
+            out[:, r] = gated_delta.recurrent_step(*self._heads(y), g[:, r], beta[:, r], rec)
+            at = (start + r) % P
+            cache.conv[slots, at], cache.recurrent[slots, at] = conv, rec
 
     def _zero_state(self, device):
         return torch.zeros(self.num_v_heads, self.k_dim, self.v_dim, dtype=torch.float32, device=device)

@@ -16,6 +16,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.cuda_graph import DecodeGraphs, HostSyncError, capture_sizes, forbid_host_syncs, why_not_capturable
 from kvcache.linear_state import LinearStateCache
+from test_spec_decode import Fixed
 from model_zoo import cpu_ops
 from parallel.quant import fp_methods
 from tiny_models import (save_tiny_gemma3, save_tiny_gemma4, save_tiny_llama, save_tiny_qwen3, save_tiny_qwen3_5,
@@ -242,9 +243,44 @@ def test_verification_steps_replayed_equal_eager(graph_env, tmp_path):
     assert _toks(llm.generate([prompts[2]], greedy)) == ref[2:3] and (1, 4) in shapes
 
 
+def test_verification_steps_over_linear_attention_replayed(graph_env, tmp_path):
+    """Qwen3-Next, k = 3 drafts with 0..3 correct tokens then a wrong one
+    (the state checkpoints, 4 per slot, resumed from each of a step's rows),
+    every verification step replayed at 4 rows per sequence (3 sequences
+    padded to 4: the DeltaNet layers a token at a time from device lengths,
+    the pad sequence writing the pad slot). Tokens and logprobs equal a run
+    without drafts."""
+    save_tiny_qwen3_next(tmp_path)
+    prompts = token_prompts(3, lo=5, hi=14, seed=3)
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, logprobs=2, ignore_eos=True)
+    ref = _engine(tmp_path).generate(prompts, greedy)
+    cont = {tuple(p): o.outputs[0].token_ids + [0] * 4 for p, o in zip(prompts, ref)}
+
+    def drafts(r):
+        c, j = cont[tuple(r.prompt_token_ids)], r.num_output_tokens
+        good = (j + len(r.prompt_token_ids)) % 4            # a different accepted count step to step
+        return c[j:j + good] + [(c[j + good] + 1) % 256] * 3
+
+    llm = _engine(tmp_path, speculative_config=NGRAM)
+    llm.core.proposer = Fixed(drafts)
+    assert why_not_capturable(llm.core.caches, 4) is None
+    assert "5 rows > 4 checkpoints" in why_not_capturable(llm.core.caches, 5)
+    graphs = llm.core._capture_graphs(emulate=True)
+    assert graphs.query_lens == (1, 4)
+    llm.core.runner.graphs = graphs
+    shapes, run = [], graphs.run
+    graphs.run = lambda b, q, *a: (shapes.append((b, q)), run(b, q, *a))[1]
+    out = llm.generate(prompts, greedy)
+    assert _toks(out) == _toks(ref)
+    for a, b in zip(out, ref):
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert max(abs(la[t] - lb[t]) for t in la) < 1e-4
+    st = llm.core.get_stats()
+    assert shapes.count((4, 4)) >= 3 and st.spec_decode_num_accepted_tokens_per_pos[2] > 0
+
+
 def test_steps_that_stay_eager(graph_env, tmp_path):
-    """Prompt logprobs of a one-token chunk, drafts and kept hidden streams
-    keep a step eager; a decode batch larger than the largest size too."""
+    """A decode batch larger than the largest captured size stays eager."""
     save_tiny_llama(tmp_path)
     llm = _engine(tmp_path)
     replays = _emulate(llm)

@@ -3,8 +3,10 @@ drafting for speculative decoding: every draft the engine proposes (the first
 from the target's hidden state, then chained on the head's own output) equals
 a reference built from transformers' own decoder layer and RMSNorm classes
 over the whole sequence without a cache; greedy tokens and logprobs equal a
-run without speculation, with chunked prefill and preemption; the head's KV
-layer is planned into the pool; a checkpoint without the head is refused."""
+run without speculation, with chunked prefill and preemption, and with the
+target's decode and verification steps replayed as (emulated) CUDA graphs;
+the head's KV layer is planned into the pool; a checkpoint without the head
+is refused."""
 import json
 
 import pytest
@@ -165,6 +167,38 @@ def test_lossless_with_chunks_and_preemption(model):
     n_full = hf_full_layers(path)
     assert spec.core.plan.bytes_per_token * n_full == plain.core.plan.bytes_per_token * (n_full + 1)
     assert spec.core.plan.state_bytes_per_seq == 4 * plain.core.plan.state_bytes_per_seq   # k + 1 checkpoints
+
+
+def test_target_steps_replayed_as_graphs(model, monkeypatch):
+    """The target's steps as CUDA graphs replay them (emulated on CPU: the
+    CUDA attention path interpreted), the graph capturing the streams the
+    head drafts from: verification steps of 1 + 3 rows replayed, every
+    draft, token and logprob the eager run's (the head read the same
+    streams; lossless against no drafts: test_lossless_with_chunks_and_preemption)."""
+    from model_zoo import cpu_ops
+    path, _, _ = model
+    monkeypatch.setenv("TQSERVE_ATTN_BACKEND", "dense-triton")
+    monkeypatch.setattr(cpu_ops, "ENABLED", False)
+    ps = token_prompts(3, 9, 20, seed=4)
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
+    runs = []
+    for replay in (False, True):
+        llm = LLM(str(path), speculative_config=MTP, **args())
+        shapes, drafts, propose = [], [], llm.core.proposer.propose
+        llm.core.proposer.propose = lambda reqs, k: (d := propose(reqs, k), drafts.append(d))[0]
+        if replay:
+            graphs = llm.core._capture_graphs(emulate=True)
+            assert graphs.query_lens == (1, 4) and graphs.forward == llm.core.model.forward_streams
+            llm.core.runner.graphs, run = graphs, graphs.run
+            graphs.run = lambda b, q, *a: (shapes.append((b, q)), run(b, q, *a))[1]
+        runs.append((llm.generate(ps, sp), drafts, shapes))
+    (ref, eager_drafts, _), (out, drafts, shapes) = runs
+    assert drafts == eager_drafts and sum(len(d) for step in drafts for d in step) > 20
+    assert shapes.count((3, 4)) >= 5
+    for a, b in zip(ref, out):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        worst = max(abs(la[t] - lb[t]) for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs) for t in la)
+        assert worst < 1e-4, worst
 
 
 def hf_full_layers(path) -> int:

@@ -258,7 +258,7 @@ def write(results, meta):
     lines += ["", "prefill step us: the layer's store (K/V, hot copies, new rows) and attention (rotation, coded "
               "and HOT launches, merge, de-rotation), eager; kernel us: the coded launch alone.", "",
               "| prefill | hot | context | chunk | kernel us | step us | SDPA bf16 us | SDPA | kernel / SDPA | "
-              "step / SDPA | rel err fp32 | rel err bf16 | correct |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "step / SDPA | rel err fp32 | rel err bf16 | correct |", "|" + "---|" * 13]
     for r in (r for r in results if r["case"] == "prefill"):
         cells = [r["preset"], r["hot"], r["context"], r["chunk"], r["kernel_us"], r["step_us"], r["sdpa_bf16_us"],
                  r["sdpa"], f"{r['kernel_vs_sdpa']}x", f"{r['step_vs_sdpa']}x", f"{r['max_rel_err_fp32']:.1e}",

@@ -115,6 +115,58 @@ def test_hybrid_cuda_graphs_equal_eager(tmp_path):
     assert [toks(graphs.generate([p], greedy(16)))[0] for p in ps[:2]] == ref[:2]
 
 
+def test_hybrid_verification_graphs_equal_eager(tmp_path):
+    """Qwen3-Next, k = 3 drafts with 0..3 correct tokens then a wrong one:
+    verification steps replayed at 4 rows per sequence (the delta rule a
+    token at a time from device lengths, resuming from each state
+    checkpoint) give the tokens of eager decoding without drafts."""
+    from test_spec_decode import Fixed
+    from tiny_models import save_tiny_qwen3_next, token_prompts
+    save_tiny_qwen3_next(tmp_path)
+    ps = token_prompts(3, lo=20, hi=40, seed=3)
+    kw = dict(device="cuda", dtype="float32")
+    ref = toks(LLM(str(tmp_path), enforce_eager=True, **kw).generate(ps, greedy(16)))
+    cont = {tuple(p): r + [0] * 4 for p, r in zip(ps, ref)}
+
+    def drafts(r):
+        c, j = cont[tuple(r.prompt_token_ids)], r.num_output_tokens
+        good = (j + len(r.prompt_token_ids)) % 4
+        return c[j:j + good] + [(c[j + good] + 1) % 256] * 3
+
+    llm = LLM(str(tmp_path), enforce_eager=False, speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+              **kw)
+    llm.core.proposer = Fixed(drafts)
+    graphs = llm.core.graphs
+    assert graphs is not None and graphs.query_lens == (1, 4)
+    shapes, run = [], graphs.run
+    graphs.run = lambda b, q, *a: (shapes.append((b, q)), run(b, q, *a))[1]
+    assert toks(llm.generate(ps, greedy(16))) == ref
+    assert shapes.count((4, 4)) >= 3 and llm.core.get_stats().spec_decode_num_accepted_tokens_per_pos[2] > 0
+
+
+def test_mtp_graphs_equal_eager(tmp_path):
+    """Qwen3-Next with an MTP head (k = 3) on CUDA: the target's steps
+    replayed as graphs that keep the streams the head drafts from give the
+    eager run's drafts and tokens."""
+    from test_hybrid_mtp import MTP, add_mtp_head
+    from test_qwen3_next import make_hf
+    from tiny_models import token_prompts
+    hf = make_hf("qwen3_next").float()
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    add_mtp_head(tmp_path, hf)
+    ps = token_prompts(3, lo=9, hi=20, seed=4)
+    runs = []
+    for eager in (True, False):
+        llm = LLM(str(tmp_path), device="cuda", dtype="float32", enforce_eager=eager, speculative_config=MTP)
+        drafts, propose = [], llm.core.proposer.propose
+        llm.core.proposer.propose = lambda reqs, k: (d := propose(reqs, k), drafts.append(d))[0]
+        runs.append((toks(llm.generate(ps, greedy(12))), drafts, llm.core.graphs))
+        del llm
+    (ref, ref_drafts, _), (out, drafts, graphs) = runs
+    assert graphs is not None and graphs.query_lens == (1, 4) and graphs.replays > 0
+    assert out == ref and drafts == ref_drafts
+
+
 @pytest.mark.parametrize("kv", ["auto", "k8v4", "tq4"])
 def test_verification_graphs_equal_eager(tmp_path, kv):
     """n-gram drafts (k = 3) on CUDA: verification steps replayed as graphs of
