@@ -71,6 +71,11 @@ def cpu_info() -> CpuInfo:
         pass
     m = re.search(r"^(?:model name|Model|Hardware|CPU part)\s*:\s*(.+)$", text, re.M)
     model = m.group(1).strip() if m else (platform.processor() or "unknown CPU")
+    # x86 family / model / stepping: a virtual machine's name ("AMD EPYC") does
+    # not tell Zen 2, 3 and 4 apart, and their GEMV vs matmul crossovers differ.
+    ids = [re.search(rf"^{k}\s*:\s*(\d+)$", text, re.M) for k in ("cpu family", "model", "stepping")]
+    if all(ids):
+        model += " [family {} model {} stepping {}]".format(*(i.group(1) for i in ids))
     feats = re.search(r"^(?:flags|Features)\s*:\s*(.*)$", text, re.M)
     flags = set(feats.group(1).split()) if feats else set()
     arch = platform.machine()

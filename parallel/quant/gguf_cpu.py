@@ -35,13 +35,16 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-f
 # Rows of x up to which GGUFBlocks / gguf.matmul take the fused GEMV rather
 # than dequantize + matmul (gemv_max_m). The GEMV decodes W once per 8 rows
 # of x, so where the two cross depends on what decoding a type costs:
-# Q6_K's is the dearest (the GEMV loses at 16 rows), Q8_0's the cheapest (it
-# wins at 24 rows, most on the LM heads). Measured on the SmolLM2 / Gemma3 layers:
-# tests/bench/gguf_cpu_crossover.py (results/gguf_cpu_crossover.md, a
-# 2-core AVX2 EPYC); an earlier Zen 4 (AVX-512) run had the crossover at
-# 16-24 rows on one thread for cache-resident layers, later for LM heads.
+# Q6_K's and Q5_K's (high bits apart) are the dearest (the GEMV loses at 16
+# rows), Q8_0's the cheapest (it wins at 24 rows, most on the LM heads).
+# Measured on the SmolLM2 / Gemma3 layers and on random Q4_0 / Q5_K blocks:
+# tests/bench/gguf_cpu_crossover.py (results/gguf_cpu_crossover.md). The
+# crossover moves with the machine: on one 2-core AVX2 EPYC (commit f9d1fcf)
+# at 8-24 rows, on a Zen 3 one (family 25 model 1) at 40+ rows for all but
+# Q6_K and Q5_K (8 rows each; Q5_K measured there only); an earlier Zen 4
+# (AVX-512) run at 16-24 rows on one thread. The limits suit the slowest.
 GEMV_MAX_M = 16
-GEMV_MAX_M_BY_TYPE = {"Q8_0": 24, "Q6_K": 8}
+GEMV_MAX_M_BY_TYPE = {"Q8_0": 24, "Q6_K": 8, "Q5_K": 8}
 DTYPES = (torch.float32, torch.bfloat16)
 # type -> (ggml id, elements per block, bytes per block), as parallel/quant/gguf.py's QTYPES
 _TYPES = {"Q8_0": (8, 32, 34), "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22),

@@ -3,8 +3,13 @@ tiles + matmul: for every distinct (type, shape) weight of the real GGUF
 files, GGUFBlocks.matmul timed both ways at M rows of x, interleaved, best
 of --reps. parallel/quant/gguf_cpu.py's GEMV_MAX_M_BY_TYPE is chosen from
 this (the GEMV decodes W once per 8 rows, so its cost steps at 8, 16, 24...).
+Types the real files lack (Q4_0, Q5_K: --synthetic) are timed on random
+blocks at the real files' layer shapes (--shapes): gguf's quantizer where it
+has one, else random bytes with finite scales (speed does not depend on the
+values).
 
     .venv/bin/python tests/bench/gguf_cpu_crossover.py [--models gemma3-270m,smollm2-135m] [--rows 8,16,24,32,40]
+        [--synthetic Q4_0,Q5_K] [--shapes 640x2048,2048x1024,1024x2048,576x1536]
 
 Writes tests/bench/results/gguf_cpu_crossover.{json,md} (CPU model and flags,
 threads, commit).
@@ -42,6 +47,33 @@ def layers(model: str):
         yield t.name, fmt, layer
 
 
+# Byte offsets of the fp16 super-block scales (d, dmin) in the K-quant blocks (ggml's structs).
+_K_SCALES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def synthetic(fmts: str, shapes: str):
+    """(name, type, GGUFBlocks) of random blocks per type and N x K shape."""
+    import gguf
+    from gguf import quants
+    g = np.random.default_rng(0)
+    for fmt in fmts.split(","):
+        qt = getattr(gguf.GGMLQuantizationType, fmt)
+        block, size = gguf.GGML_QUANT_SIZES[qt]
+        for shape in shapes.split(","):
+            n, k = map(int, shape.split("x"))
+            if fmt in _K_SCALES:
+                raw = g.integers(0, 256, (n, k // block * size), dtype=np.uint8)
+                blocks = raw.reshape(n, k // block, size)
+                for off in _K_SCALES[fmt]:
+                    blocks[..., off:off + 2] = np.array([0.01], np.float16).view(np.uint8)
+            else:
+                raw = quants.quantize(g.standard_normal((n, k), dtype=np.float32), qt)
+            layer = GGUFBlocks(n, k)
+            layer.load("w", 0, QuantizedTensor(fmt, torch.from_numpy(raw.copy()), (n, k)), torch.device("cpu"),
+                       torch.float32)
+            yield f"random {n}x{k}", fmt, layer
+
+
 def best_ms(fn, reps: int) -> float:
     fn()
     ts = []
@@ -57,12 +89,18 @@ def main():
     ap.add_argument("--models", default="gemma3-270m,smollm2-135m")
     ap.add_argument("--rows", default="8,16,24,32,40")
     ap.add_argument("--reps", type=int, default=20, help="best of this many (a quarter for LM heads)")
+    ap.add_argument("--synthetic", default="Q4_0,Q5_K", help="types timed on random blocks ('' for none)")
+    ap.add_argument("--shapes", default="640x2048,2048x1024,1024x2048,576x1536",
+                    help="their N x K shapes (K: a multiple of 256, the K-quants' block)")
     ap.add_argument("--out", default="gguf_cpu_crossover")
     args = ap.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     res = {"config": vars(args), "machine": machine(), "runs": []}
-    for model in args.models.split(","):
-        for name, fmt, layer in layers(model):
+    sources = [(model, layers(model)) for model in args.models.split(",")]
+    if args.synthetic:
+        sources.append(("synthetic", synthetic(args.synthetic, args.shapes)))
+    for model, source in sources:
+        for name, fmt, layer in source:
             reps = max(3, args.reps // 4) if layer.n * layer.k > 50_000_000 else args.reps
             r = {"model": model, "tensor": name, "type": fmt, "n": layer.n, "k": layer.k, "gemv_ms": [], "tiles_ms": []}
             for m in rows:
