@@ -248,6 +248,17 @@ def tq_decode_kernel(q_ptr, rot_ptr, o_ptr, lse_ptr, bt_ptr, hbt_ptr, seq_len_pt
 
 
 @triton.jit
+def _int8_new_or_stored(new, rows, n_data, n_scale, sn_t, sn_h, snc_t, snc_h,
+                        data, scale, slots, s_slot, s_h, sc_slot, sc_h, h, mask, D: tl.constexpr):
+    """int8 rows times their scales -> [N, D] float32, each key's from one of
+    two sources: the step's new rows (row `rows`) where `new`, else the store
+    (row `slots`). The row pointer is chosen, then loaded once (two masked
+    loads summed need more registers)."""
+    return _int8_rows(tl.where(new, n_data + rows * sn_t + h * sn_h, data + slots * s_slot + h * s_h),
+                      tl.where(new, n_scale + rows * snc_t + h * snc_h, scale + slots * sc_slot + h * sc_h), mask, D)
+
+
+@triton.jit
 def _prefill_ranges(q, m, l, acc, lo, hi, lo2, hi2, qpos, own, bt_row, vbt_row, window, sink,
                     k_data, k_scale, k_cb, v_data, v_scale, v_cb, h,
                     ks_slot, ks_h, ksc_slot, ksc_h, vs_slot, vs_h, vsc_slot, vsc_h,
@@ -276,13 +287,10 @@ def _prefill_ranges(q, m, l, acc, lo, hi, lo2, hi2, qpos, own, bt_row, vbt_row, 
         kmask = kpos < tl.where(in1, hi, hi2)
         slots, vslots = _slots(bt_row, vbt_row, kpos, kmask, BLOCK_SIZE, V_TABLE)
         if NEW_ROWS:
-            # Hot K (and V) is int8: each key's row pointer from its one source
-            # (one load per byte; two masked loads summed need more registers).
             new = kpos >= ctx
             rows = (q_start + kpos - ctx).to(tl.int64)
-            k = _int8_rows(tl.where(new, nk_data + rows * nks_t + h * nks_h, k_data + slots * ks_slot + h * ks_h),
-                           tl.where(new, nk_scale + rows * nksc_t + h * nksc_h,
-                                    k_scale + slots * ksc_slot + h * ksc_h), kmask, D)
+            k = _int8_new_or_stored(new, rows, nk_data, nk_scale, nks_t, nks_h, nksc_t, nksc_h,
+                                    k_data, k_scale, slots, ks_slot, ks_h, ksc_slot, ksc_h, h, kmask, D)
         else:
             k = _load_tile(k_data, k_scale, k_cb, slots, h, kmask, ks_slot, ks_h, ksc_slot, ksc_h,
                            K_KIND, K_BITS, K_GROUP, BLOCK_N, D)
@@ -296,9 +304,8 @@ def _prefill_ranges(q, m, l, acc, lo, hi, lo2, hi2, qpos, own, bt_row, vbt_row, 
             valid = valid & ((kpos[None, :] < sink) | (kpos[None, :] >= own[:, None]))
         p, alpha, m, l = _online(s, valid, m, l)
         if NEW_ROWS == 2:
-            v = _int8_rows(tl.where(new, nv_data + rows * nvs_t + h * nvs_h, v_data + vslots * vs_slot + h * vs_h),
-                           tl.where(new, nv_scale + rows * nvsc_t + h * nvsc_h,
-                                    v_scale + vslots * vsc_slot + h * vsc_h), kmask, D)
+            v = _int8_new_or_stored(new, rows, nv_data, nv_scale, nvs_t, nvs_h, nvsc_t, nvsc_h,
+                                    v_data, v_scale, vslots, vs_slot, vs_h, vsc_slot, vsc_h, h, kmask, D)
         else:
             v = _load_tile(v_data, v_scale, v_cb, vslots, h, kmask, vs_slot, vs_h, vsc_slot, vsc_h,
                            V_KIND, V_BITS, V_GROUP, BLOCK_N, D)
