@@ -1,7 +1,9 @@
 """A step's new K/V into a TurboQuant layer cache (TQLayerCache) in one Triton
 launch: tq_store(cache, slot_mapping, k, v, hot_slots) stores exactly what
-TQLayerCache.write(slot_mapping, k, v, hot_slots) stores (without its return
-value), tested against it with Triton's interpreter (tests/test_tq_store.py).
+TQLayerCache.write(slot_mapping, k, v, hot_slots) stores, and with
+new_rows=True returns of write's return value what a HOT prefill launch
+reads (the hot K rows, and the hot V rows with hot "kv"), tested against it
+with Triton's interpreter (tests/test_tq_store.py).
 
 The torch write encodes with ~85 small ops per layer and step
 (Codec.quantize_rotated, pack_bits, one index_copy_ per stored tensor) and,
