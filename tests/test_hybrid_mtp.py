@@ -103,13 +103,23 @@ class ReferenceMTP:
         return out, margins
 
 
-@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5"])
-def model(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    hf = make_hf(request.param).float()
+def saved(flavour, tmp_path_factory):
+    path = tmp_path_factory.mktemp(flavour)
+    hf = make_hf(flavour).float()
     hf.save_pretrained(path, safe_serialization=True)
     sd = add_mtp_head(path, hf)
     return path, hf, sd
+
+
+@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5"])
+def model(request, tmp_path_factory):
+    return saved(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def qwen3_next(tmp_path_factory):
+    """One flavour, for what does not depend on the DeltaNet's projection layout."""
+    return saved("qwen3_next", tmp_path_factory)
 
 
 def args(**kw):
@@ -169,14 +179,14 @@ def test_lossless_with_chunks_and_preemption(model):
     assert spec.core.plan.state_bytes_per_seq == 4 * plain.core.plan.state_bytes_per_seq   # k + 1 checkpoints
 
 
-def test_target_steps_replayed_as_graphs(model, monkeypatch):
+def test_target_steps_replayed_as_graphs(qwen3_next, monkeypatch):
     """The target's steps as CUDA graphs replay them (emulated on CPU: the
     CUDA attention path interpreted), the graph capturing the streams the
     head drafts from: verification steps of 1 + 3 rows replayed, every
     draft, token and logprob the eager run's (the head read the same
     streams; lossless against no drafts: test_lossless_with_chunks_and_preemption)."""
     from model_zoo import cpu_ops
-    path, _, _ = model
+    path, _, _ = qwen3_next
     monkeypatch.setenv("TQSERVE_ATTN_BACKEND", "dense-triton")
     monkeypatch.setattr(cpu_ops, "ENABLED", False)
     ps = token_prompts(3, 9, 20, seed=4)
