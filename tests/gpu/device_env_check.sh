@@ -3,7 +3,7 @@
 # has only what the GPU machine has (torch 2.11 + CUDA 13 wheels, triton 3.6, transformers 5.17; no
 # gguf, fastapi, uvicorn, pydantic), so that an import the bare machine lacks or an API that triton 3.6
 # or torch 2.11 does not have fails here. Kernels run under Triton's interpreter and compile for sm_90
-# and sm_121 with triton 3.6's ptxas. ~5 GB of wheels from PyPI the first time; then ~10 minutes (2 cores).
+# and sm_121 with triton 3.6's ptxas. ~5 GB of wheels from PyPI the first time; then ~14 minutes (2 cores).
 #   bash tests/gpu/device_env_check.sh [venv dir, default /tmp/tqserve-device-env]
 # numpy < 2.4: triton 3.6's interpreter converts 1-element arrays with int(), which numpy 2.4 refuses
 # (interpreter only: compiled kernels on the GPU do not go through it).
