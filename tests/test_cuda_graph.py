@@ -16,9 +16,9 @@ import torch
 from engine import LLM, SamplingParams
 from engine.cuda_graph import DecodeGraphs, HostSyncError, capture_sizes, forbid_host_syncs, why_not_capturable
 from kvcache.linear_state import LinearStateCache
-from test_spec_decode import Fixed
 from model_zoo import cpu_ops
 from parallel.quant import fp_methods
+from test_spec_decode import Fixed
 from tiny_models import (save_tiny_gemma3, save_tiny_gemma4, save_tiny_llama, save_tiny_qwen3, save_tiny_qwen3_5,
                          save_tiny_qwen3_moe, save_tiny_qwen3_next, token_prompts)
 
