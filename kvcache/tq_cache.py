@@ -163,11 +163,8 @@ class TQLayerCache(LayerCache):
         # A hot prefill passes through blocks without a hot copy: its HOT pass reads
         # the new rows ([T, ...] as the flat batch: tq-triton's HOT launch) and each
         # prefill's (in batch order, next_chunk_rows: _hot_prefill).
-        hk, hv = self.new_rows = self.backend.store_new_rows(self, slots, k, v, hot_slots)
-        qsl = meta.query_start_loc
-        self._chunks = [({n: t[qsl[i]:qsl[i + 1]] for n, t in hk.items()},
-                         hv and {n: t[qsl[i]:qsl[i + 1]] for n, t in hv.items()})
-                        for i in range(meta.num_decodes, meta.num_seqs)]
+        self.new_rows = self.backend.store_new_rows(self, slots, k, v, hot_slots)
+        self._prefill_qsl = meta.query_start_loc[meta.num_decodes:]     # sliced on demand: next_chunk_rows
         self._next_chunk = 0
 
     def reads_new_rows(self, meta) -> bool:
@@ -176,15 +173,15 @@ class TQLayerCache(LayerCache):
         hot_span_rows passes through blocks the hot group does not hold."""
         if not self.hot:
             return False
-        limit, qsl = self.backend.hot_span_rows(self), meta.query_start_loc
-        return any(qsl[i + 1] - qsl[i] > limit for i in range(meta.num_decodes, meta.num_seqs))
+        # Decodes have one row, so with a prefill the longest row count is a prefill's.
+        return meta.num_prefills > 0 and meta.max_query_len > self.backend.hot_span_rows(self)
 
     def next_chunk_rows(self) -> tuple[dict, dict | None]:
         """The next prefill's new rows (hot K; hot V, or coded V (tq-torch) or
         None (tq-triton) with hot "k") from store(), in batch order."""
-        rows = self._chunks[self._next_chunk]
+        a, b = self._prefill_qsl[self._next_chunk:self._next_chunk + 2]
         self._next_chunk += 1
-        return rows
+        return tuple(r and {n: t[a:b] for n, t in r.items()} for r in self.new_rows)
 
     def attention(self, q: torch.Tensor, meta, scale: float) -> torch.Tensor:
         # The prefills read store()'s chunks in batch order; from the first again at

@@ -207,9 +207,9 @@ class GatedDeltaNet(nn.Module):
         if nd:
             self._rows(cache, slots[:nd], meta.seq_lens_t[:nd] - 1, mixed[:nd, None], g[:nd, None],
                        beta[:nd, None], out[:nd, None])
-        rows = {qsl[i + 1] - qsl[i] for i in range(nd, len(lens))}
-        if len(rows) == 1 and (R := rows.pop()) <= P:
-            a, B = qsl[nd], len(lens) - nd
+        a, B, R = qsl[nd], len(lens) - nd, meta.max_query_len
+        # Spans of one length: the longest times their count is all their rows.
+        if B and R <= P and qsl[-1] - a == R * B:
             self._rows(cache, slots[nd:], meta.seq_lens_t[nd:] - R, mixed[a:].reshape(B, R, -1),
                        g[a:].reshape(B, R, -1), beta[a:].reshape(B, R, -1), out[a:].view(B, R, *out.shape[1:]))
             return out
