@@ -14,11 +14,13 @@ keeps the pads out of their view). Pad sequences have sequence length 0 and
 slot -1: the attention reads no key for them and the cache store writes
 nothing (a linear-attention layer's state: they write the cache's pad slot,
 kvcache/linear_state.py). Steps with a prefill chunk or prompt logprobs run
-eagerly, as do DeepSeek-V4's (its pool builds per-step metadata from host
-lists) and those whose layer caches say they cannot be captured
+eagerly, as do those whose layer caches say they cannot be captured
 (`not_capturable`, and for verification steps `spans_not_capturable(1 + k)`:
 linear-attention spans longer than the state's checkpoints run per
-sequence). Under an MTP proposer the graphs capture the model's streams
+sequence, and so do DeepSeek-V4's spans past its rollback room). DeepSeek-V4's
+pool reads the same generic metadata (kvcache/dsv4_paged.py DSV4Rows: the
+state slot from the per-sequence group's table, entry rows from the entry
+groups' slot mappings, -1 where a row closes no window). Under an MTP proposer the graphs capture the model's streams
 (forward_streams), which the proposer reads after the replay.
 
 The captured metadata's host-side values are fixed at capture: every
@@ -188,8 +190,7 @@ def why_not_capturable(kv_caches, rows_per_seq: int = 1) -> str | None:
     """Why decode steps over these caches (rows_per_seq > 1: verification
     steps, 1 + k rows per sequence) must stay eager (None: they can be
     captured): each layer cache says for itself."""
-    if not isinstance(kv_caches, list):
-        return f"{type(kv_caches).__name__} keeps per-sequence state outside the block tables"
-    return next((why for c in kv_caches if c is not None
+    caches = kv_caches if isinstance(kv_caches, list) else [kv_caches]    # DeepSeek-V4's: one pool
+    return next((why for c in caches if c is not None
                  and (why := c.spans_not_capturable(rows_per_seq) if rows_per_seq > 1 else c.not_capturable)),
                 None)

@@ -213,8 +213,16 @@ class ModelRunner:
             flat = np.fromiter(chain.from_iterable(tg), np.int64, total)
             first = np.cumsum(ln) - ln
             bt[np.repeat(np.arange(B), ln), np.arange(total) - np.repeat(first, ln)] = flat
+        r = self.kv.groups[g].ratio
         if self.kv.groups[g].per_seq:
             slots[:] = bt[seq_of_tok, 0]      # a per-sequence state: its one slot
+        elif r > 1:
+            # One row per r tokens (DeepSeek-V4's compressed entries): the token
+            # that closes window w writes entry w; the others write nothing.
+            closes = (pos + 1) % r == 0
+            e = pos[closes] // r
+            slots[:] = -1
+            slots[closes] = bt[seq_of_tok[closes], e // bs] * bs + e % bs
         else:
             np.add(bt[seq_of_tok, pos // bs] * bs, pos % bs, out=slots)
         np.maximum(bt, 0, out=bt)             # NULL_BLOCK -> 0, masked by position
@@ -256,14 +264,14 @@ class ModelRunner:
         (request, first position, end) in plan.prompt_rows order."""
         # Decodes first, as the attention metadata expects.
         sched = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)
-        dsv4 = isinstance(self.kv_caches, DSV4PagedCache)
         groups = range(len(self.kv.groups))
-        tables = [] if dsv4 else [[self.kv.block_table(s.req.request_id, g) for s in sched] for g in groups]
+        tables = [[self.kv.block_table(s.req.request_id, g) for s in sched] for g in groups]
         plan, sampled = self._pack(sched, tables, *self._graph_shape(sched, tables))
-        if dsv4:
-            # Stateful (DeepSeek-V4) pool: its metadata is per-sequence views
-            # of it, built from the manager's lists (DSV4PagedCache.batch).
-            plan.dsv4_seqs = [(s.start, [self.kv.block_table(s.req.request_id, g) for g in groups]) for s in sched]
+        if isinstance(self.kv_caches, DSV4PagedCache) and not plan.graph_batch and not self._uniform(sched):
+            # DeepSeek-V4's pool runs steps of one span length from the
+            # packed tables (DSV4Rows); others as per-sequence views of it,
+            # built from the manager's lists (DSV4PagedCache.batch).
+            plan.dsv4_seqs = [(s.start, [t[i] for t in tables]) for i, s in enumerate(sched)]
         jobs = []
         for i, s in enumerate(sched):
             req = s.req
@@ -279,6 +287,12 @@ class ModelRunner:
                 jobs.append((req, s.start + first, s.start + n))
         self.sched = sched
         return plan, sampled, jobs
+
+    def _uniform(self, sched: list[ScheduledRequest]) -> bool:
+        """A DeepSeek-V4 step its pool runs batched: every sequence the same
+        number of rows, within its rollback room (verification steps)."""
+        q = sched[0].num_new_tokens if sched else 0
+        return all(s.num_new_tokens == q for s in sched) and self.kv_caches.batches_spans(q)
 
     def _graph_shape(self, sched: list[ScheduledRequest], tables) -> tuple[int, int]:
         """(captured batch size, rows per sequence) this step replays at, or

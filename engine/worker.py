@@ -179,7 +179,10 @@ class Worker:
                 log.info("CUDA graphs for verification steps off: %s", why)
             else:
                 query_lens = (1, 1 + self.spec.num_speculative_tokens)
-        widths = [-(-self.max_model_len // args.block_size)] * len(self.plan.groups)
+        # The widest block table of each group: one slot per sequence, or the blocks of max_model_len
+        # tokens (r tokens per row in a compressed-entry group).
+        widths = [1 if g.per_seq else -(-(self.max_model_len // g.ratio) // args.block_size)
+                  for g in self.plan.groups]
         graphs = DecodeGraphs(self.model, self.caches, widths, self.max_model_len, args.max_num_seqs,
                               self.device, emulate=emulate, query_lens=query_lens,
                               max_num_tokens=args.max_num_batched_tokens, streams=self._mtp_drafts)

@@ -44,13 +44,15 @@ K=V entries in the policy's K format (TurboQuant codes + fp16 norms; K=V, and
 K is the sensitive one) except in protected first/last layers, and windows,
 carry and indexer keys in fp16.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
 from kvcache.dsv4_state import DSV4Batch, Ring
 from kvcache.kv_formats import KVPolicy
 from kvcache.kv_manager import KVGroup
+from kvcache.metadata import AttentionMetadata
 from kvcache.pool_plan import KVPlan
 from kvcache.spec import DSV4LayerSpec, LayerSpec
 from kvcache.turboquant import Codec
@@ -68,8 +70,12 @@ def dsv4_groups(specs: list[DSV4LayerSpec]) -> list[KVGroup]:
 # ---------------------------------------------------------------- storage
 
 class DSV4LayerStorage:
-    """One layer's tensors: per-slot rings [num_slots, cap, dim] and, for CSA /
-    HCA, entry rows [num_blocks * block_size, dim]."""
+    """One layer's tensors: per-slot rings [num_slots + 1, cap, dim] and, for
+    CSA / HCA, entry rows [num_blocks * block_size + 1, dim]. The last slot
+    (PAD_SLOT, as in kvcache/linear_state.py) and the last entry row belong to
+    no sequence: a CUDA graph's pad sequences write that slot, and rows that
+    close no window write that entry row (slot -1), so a batched step never
+    branches on the host."""
 
     def __init__(self, spec: DSV4LayerSpec, num_slots: int, num_entry_blocks: int, block_size: int,
                  max_rollback: int, dtype, device, num_layers: int):
@@ -85,6 +91,7 @@ class DSV4LayerStorage:
 
         def zeros(*shape):
             return torch.zeros(*shape, dtype=dtype, device=device)
+        num_slots, num_rows = num_slots + 1, num_entry_blocks * block_size + 1
         self.window = zeros(num_slots, spec.sliding_window - 1 + R, D)
         self.state = {"window": self.window}     # per-slot tensors
         self.entries = {}                        # per-entry-row tensors
@@ -96,15 +103,15 @@ class DSV4LayerStorage:
             width = 2 * D if csa else D
             self.state["comp_kv"], self.state["comp_gate"] = zeros(num_slots, cap, width), zeros(num_slots, cap, width)
             if self.codec is None:
-                self.entries["comp"] = zeros(num_entry_blocks * block_size, D)
+                self.entries["comp"] = zeros(num_rows, D)
             else:   # rows of the codec's tensors (codes, norms), one 'head'
-                self.coded = self.codec.alloc(num_entry_blocks * block_size, device)
+                self.coded = self.codec.alloc(num_rows, device)
                 self.entries.update({f"comp_{k}": v for k, v in self.coded.items()})
             if csa:
                 Di = spec.index_head_dim
                 self.state["idx_kv"], self.state["idx_gate"] = (zeros(num_slots, cap, 2 * Di),
                                                                 zeros(num_slots, cap, 2 * Di))
-                self.entries["idx"] = zeros(num_entry_blocks * block_size, Di)
+                self.entries["idx"] = zeros(num_rows, Di)
 
     def state_nbytes(self) -> dict[str, int]:
         """Bytes of one slot, by part."""
@@ -180,6 +187,40 @@ class SequenceView:
         self.length += n
 
 
+@dataclass
+class DSV4Rows:
+    """Metadata of a step whose B sequences all have q rows, laid out
+    sequence by sequence (decodes: q = 1; verification: 1 + k): device
+    tensors only, so the step has no host sync and a CUDA graph can capture
+    it. The model runs it a row at a time for all sequences
+    (model_zoo/deepseek_v4.py Attention._rows); positions give each row's
+    place, and the first row's is the sequence's cached length."""
+    layers: list[DSV4LayerStorage]
+    q: int
+    block_size: int
+    slots: torch.Tensor                  # [B] state slot (PAD_SLOT -1 for a graph's pad sequences)
+    tables: dict[int, torch.Tensor]      # ratio -> [B, W] entry block tables (past a sequence's blocks: masked)
+    entry_rows: dict[int, torch.Tensor]  # ratio -> [B * q] entry row each row's closing window goes to, or -1
+    query_start_loc: list[int]
+    batched: ClassVar[bool] = True
+    memo: dict = field(default_factory=dict)
+
+    def check(self, positions: torch.Tensor) -> None:
+        """Nothing to compare on the host: the lengths are the positions."""
+
+    def advance(self) -> None:
+        """The engine's lengths move on; nothing here holds one."""
+
+    def entry_index(self, ratio: int) -> torch.Tensor:
+        """[B, W * block_size] entry rows of every sequence's table, in entry order."""
+        idx = self.memo.get(ratio)
+        if idx is None:
+            t = self.tables[ratio]
+            idx = self.memo[ratio] = (t[:, :, None] * self.block_size
+                                      + torch.arange(self.block_size, device=t.device)).flatten(1)
+        return idx
+
+
 class DSV4PagedCache:
     """All layers' storage; `batch` builds the model's metadata for one step."""
 
@@ -188,6 +229,7 @@ class DSV4PagedCache:
                  mtp_specs: list[DSV4LayerSpec] | None = None):
         """mtp_specs: the MTP head's mtp_cache_spec(), kept per slot beside the main layers."""
         self.specs, self.groups, self.block_size, self.device = specs, groups, block_size, device
+        self.max_rollback = max_rollback
         self.state_group = len(groups) - 1
         self.group_of_ratio = {g.ratio: gi for gi, g in enumerate(groups) if not g.per_seq}
         num_slots = num_blocks[self.state_group]
@@ -199,8 +241,37 @@ class DSV4PagedCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for layer in self.layers + self.mtp_layers
+        """Bytes of the sequences' slots and entry rows (the pad slot and the
+        discard row apart, as the plan reserves them)."""
+        return sum(t[:-1].numel() * t.element_size() for layer in self.layers + self.mtp_layers
                    for t in (*layer.state.values(), *layer.entries.values()))
+
+    # Steps whose sequences all have q rows, q within the rings' rollback room
+    # (decodes, verification steps), run batched from device tensors
+    # (DSV4Rows: capturable); others per sequence from host lists (batch).
+    def batches_spans(self, q: int) -> bool:
+        return 1 <= q <= 1 + self.max_rollback
+
+    @property
+    def not_capturable(self) -> str | None:
+        return None
+
+    def spans_not_capturable(self, rows: int) -> str | None:
+        if self.batches_spans(rows):
+            return None
+        return f"DeepSeek-V4 spans of {rows} rows > 1 + max_rollback ({self.max_rollback}) run per sequence"
+
+    def rows(self, meta: AttentionMetadata) -> "DSV4Rows":
+        """The batched view of a step the engine laid out for batches_spans:
+        the generic metadata's per-group tables and slot mappings (entry
+        groups: the row of the entry a token's window closes, or -1)."""
+        g = meta.groups
+        q = meta.max_query_len
+        return DSV4Rows(self.layers, q, self.block_size,
+                        g[self.state_group].block_tables[:, 0],
+                        {r: g[gi].block_tables for r, gi in self.group_of_ratio.items()},
+                        {r: g[gi].slot_mapping for r, gi in self.group_of_ratio.items()},
+                        meta.query_start_loc)
 
     def _view(self, layer: DSV4LayerStorage, slot: int, length: int, tables: dict[int, torch.Tensor]) -> LayerView:
         st, s = layer.state, layer.spec
@@ -264,6 +335,7 @@ class DSV4Plan(KVPlan):
     max_rollback: int = 0
     prefix_caching: bool = False
     mtp_specs: list | None = None   # the MTP head's layers, in the state slot (allocate_kv_caches)
+    pad_bytes: int = 0              # the pad slot and discard entry rows (DSV4LayerStorage), not in total_bytes
 
     @property
     def capacity_tokens(self) -> int:
@@ -314,7 +386,8 @@ def plan_dsv4_pool(specs: list[DSV4LayerSpec], budget_bytes: int, block_size: in
     block_bytes = [sum(layer_block[i] for i in g.layer_ids) for g in entry_groups] + [state_bytes]
     per_token = sum(b / (block_size * g.ratio) for g, b in zip(entry_groups, block_bytes))
     slack = sum(max_num_seqs * b for b in block_bytes[:-1])
-    rest = budget_bytes - max_num_seqs * state_bytes - slack
+    pad = state_bytes + sum(p.entry_block_nbytes(1) for p in probe)    # pad slot, discard rows
+    rest = budget_bytes - max_num_seqs * state_bytes - slack - pad
     if entry_groups:
         capacity = min(int(rest / per_token), max_model_len) if rest > 0 else 0
         if capacity < 1:
@@ -334,4 +407,4 @@ def plan_dsv4_pool(specs: list[DSV4LayerSpec], budget_bytes: int, block_size: in
                      for s in specs},
                     capacity=capacity, state_bytes_per_seq=state_bytes, kind_bytes_per_token=kinds,
                     state_bytes_by_part=state_by_part, max_rollback=max_rollback,
-                    f16_bytes_per_token=f16_per_token, mtp_specs=mtp_specs or None)
+                    f16_bytes_per_token=f16_per_token, mtp_specs=mtp_specs or None, pad_bytes=pad)

@@ -27,6 +27,7 @@ K=V so one vector per entry. Reads dequantise (the reference path; a kernel
 would score the rotated codes directly). Indexer keys stay in the model dtype.
 """
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -227,10 +228,18 @@ class DSV4Batch:
     states[i] (its first new token is at position states[i].length)."""
     states: list[DSV4SequenceState]
     query_start_loc: list[int] = field(default_factory=list)
+    batched: ClassVar[bool] = False     # per-sequence views (kvcache/dsv4_paged.py DSV4Rows: all at once)
 
     def __post_init__(self):
         if not self.query_start_loc:
             raise ValueError("query_start_loc is required")
+
+    def check(self, positions: torch.Tensor) -> None:
+        """Each sequence's first new token sits at its cached length."""
+        for i, st in enumerate(self.states):
+            a, b = self.query_start_loc[i], self.query_start_loc[i + 1]
+            if b > a and int(positions[a]) != st.length:
+                raise ValueError(f"sequence {i}: first position {int(positions[a])} != cached length {st.length}")
 
     def advance(self) -> None:
         for i, s in enumerate(self.states):

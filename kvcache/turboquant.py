@@ -219,13 +219,22 @@ class Codec:
             assert head_dim % self.group == 0 and head_dim * fmt.bits % 8 == 0
             self.codebook = _codebook(fmt.bits, self.group)
             self.bounds = (self.codebook[1:] + self.codebook[:-1]) / 2
-        self._rot = {}     # device -> R^T; (device, dtype) -> rot_pm1
+        self._rot = {}     # device -> R^T; (device, dtype) -> rot_pm1; (name, device, dtype) -> on()
 
     def rot_t(self, device) -> torch.Tensor:
         r = self._rot.get(str(device))
         if r is None:
             r = self._rot[str(device)] = rotation_t(self.signs.to(device))
         return r
+
+    def on(self, name: str, device, dtype=torch.float32) -> torch.Tensor:
+        """The codebook or its bounds on device, copied once: a copy from host
+        memory in every call would also break CUDA-graph capture."""
+        key = (name, str(device), dtype)
+        t = self._rot.get(key)
+        if t is None:
+            t = self._rot[key] = getattr(self, name).to(device=device, dtype=dtype)
+        return t
 
     def rot_pm1(self, device, dtype) -> torch.Tensor:
         """diag(signs) @ H unnormalised, [D, D] in dtype: entries +-1, exact
@@ -260,8 +269,8 @@ class Codec:
         g = y.float().view(T, H, D // self.group, self.group)
         norm = g.norm(dim=-1, keepdim=True)
         u = g / norm.clamp_min(1e-30)
-        codes = torch.bucketize(u, self.bounds.to(y.device))
-        rec = self.codebook.to(y.device)[codes]
+        codes = torch.bucketize(u, self.on("bounds", y.device))
+        rec = self.on("codebook", y.device)[codes]
         scale = norm / rec.norm(dim=-1, keepdim=True).clamp_min(1e-30)
         return {"codes": pack_bits(codes.view(T, H, D), f.bits),
                 "scale": scale.view(T, H, D // self.group).to(torch.float16)}
@@ -279,7 +288,7 @@ class Codec:
             return rows["q"].to(dtype) * rows["scale"].to(dtype)
         codes = unpack_bits(rows["codes"], f.bits, self.D)
         lead = codes.shape[:-1]
-        c = self.codebook.to(device=codes.device, dtype=dtype).index_select(0, codes.flatten())
+        c = self.on("codebook", codes.device, dtype).index_select(0, codes.flatten())
         c = c.view(*lead, self.D)
         c = c.view(*lead, self.D // self.group, self.group) * rows["scale"].to(dtype).unsqueeze(-1)
         return c.view(*lead, self.D)

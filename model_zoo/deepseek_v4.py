@@ -4,9 +4,13 @@ K=V head, lightning indexer, hash- and score-routed MoE, and the MTP head.
 Numerics and module names follow transformers' modeling_deepseek_v4.py (the
 parity reference); official checkpoint names are mapped in dsv4_checkpoint.py.
 
-Tokens are flat ([T]). attn_metadata is None (one causal sequence, no cache)
-or a kvcache.dsv4_state.DSV4Batch (per-sequence states: sliding ring,
-compressed entries, compressor carry, indexer keys).
+Tokens are flat ([T]). attn_metadata is None (one causal sequence, no cache),
+a kvcache.dsv4_state.DSV4Batch (per-sequence states: sliding ring,
+compressed entries, compressor carry, indexer keys; run a sequence at a
+time), or the engine's AttentionMetadata of a step whose sequences all have
+the same few rows (decodes, verification), which the pool turns into a
+kvcache.dsv4_paged.DSV4Rows: every sequence at once, from device tensors
+only, so a CUDA graph can capture it.
 
 Tensor parallel (parallel/state.py's group of t ranks): q_b_proj, the sinks
 and o_a_proj split by head group, o_b_proj row-parallel; routed experts split
@@ -28,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvcache.dsv4_state import DSV4Batch, DSV4SequenceState
+from kvcache.dsv4_state import DSV4SequenceState
+from kvcache.metadata import AttentionMetadata
 from kvcache.spec import DSV4LayerSpec
 from model_zoo.fused_moe import RoutedExperts
 from parallel.linear import (ColumnParallelLinear, ParallelLMHead, ReplicatedLinear, RowParallelLinear,
@@ -319,22 +324,27 @@ class Compressor(nn.Module):
         nw = w1 - w0
         s = w0 * r - raw_start
         kv = raw_kv[s:s + nw * r].view(nw, r, -1)
-        gate = raw_gate[s:s + nw * r].view(nw, r, -1) + self.position_bias
+        gate = raw_gate[s:s + nw * r].view(nw, r, -1)
+        prev_kv = prev_gate = None
         if self.overlap:
             if w0 > 0:
-                pk = raw_kv[s - r:s].view(1, r, -1)[..., :d]
-                pg = (raw_gate[s - r:s].view(1, r, -1) + self.position_bias)[..., :d]
+                pk, pg = raw_kv[s - r:s].view(1, r, -1), raw_gate[s - r:s].view(1, r, -1)
             else:
-                pk = kv.new_zeros(1, r, d)
-                pg = gate.new_full((1, r, d), float("-inf"))
-            prev_kv = torch.cat([pk, kv[:-1, :, :d]], dim=0)
-            prev_gate = torch.cat([pg, gate[:-1, :, :d]], dim=0)
-            kv = torch.cat([prev_kv, kv[..., d:]], dim=1)
-            gate = torch.cat([prev_gate, gate[..., d:]], dim=1)
+                pk, pg = kv.new_zeros(1, r, kv.shape[-1]), gate.new_full((1, r, gate.shape[-1]), float("-inf"))
+            prev_kv, prev_gate = torch.cat([pk, kv[:-1]], dim=0), torch.cat([pg, gate[:-1]], dim=0)
+        return self.pool(kv, gate, prev_kv, prev_gate, torch.arange(w0, w1, device=kv.device), inv_freq)
+
+    def pool(self, kv, gate, prev_kv, prev_gate, w, inv_freq):
+        """Entries of windows w [nw] from their raw projections kv, gate
+        [nw, r, width] and, with overlap, the previous windows' (prev_kv,
+        prev_gate; window -1: kv 0, gate -inf)."""
+        gate = gate + self.position_bias
+        if self.overlap:
+            d = self.dim
+            kv = torch.cat([prev_kv[..., :d], kv[..., d:]], dim=1)
+            gate = torch.cat([(prev_gate + self.position_bias)[..., :d], gate[..., d:]], dim=1)
         pooled = (kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1)
-        pooled = self.kv_norm(pooled)
-        pos = torch.arange(w0, w1, device=pooled.device) * r
-        return apply_rope(pooled, pos, inv_freq)
+        return apply_rope(self.kv_norm(pooled), w * self.ratio, inv_freq)
 
 
 class Indexer(Compressor):
@@ -349,10 +359,12 @@ class Indexer(Compressor):
         self.weights_proj = linear(c["hidden_size"], self.n_heads)
 
     def scores(self, q_res, x, positions, keys, inv_freq):
-        """[n, S] index scores of n queries against S keys."""
+        """[n, S] index scores of n queries against S keys [S, d_I] (one
+        sequence's) or [n, S, d_I] (each query its own sequence's)."""
         q = self.q_b_proj(q_res).view(-1, self.n_heads, self.head_dim)
         q = apply_rope(q, positions, inv_freq)
-        s = F.relu(torch.einsum("nhd,sd->nhs", q.float(), keys.float())) * self.head_dim ** -0.5
+        eq = "nhd,sd->nhs" if keys.dim() == 2 else "nhd,nsd->nhs"
+        s = F.relu(torch.einsum(eq, q.float(), keys.float())) * self.head_dim ** -0.5
         w = self.weights_proj(x).float() * self.n_heads ** -0.5
         return (s * w.unsqueeze(-1)).sum(dim=1)
 
@@ -400,7 +412,7 @@ class Attention(nn.Module):
             raise ValueError(f"shape mismatch: expected {(n * get_tp_size(),)}, got {tuple(loaded.shape)}")
         param.data.copy_(loaded[get_tp_rank() * n:(get_tp_rank() + 1) * n])
 
-    def forward(self, x, positions, meta: DSV4Batch | None):
+    def forward(self, x, positions, meta):
         T = x.shape[0]
         q_res = self.q_a_norm(self.q_a_proj(x))
         q = unweighted_rms(self.q_b_proj(q_res).view(T, self.num_heads, self.head_dim), self.eps)
@@ -412,18 +424,21 @@ class Attention(nn.Module):
             raw = comp.kv_proj(x), comp.gate_proj(x)
             if self.layer_type == CSA:
                 idx_raw = comp.indexer.kv_proj(x), comp.indexer.gate_proj(x)
-        bounds = [0, T] if meta is None else meta.query_start_loc
-        outs = []
-        for i in range(len(bounds) - 1):
-            a, b = bounds[i], bounds[i + 1]
-            state = None if meta is None else meta.states[i].layers[self.layer_idx]
-            start = 0 if meta is None else meta.states[i].length
-            sl = slice(a, b)
-            outs.append(self._sequence(
-                q[sl], kv[sl], positions[sl], start, state, x[sl], q_res[sl],
-                None if raw is None else (raw[0][sl], raw[1][sl]),
-                None if idx_raw is None else (idx_raw[0][sl], idx_raw[1][sl])))
-        o = torch.cat(outs, dim=0)   # [T, nh, D]
+        if meta is not None and meta.batched:
+            o = self._rows(q, kv, positions, x, q_res, raw, idx_raw, meta)
+        else:
+            bounds = [0, T] if meta is None else meta.query_start_loc
+            outs = []
+            for i in range(len(bounds) - 1):
+                a, b = bounds[i], bounds[i + 1]
+                state = None if meta is None else meta.states[i].layers[self.layer_idx]
+                start = 0 if meta is None else meta.states[i].length
+                sl = slice(a, b)
+                outs.append(self._sequence(
+                    q[sl], kv[sl], positions[sl], start, state, x[sl], q_res[sl],
+                    None if raw is None else (raw[0][sl], raw[1][sl]),
+                    None if idx_raw is None else (idx_raw[0][sl], idx_raw[1][sl])))
+            o = torch.cat(outs, dim=0)   # [T, nh, D]
         o = apply_rope(o, positions, self.inv_freq, inverse=True)
         g = o.reshape(T, self.groups, -1)
         if self.o_a_proj.quant is DENSE:
@@ -477,14 +492,96 @@ class Attention(nn.Module):
                 visible = visible & chosen
             keys = torch.cat([keys, entries], dim=0)
             mask = torch.cat([mask, visible], dim=1)
-        logits = torch.einsum("nhd,kd->nhk", q, keys) * self.scale
+        return self._attend(q, keys, mask)
+
+    def _attend(self, q, keys, mask):
+        """q [n, h, D] over keys [K, D] (one sequence's) or [n, K, D] (each
+        query its own), mask [n, K]."""
+        eq = "kd" if keys.dim() == 2 else "nkd"
+        logits = torch.einsum(f"nhd,{eq}->nhk", q, keys) * self.scale
         logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
         # fp32 softmax with the fp32 sinks (as transformers' cat promotes it)
-        sinks = self.sinks.view(1, -1, 1).expand(n, -1, 1).float()
+        sinks = self.sinks.view(1, -1, 1).expand(q.shape[0], -1, 1).float()
         combined = torch.cat([logits.float(), sinks], dim=-1)
         combined = combined - combined.max(dim=-1, keepdim=True).values
         probs = combined.softmax(dim=-1)[..., :-1]
-        return torch.einsum("nhk,kd->nhd", probs.to(keys.dtype), keys)
+        return torch.einsum(f"nhk,{eq}->nhd", probs.to(keys.dtype), keys)
+
+    # -- all sequences at once (DSV4Rows: decodes, verification spans) ------
+    def _rows(self, q, kv, pos, x, q_res, raw, idx_raw, meta):
+        """Attention of B sequences of meta.q rows each, a row at a time for
+        all sequences (row j sees rows < j through the rings), from device
+        tensors only: what _sequence computes, without a host value."""
+        n = meta.q
+        store = meta.layers[self.layer_idx]
+        outs = []
+        for j in range(n):
+            r = slice(j, None, n)         # row j of every sequence
+            outs.append(self._row(q[r], kv[r], pos[r], x[r], q_res[r],
+                                  None if raw is None else (raw[0][r], raw[1][r]),
+                                  None if idx_raw is None else (idx_raw[0][r], idx_raw[1][r]),
+                                  meta, store, j))
+        return torch.stack(outs, dim=1).flatten(0, 1)   # back to sequence-major [B * n, nh, D]
+
+    def _row(self, q, kv, pos, x, q_res, raw, idx_raw, meta, store, j):
+        slots = meta.slots
+        ring = store.state["window"]
+        cap = ring.shape[1]
+        # The ring holds positions pos - cap .. pos - 1 (older or stale slots fall outside the window).
+        back = (pos[:, None] - 1) - ((pos[:, None] - 1 - torch.arange(cap, device=pos.device)) % cap)
+        keys = torch.cat([ring[slots].to(kv.dtype), kv[:, None]], dim=1)
+        kpos = torch.cat([back, pos[:, None]], dim=1)
+        mask = (kpos >= 0) & (kpos > pos[:, None] - self.window)
+        ring[slots, pos % cap] = kv.to(ring.dtype)
+        if self.compressor is not None:
+            comp = self.compressor
+            entries = self._emit_row(comp, store, "comp", raw, pos, meta, j)
+            S = entries.shape[1]
+            visible = torch.arange(S, device=pos.device)[None, :] < ((pos + 1) // self.ratio)[:, None]
+            if self.layer_type == CSA:
+                ind = comp.indexer
+                ikeys = self._emit_row(ind, store, "idx", idx_raw, pos, meta, j)
+                if S > 0:
+                    scores = ind.scores(q_res, x, pos, ikeys, self.comp_inv_freq).masked_fill(~visible, float("-inf"))
+                    top = scores.topk(min(ind.topk, S), dim=-1).indices
+                    visible = visible & torch.zeros_like(visible).scatter_(1, top, True)
+            keys = torch.cat([keys, entries], dim=1)
+            mask = torch.cat([mask, visible], dim=1)
+        return self._attend(q, keys, mask)
+
+    def _emit_row(self, comp: Compressor, store, part: str, raw, pos, meta, j: int):
+        """One row of every sequence into compressor `part`'s carry ring; the
+        window that closes at it (if any) pooled into its entry row
+        (meta.entry_rows; -1: the discard row). Returns every sequence's
+        entries [B, E, d] (E: its table's capacity; the first (pos + 1) // r
+        are real)."""
+        r, slots = comp.ratio, meta.slots
+        kv_ring, gate_ring = store.state[f"{part}_kv"], store.state[f"{part}_gate"]
+        cap, span = kv_ring.shape[1], (2 if comp.overlap else 1) * r
+        w = (pos + 1) // r - 1      # the window ending at pos, when (pos + 1) % r == 0
+        # Its raw rows: the span - 1 positions before pos from the ring, pos's own as computed.
+        back = (pos[:, None] - span + 1 + torch.arange(span - 1, device=pos.device)) % cap
+        kv = torch.cat([kv_ring[slots[:, None], back].to(raw[0].dtype), raw[0][:, None]], dim=1)
+        gate = torch.cat([gate_ring[slots[:, None], back].to(raw[1].dtype), raw[1][:, None]], dim=1)
+        kv_ring[slots, pos % cap] = raw[0].to(kv_ring.dtype)
+        gate_ring[slots, pos % cap] = raw[1].to(gate_ring.dtype)
+        prev_kv = prev_gate = None
+        if comp.overlap:
+            first = (w <= 0)[:, None, None]      # window 0 has no previous one
+            prev_kv, prev_gate = kv[:, :r].masked_fill(first, 0), gate[:, :r].masked_fill(first, float("-inf"))
+            kv, gate = kv[:, r:], gate[:, r:]
+        entry = comp.pool(kv, gate, prev_kv, prev_gate, w.clamp(min=0), self.comp_inv_freq)
+        dest = meta.entry_rows[r][j::meta.q]
+        rows = meta.entry_index(r)
+        codec = store.codec if part == "comp" else None
+        if codec is None:
+            data = store.entries[part]
+            data[dest] = entry.to(data.dtype)
+            return data[rows].to(raw[0].dtype)
+        for k, v in codec.encode(entry.unsqueeze(1)).items():
+            store.coded[k][dest] = v
+        got = codec.dequantize({k: v[rows] for k, v in store.coded.items()}, torch.float32)
+        return got.squeeze(-2).to(raw[0].dtype)
 
 
 def layer_spec(c: dict, i: int, layer_type: str) -> DSV4LayerSpec:
@@ -568,16 +665,17 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.mtp = nn.ModuleList([DeepseekV4MTP(c)] if self.has_mtp else [])
 
     @staticmethod
-    def _check(positions, meta: DSV4Batch | None) -> None:
-        if meta is None:
-            return
-        for i, st in enumerate(meta.states):
-            a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-            if b > a and int(positions[a]) != st.length:
-                raise ValueError(f"sequence {i}: first position {int(positions[a])} != cached length {st.length}")
+    def _metadata(positions, meta):
+        """The step's DeepSeek-V4 view: the engine's generic metadata of a
+        batched step (its pool's DSV4Rows), or a DSV4Batch as given."""
+        if isinstance(meta, AttentionMetadata):
+            meta = meta.kv_caches.rows(meta)
+        if meta is not None:
+            meta.check(positions)
+        return meta
 
     def forward_streams(self, input_ids, positions, attn_metadata):
-        self._check(positions, attn_metadata)
+        attn_metadata = self._metadata(positions, attn_metadata)
         h = self.model.forward_streams(input_ids, positions, attn_metadata)
         if attn_metadata is not None:
             attn_metadata.advance()
@@ -602,7 +700,7 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def mtp_streams(self, next_ids, streams, positions, attn_metadata):
         """mtp_forward before its collapse (mtp_collapse): [T, hc, D]."""
-        self._check(positions, attn_metadata)
+        attn_metadata = self._metadata(positions, attn_metadata)
         h = self.mtp[0].draft_streams(self.model.embed_tokens(next_ids), streams, positions, next_ids,
                                       attn_metadata)
         if attn_metadata is not None:

@@ -92,6 +92,17 @@ def record_steps(llm):
     return steps
 
 
+def count_paths(llm):
+    """Count the pool's batched (rows) and per-sequence (batch) step views."""
+    pool, n = llm.core.runner.kv_caches, {"rows": 0, "batch": 0}
+    for name in n:
+        def counted(*a, _f=getattr(pool, name), _k=name):
+            n[_k] += 1
+            return _f(*a)
+        setattr(pool, name, counted)
+    return n
+
+
 @pytest.mark.parametrize("chunk", [None, 16])
 def test_engine_matches_transformers(tiny_v4, chunk):
     path, hf = tiny_v4
@@ -99,10 +110,14 @@ def test_engine_matches_transformers(tiny_v4, chunk):
     llm = LLM(path, block_size=4, **kw)
     assert not llm.core.kv.enable_caching            # off for V4, by design (kvcache/dsv4_paged.py)
     steps = record_steps(llm)
+    paths = count_paths(llm)
     ps = prompts(4, 20, 90, seed=2)   # 20..90 tokens: CSA and HCA entries, several blocks
     outs = llm.generate(ps, greedy(12, prompt_logprobs=20, logprobs=20))
     worst = max(check_against_hf(hf, o) for o in outs)
-    print(f"chunk {chunk}: max |logprob diff| vs transformers {worst:.2e} over {len(steps)} steps")
+    print(f"chunk {chunk}: max |logprob diff| vs transformers {worst:.2e} over {len(steps)} steps "
+          f"({paths['rows']} batched, {paths['batch']} per sequence)")
+    # Decode steps ran batched (DSV4Rows, 4 sequences at once), prefills per sequence.
+    assert paths["rows"] >= 11 and paths["batch"] >= 1
     if chunk is not None:
         assert max(n for _, _, n in steps) == chunk
         assert any(d >= 1 and p >= 1 for d, p, _ in steps), "no mixed decode + prefill step"
@@ -115,9 +130,10 @@ def test_preemption_frees_everything(tiny_v4):
     ref_llm = LLM(path, block_size=4, max_num_seqs=4)
     ref = ref_llm.generate(ps, greedy(30))
     plan = ref_llm.core.plan
-    # Room for 4 sequences' state + block slack + 110 tokens of entries, where 6
-    # requests of up to 100 tokens are waiting to run 4 at a time.
-    budget = 4 * plan.state_bytes_per_seq + 4 * sum(plan.block_bytes[:-1]) + 110 * plan.bytes_per_token
+    # Room for 4 sequences' state + block slack + 110 tokens of entries (+ the pad
+    # slot and discard rows), where 6 requests of up to 100 tokens wait to run 4 at a time.
+    budget = 4 * plan.state_bytes_per_seq + 4 * sum(plan.block_bytes[:-1]) + 110 * plan.bytes_per_token + \
+        plan.pad_bytes
     small = LLM(path, block_size=4, max_num_seqs=4, kv_cache_memory=int(budget), max_model_len=110,
                 max_num_batched_tokens=32)
     assert small.core.plan.capacity_tokens == 110

@@ -220,8 +220,8 @@ def test_plan_counts_the_mtp_window(tiny, kv):
     assert len(cache.mtp_layers) == 1
     slots = plan.num_blocks[-1]
     state = [t for layer in cache.layers + cache.mtp_layers for t in layer.state.values()]
-    assert all(t.shape[0] == slots for t in state)
-    assert sum(t.numel() * t.element_size() for t in state) == slots * plan.state_bytes_per_seq
+    assert all(t.shape[0] == slots + 1 for t in state)      # + the pad slot
+    assert sum(t[:-1].numel() * t.element_size() for t in state) == slots * plan.state_bytes_per_seq
     assert cache.nbytes == plan.total_bytes
     mtp_window = (W - 1 + R) * D * size
     assert plan.state_bytes_per_seq - without.state_bytes_per_seq == mtp_window

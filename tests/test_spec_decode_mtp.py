@@ -249,7 +249,7 @@ def test_lossless_under_preemption(ckpt, oracle):
     path, _, _ = ckpt
     ref, k = reference(path), 3
     plan = LLM(path, **mtp(k, max_num_seqs=4, max_model_len=90, kv_cache_memory=2**20)).core.plan
-    budget = 4 * plan.state_bytes_per_seq + 4 * sum(plan.block_bytes[:-1]) + 90 * plan.bytes_per_token
+    budget = 4 * plan.state_bytes_per_seq + 4 * sum(plan.block_bytes[:-1]) + 90 * plan.bytes_per_token + plan.pad_bytes
     llm = LLM(path, **mtp(k, max_num_seqs=4, kv_cache_memory=int(budget), max_model_len=90,
                           max_num_batched_tokens=32))
     assert llm.core.plan.capacity_tokens == 90
@@ -280,6 +280,36 @@ def test_lossless_tq4(ckpt):
         assert d.run(PROMPTS, params()) == ref
         check_stats(llm.core, k, accepted_prefixes(d, PROMPTS, ref) if oracle else None)
         assert llm.core.kv.num_used_blocks == 0
+
+
+def test_verification_steps_batched_and_replayed(ckpt, monkeypatch):
+    """Verification steps run every sequence at once (DSV4Rows, a row at a
+    time from device tensors): eagerly when every sequence verifies k drafts
+    (plain drafts, all drafting), and as CUDA graphs (emulated on CPU) of
+    1 + k rows per sequence whatever its drafts (oracle drafts, 0..3
+    accepted: pad rows after a sequence's tokens). Both: the tokens of
+    decoding without drafts; the graph run's drafts are counted exactly."""
+    from model_zoo import cpu_ops
+    monkeypatch.setattr(cpu_ops, "ENABLED", False)    # the model's torch ops, as on a GPU
+    path, _, _ = ckpt
+    ref, k = reference(path), 3
+    sps = [greedy(MAX_TOKENS) for _ in PROMPTS]
+    llm = LLM(path, **mtp(k, max_num_seqs=8))
+    pool, spans = llm.core.runner.kv_caches, []
+    rows = pool.rows
+    pool.rows = lambda meta: (spans.append(meta.max_query_len), rows(meta))[1]
+    assert Driver(llm, check_every=None).run(PROMPTS, sps) == ref
+    assert spans.count(1 + k) >= 10, spans
+
+    llm = LLM(path, **mtp(k, max_num_seqs=8))
+    graphs = llm.core._capture_graphs(emulate=True)
+    assert graphs is not None and graphs.query_lens == (1, 1 + k)
+    llm.core.runner.graphs, run, shapes = graphs, graphs.run, []
+    graphs.run = lambda b, q, *a: (shapes.append((b, q)), run(b, q, *a))[1]
+    d = Driver(llm, oracle=ref, check_every=None)
+    assert d.run(PROMPTS, sps) == ref
+    assert sum(q == 1 + k for _, q in shapes) >= 5, shapes
+    check_stats(llm.core, k, accepted_prefixes(d, PROMPTS, ref))
 
 
 # ------------------------------------------------------------ the drafts

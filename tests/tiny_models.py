@@ -65,6 +65,18 @@ def _save_sharpened(m, path):
     return m
 
 
+def save_tiny_deepseek_v4(path):
+    """tests/test_deepseek_v4.py's tiny random DeepSeek-V4 (vocabulary 128;
+    run it with block_size 4), saved to path; returns the transformers model."""
+    import transformers
+    from test_deepseek_v4 import CONFIG, hf_config, randomise
+    hf = transformers.DeepseekV4ForCausalLM(hf_config(CONFIG)).eval()
+    randomise(list(hf.named_parameters()) + list(hf.named_buffers()), CONFIG["n_routed_experts"],
+              CONFIG["num_experts_per_tok"])
+    hf.save_pretrained(path)
+    return hf
+
+
 def token_prompts(n, lo=5, hi=60, seed=0):
     rng = random.Random(seed)
     return [[rng.randrange(3, 256) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]

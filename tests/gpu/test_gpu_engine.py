@@ -8,7 +8,6 @@ runs on a bare GPU machine (tests/gpu/run.sh).
 """
 import pytest
 import torch
-import transformers
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="no CUDA device: torch.cuda.is_available() is False")
@@ -25,16 +24,12 @@ TOL = {"float32": 2e-3, "bfloat16": 0.25}
 
 def save_family(folder, family):
     if family == V4:
-        from test_deepseek_v4 import CONFIG, hf_config, randomise
-        hf = transformers.DeepseekV4ForCausalLM(hf_config(CONFIG)).eval()
-        randomise(list(hf.named_parameters()) + list(hf.named_buffers()), CONFIG["n_routed_experts"],
-                  CONFIG["num_experts_per_tok"])
-        vocab = CONFIG["vocab_size"]
-    else:
-        hf = make_hf_model(CONFIGS[family])
-        vocab = CONFIGS[family]["vocab_size"]
+        from test_deepseek_v4 import CONFIG
+        from tiny_models import save_tiny_deepseek_v4
+        return save_tiny_deepseek_v4(folder), CONFIG["vocab_size"]
+    hf = make_hf_model(CONFIGS[family])
     hf.save_pretrained(folder)
-    return hf, vocab
+    return hf, CONFIGS[family]["vocab_size"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -94,8 +89,7 @@ def test_cuda_graphs_equal_eager_and_batch_invariant(family):
     del eager
     graphs = LLM(path, device="cuda", dtype="float32", enforce_eager=False, **engine_kw(name))
     assert toks(graphs.generate(ps, greedy(16))) == ref
-    if name != V4:      # its stateful pool stays eager (engine/cuda_graph.why_not_capturable)
-        assert graphs.core.graphs is not None and graphs.core.graphs.replays > 0
+    assert graphs.core.graphs is not None and graphs.core.graphs.replays > 0
     # one at a time == in a batch
     assert [toks(graphs.generate([p], greedy(16)))[0] for p in ps[:3]] == ref[:3]
 
