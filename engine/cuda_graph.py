@@ -131,7 +131,7 @@ class DecodeGraphs:
         groups = [GroupMetadata(s[:b * q], t[:b]) for s, t in zip(self.slots, self.tables)]
         return AttentionMetadata(list(range(0, b * q + 1, q)), [self.max_model_len] * b, b if q == 1 else 0, groups,
                                  self.kv_caches, seq_lens_t=self.seq_lens[:b], query_start_loc_t=self.qsl[q][:b + 1],
-                                 max_seq_len=self.max_model_len, max_query_len=q)
+                                 max_seq_len=self.max_model_len, max_query_len=q, frozen=True)
 
     def _forward(self, b: int, q: int, meta: AttentionMetadata) -> torch.Tensor:
         return self.forward(self.ids[:b * q], self.pos[:b * q], meta)

@@ -47,6 +47,7 @@ carry and indexer keys in fp16.
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 from kvcache.dsv4_state import DSV4Batch, Ring
@@ -202,8 +203,12 @@ class DSV4Rows:
     tables: dict[int, torch.Tensor]      # ratio -> [B, W] entry block tables (past a sequence's blocks: masked)
     entry_rows: dict[int, torch.Tensor]  # ratio -> [B * q] entry row each row's closing window goes to, or -1
     query_start_loc: list[int]
+    closes: set | None = None            # (ratio, row) where some window closes; None: unknown (a graph)
     batched: ClassVar[bool] = True
     memo: dict = field(default_factory=dict)
+
+    def may_close(self, ratio: int, row: int) -> bool:
+        return self.closes is None or (ratio, row) in self.closes
 
     def check(self, positions: torch.Tensor) -> None:
         """Nothing to compare on the host: the lengths are the positions."""
@@ -267,11 +272,17 @@ class DSV4PagedCache:
         groups: the row of the entry a token's window closes, or -1)."""
         g = meta.groups
         q = meta.max_query_len
+        closes = None
+        if not meta.frozen:
+            # Which ratios' windows close at which row somewhere in the batch
+            # (an eager step's host lengths): the others skip the pooling.
+            pos = np.asarray(meta.seq_lens, np.int64)[:, None] - q + np.arange(q)
+            closes = {(r, j) for r in self.group_of_ratio for j in range(q) if ((pos[:, j] + 1) % r == 0).any()}
         return DSV4Rows(self.layers, q, self.block_size,
                         g[self.state_group].block_tables[:, 0],
                         {r: g[gi].block_tables for r, gi in self.group_of_ratio.items()},
                         {r: g[gi].slot_mapping for r, gi in self.group_of_ratio.items()},
-                        meta.query_start_loc)
+                        meta.query_start_loc, closes)
 
     def _view(self, layer: DSV4LayerStorage, slot: int, length: int, tables: dict[int, torch.Tensor]) -> LayerView:
         st, s = layer.state, layer.spec

@@ -36,6 +36,9 @@ class AttentionMetadata:
     # Values every layer of a group computes alike in this step (a backend's
     # decode indices), computed by the first layer that needs them.
     memo: dict = field(default_factory=dict)
+    # The host values are bounds fixed at a CUDA graph's capture, not this
+    # step's: nothing may skip work by them.
+    frozen: bool = False
 
     def __post_init__(self):
         if self.seq_lens_t is None:

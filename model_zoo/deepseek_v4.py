@@ -558,6 +558,12 @@ class Attention(nn.Module):
         r, slots = comp.ratio, meta.slots
         kv_ring, gate_ring = store.state[f"{part}_kv"], store.state[f"{part}_gate"]
         cap, span = kv_ring.shape[1], (2 if comp.overlap else 1) * r
+        rows = meta.entry_index(r)
+        codec = store.codec if part == "comp" else None
+        if not meta.may_close(r, j):     # an eager step where no window closes: only the carry moves
+            kv_ring[slots, pos % cap] = raw[0].to(kv_ring.dtype)
+            gate_ring[slots, pos % cap] = raw[1].to(gate_ring.dtype)
+            return self._entries(store, part, codec, rows, raw[0].dtype)
         w = (pos + 1) // r - 1      # the window ending at pos, when (pos + 1) % r == 0
         # Its raw rows: the span - 1 positions before pos from the ring, pos's own as computed.
         back = (pos[:, None] - span + 1 + torch.arange(span - 1, device=pos.device)) % cap
@@ -572,16 +578,20 @@ class Attention(nn.Module):
             kv, gate = kv[:, r:], gate[:, r:]
         entry = comp.pool(kv, gate, prev_kv, prev_gate, w.clamp(min=0), self.comp_inv_freq)
         dest = meta.entry_rows[r][j::meta.q]
-        rows = meta.entry_index(r)
-        codec = store.codec if part == "comp" else None
         if codec is None:
-            data = store.entries[part]
-            data[dest] = entry.to(data.dtype)
-            return data[rows].to(raw[0].dtype)
-        for k, v in codec.encode(entry.unsqueeze(1)).items():
-            store.coded[k][dest] = v
+            store.entries[part][dest] = entry.to(store.entries[part].dtype)
+        else:
+            for k, v in codec.encode(entry.unsqueeze(1)).items():
+                store.coded[k][dest] = v
+        return self._entries(store, part, codec, rows, raw[0].dtype)
+
+    @staticmethod
+    def _entries(store, part: str, codec, rows, dtype):
+        """Entries at rows [B, E] -> [B, E, d] in dtype (coded ones dequantised)."""
+        if codec is None:
+            return store.entries[part][rows].to(dtype)
         got = codec.dequantize({k: v[rows] for k, v in store.coded.items()}, torch.float32)
-        return got.squeeze(-2).to(raw[0].dtype)
+        return got.squeeze(-2).to(dtype)
 
 
 def layer_spec(c: dict, i: int, layer_type: str) -> DSV4LayerSpec:
