@@ -308,12 +308,20 @@ class DSV4PagedCache:
             states.append(SequenceView(length, [self._view(layer, slot, length, by_ratio) for layer in self.layers]))
         return DSV4Batch(states, query_start_loc)
 
-    def mtp_batch(self, seqs: list[tuple[int, list[list[int]]]], query_start_loc: list[int]) -> DSV4Batch:
+    def mtp_batch(self, seqs: list[tuple[int, list[list[int]]]], query_start_loc: list[int]
+                  ) -> "DSV4Batch | DSV4Rows":
         """The MTP head's metadata (for mtp_forward): seqs as for `batch`, but each
         length is the MTP cache's own (positions the head has processed for
-        that sequence). A smaller length than last time rolls it back."""
+        that sequence). A smaller length than last time rolls it back. Spans of
+        one length batches_spans takes (chained drafts: one row each) run
+        every sequence at once (DSV4Rows over the head's window rings)."""
         if not self.mtp_layers:
             raise ValueError("this pool was built without mtp_specs")
+        n = np.diff(query_start_loc)
+        if len(seqs) and (n == n[0]).all() and self.batches_spans(int(n[0])):
+            slots = torch.tensor([t[self.state_group][0] for _, t in seqs], dtype=torch.long, device=self.device)
+            return DSV4Rows(self.mtp_layers, int(n[0]), self.block_size, slots, {}, {}, list(query_start_loc),
+                            set())
         states = []
         for length, tables in seqs:
             slot = tables[self.state_group][0]

@@ -265,6 +265,17 @@ def mtp_reference(c: Case, streams, ids):
     return logits, names
 
 
+def save_with_mtp(c: Case, path) -> None:
+    """c's transformers model saved to path with mtp_reference's random MTP
+    head added to its checkpoint (the engine's method "mtp" drafts with it)."""
+    c.hf.save_pretrained(path)
+    _, weights = mtp_reference(c, torch.zeros(N, 4, 32), c.ids)
+    st = load_file(f"{path}/model.safetensors")
+    assert not any(k.startswith("mtp.") for k in st)
+    st.update({k: v.contiguous() for k, v in weights.items()})
+    save_file(st, f"{path}/model.safetensors", metadata={"format": "pt"})
+
+
 def test_mtp_head_matches_reference():
     c = case(4)
     captured = []

@@ -27,8 +27,7 @@ Runs torch with one thread (a tiny model: more threads only contend).
 """
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-from test_deepseek_v4 import N, case, mtp_reference
+from test_deepseek_v4 import case, save_with_mtp
 from test_deepseek_v4_engine import V, check_against_hf, greedy, prompts
 from tiny_models import save_tiny_llama
 
@@ -54,12 +53,7 @@ def ckpt(tmp_path_factory):
     plain = tmp_path_factory.mktemp("v4_no_mtp")
     c.hf.save_pretrained(plain)
     d = tmp_path_factory.mktemp("v4_mtp")
-    c.hf.save_pretrained(d)
-    _, weights = mtp_reference(c, torch.zeros(N, 4, 32), c.ids)
-    st = load_file(d / "model.safetensors")
-    assert not any(k.startswith("mtp.") for k in st)
-    st.update({k: v.contiguous() for k, v in weights.items()})
-    save_file(st, d / "model.safetensors", metadata={"format": "pt"})
+    save_with_mtp(c, d)
     return str(d), str(plain), c.hf
 
 
@@ -285,21 +279,26 @@ def test_lossless_tq4(ckpt):
 def test_verification_steps_batched_and_replayed(ckpt, monkeypatch):
     """Verification steps run every sequence at once (DSV4Rows, a row at a
     time from device tensors): eagerly when every sequence verifies k drafts
-    (plain drafts, all drafting), and as CUDA graphs (emulated on CPU) of
-    1 + k rows per sequence whatever its drafts (oracle drafts, 0..3
-    accepted: pad rows after a sequence's tokens). Both: the tokens of
-    decoding without drafts; the graph run's drafts are counted exactly."""
+    (plain drafts, all drafting; the MTP head's chained passes, one row per
+    sequence, batched too and its drafts checked against the no-cache
+    head), and as CUDA graphs (emulated on CPU) of 1 + k rows per sequence
+    whatever its drafts (oracle drafts, 0..3 accepted: pad rows after a
+    sequence's tokens). Both: the tokens of decoding without drafts; the
+    graph run's drafts are counted exactly."""
     from model_zoo import cpu_ops
     monkeypatch.setattr(cpu_ops, "ENABLED", False)    # the model's torch ops, as on a GPU
     path, _, _ = ckpt
     ref, k = reference(path), 3
     sps = [greedy(MAX_TOKENS) for _ in PROMPTS]
     llm = LLM(path, **mtp(k, max_num_seqs=8))
-    pool, spans = llm.core.runner.kv_caches, []
-    rows = pool.rows
+    pool, spans, head = llm.core.runner.kv_caches, [], []
+    rows, mtp_batch = pool.rows, pool.mtp_batch
     pool.rows = lambda meta: (spans.append(meta.max_query_len), rows(meta))[1]
-    assert Driver(llm, check_every=None).run(PROMPTS, sps) == ref
+    pool.mtp_batch = lambda *a: (m := mtp_batch(*a), head.append(m.batched))[0]
+    d = Driver(llm, check_every=5)          # drafts checked against the no-cache head too
+    assert d.run(PROMPTS, sps) == ref and d.checked > 10
     assert spans.count(1 + k) >= 10, spans
+    assert head.count(True) >= 20 and False in head      # the head's chained passes batched too
 
     llm = LLM(path, **mtp(k, max_num_seqs=8))
     graphs = llm.core._capture_graphs(emulate=True)

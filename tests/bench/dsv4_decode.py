@@ -1,7 +1,7 @@
 """DeepSeek-V4 decode: every sequence at once (DSV4Rows) vs one at a time.
 
     .venv/bin/python tests/bench/dsv4_decode.py [--batch 1,8,32] [--context 512] [--tokens 32]
-        [--device cpu|cuda] [--kv auto,tq4]
+        [--device cpu|cuda] [--kv auto,tq4] [--out PATH]
 
 A small DeepSeek-V4 of the real layout (sliding / CSA / HCA layers, the
 lightning indexer, hash + routed MoE, hyper-connections; dummy weights, its
@@ -87,6 +87,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--kv", default="auto,tq4")
+    ap.add_argument("--out", type=Path, help="write OUT.{json,md} instead of tests/bench/results/ (checks)")
     a = ap.parse_args()
     rows, res = [], {"machine": machine(), "config": CONFIG, "context": a.context, "tokens": a.tokens,
                      "device": a.device, "runs": []}
@@ -121,7 +122,13 @@ def main() -> int:
              "| KV | batch | per-sequence tok/s | batched tok/s | speedup |", "|---|---|---|---|---|", *rows, "",
              "Command: `.venv/bin/python tests/bench/dsv4_decode.py"
              + ("" if a.device == "cpu" else f" --device {a.device}") + "`"]
-    write_results("dsv4_decode" + ("" if a.device == "cpu" else f"_{a.device}"), res, lines)
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.with_suffix(".json").write_text(json.dumps(res, indent=1))
+        a.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines))
+    else:
+        write_results("dsv4_decode" + ("" if a.device == "cpu" else f"_{a.device}"), res, lines)
     return 0
 
 

@@ -14,6 +14,8 @@
 #   engine  tests/bench/gpu_engine.py, every section on both shapes (the issue's ~10 minutes)
 #   tq      tests/bench/tq_triton_gpu.py (TurboQuant kernels vs SDPA)
 #   quant   tests/bench/quant_gpu.py (quantized-weight kernels; --budget-s 240)
+#   dsv4    tests/bench/dsv4_decode.py --device cuda (DeepSeek-V4 decode: batched + CUDA graphs vs
+#           per sequence, eager)
 # pytest (pure Python) may be missing there: carry its wheels in .gpu-wheels/
 # (`pip download pytest -d .gpu-wheels` here; the folder is git-ignored).
 set -uo pipefail
@@ -22,7 +24,7 @@ mkdir -p "$OUT"
 # conftest sets TRITON_INTERPRET=1 only when unset: 0 runs the kernels for real.
 export PYTHONPATH=. TRITON_INTERPRET=0
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(tests graphs engine tq quant)
+[ ${#stages[@]} -eq 0 ] && stages=(tests graphs engine tq quant dsv4)
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 for stage in "${stages[@]}"; do
     echo "== $stage $(date -u +%T)"
@@ -44,8 +46,11 @@ for stage in "${stages[@]}"; do
         # GGUF / FP8 / MXFP4 / grouped MoE (MXFP4 and GGUF experts) vs bf16 cuBLAS and the copy-bandwidth
         # roofline; the script skips what is left past --budget-s 240, timeout is the hard stop.
         timeout 360 python tests/bench/quant_gpu.py --out "$OUT/quant_gpu" 2>&1 | tee "$OUT/quant_gpu.log" ;;
+    dsv4)
+        timeout 300 python tests/bench/dsv4_decode.py --device cuda --batch 1,8,64 2>&1 | tee "$OUT/dsv4_decode.log"
+        cp tests/bench/results/dsv4_decode_cuda.* "$OUT/" 2>/dev/null || true ;;
     *)
-        echo "unknown stage $stage (tests, graphs, engine, tq, quant)" >&2
+        echo "unknown stage $stage (tests, graphs, engine, tq, quant, dsv4)" >&2
         exit 2 ;;
     esac
 done

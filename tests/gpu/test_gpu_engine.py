@@ -161,6 +161,31 @@ def test_mtp_graphs_equal_eager(tmp_path):
     assert out == ref and drafts == ref_drafts
 
 
+@pytest.mark.parametrize("kv", ["auto", "tq4"])
+def test_deepseek_v4_mtp_graphs_equal_eager(tmp_path, kv):
+    """DeepSeek-V4 with its MTP head (k = 3) on CUDA: decodes and
+    verification steps run every sequence at once (DSV4Rows) and replay as
+    graphs (the pool's pad slot and discard rows taking the pad rows' writes);
+    drafts and tokens equal the eager run's, and the tokens equal decoding
+    without drafts."""
+    from test_deepseek_v4 import CONFIG, case, save_with_mtp
+    save_with_mtp(case(4), tmp_path)
+    ps = prompts(3, CONFIG["vocab_size"], seed=6)
+    kw = dict(device="cuda", dtype="float32", block_size=4, kv_cache_dtype=kv)
+    ref = toks(LLM(str(tmp_path), enforce_eager=True, **kw).generate(ps, greedy(16)))
+    runs = []
+    for eager in (True, False):
+        llm = LLM(str(tmp_path), enforce_eager=eager, speculative_config={"method": "mtp",
+                                                                          "num_speculative_tokens": 3}, **kw)
+        drafts, propose = [], llm.core.proposer.propose
+        llm.core.proposer.propose = lambda reqs, k: (d := propose(reqs, k), drafts.append(d))[0]
+        runs.append((toks(llm.generate(ps, greedy(16))), drafts, llm.core.graphs))
+        del llm
+    (eager_out, eager_drafts, _), (out, drafts, graphs) = runs
+    assert graphs is not None and graphs.query_lens == (1, 4) and graphs.replays > 0
+    assert out == eager_out == ref and drafts == eager_drafts
+
+
 @pytest.mark.parametrize("kv", ["auto", "k8v4", "tq4"])
 def test_verification_graphs_equal_eager(tmp_path, kv):
     """n-gram drafts (k = 3) on CUDA: verification steps replayed as graphs of
