@@ -17,10 +17,11 @@ kvcache/linear_state.py). Steps with a prefill chunk or prompt logprobs run
 eagerly, as do those whose layer caches say they cannot be captured
 (`not_capturable`, and for verification steps `spans_not_capturable(1 + k)`:
 linear-attention spans longer than the state's checkpoints run per
-sequence, and so do DeepSeek-V4's spans past its rollback room). DeepSeek-V4's
-pool reads the same generic metadata (kvcache/dsv4_paged.py DSV4Rows: the
-state slot from the per-sequence group's table, entry rows from the entry
-groups' slot mappings, -1 where a row closes no window). Under an MTP proposer the graphs capture the model's streams
+sequence, and so do DeepSeek-V4's spans past its rollback room).
+DeepSeek-V4's pool reads the same generic metadata (kvcache/dsv4_paged.py
+DSV4Rows: the state slot from the per-sequence group's table, entry rows
+from the entry groups' slot mappings, -1 where a row closes no window).
+Under an MTP proposer the graphs capture the model's streams
 (forward_streams), which the proposer reads after the replay.
 
 The captured metadata's host-side values are fixed at capture: every
