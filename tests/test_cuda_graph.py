@@ -18,7 +18,7 @@ from engine.cuda_graph import DecodeGraphs, HostSyncError, capture_sizes, forbid
 from kvcache.linear_state import LinearStateCache
 from model_zoo import cpu_ops
 from parallel.quant import fp_methods
-from test_spec_decode import Fixed
+from test_spec_decode import partly_right
 from tiny_models import (save_tiny_deepseek_v4, save_tiny_gemma3, save_tiny_gemma4, save_tiny_llama, save_tiny_qwen3,
                          save_tiny_qwen3_5, save_tiny_qwen3_moe, save_tiny_qwen3_next, token_prompts)
 
@@ -278,15 +278,8 @@ def test_verification_steps_over_linear_attention_replayed(graph_env, tmp_path):
     prompts = token_prompts(3, lo=5, hi=14, seed=3)
     greedy = SamplingParams(max_tokens=10, temperature=0.0, logprobs=2, ignore_eos=True)
     ref = _engine(tmp_path).generate(prompts, greedy)
-    cont = {tuple(p): o.outputs[0].token_ids + [0] * 4 for p, o in zip(prompts, ref)}
-
-    def drafts(r):
-        c, j = cont[tuple(r.prompt_token_ids)], r.num_output_tokens
-        good = (j + len(r.prompt_token_ids)) % 4            # a different accepted count step to step
-        return c[j:j + good] + [(c[j + good] + 1) % 256] * 3
-
     llm = _engine(tmp_path, speculative_config=NGRAM)
-    llm.core.proposer = Fixed(drafts)
+    llm.core.proposer = partly_right(prompts, _toks(ref))
     assert why_not_capturable(llm.core.caches, 4) is None
     assert "5 rows > 4 checkpoints" in why_not_capturable(llm.core.caches, 5)
     graphs = llm.core._capture_graphs(emulate=True)

@@ -134,6 +134,19 @@ class Fixed(Proposer):
         return [self.fn(r)[:k] for r, k in zip(reqs, max_drafts)]
 
 
+def partly_right(prompts, outputs, k: int = 3, vocab: int = 256) -> Fixed:
+    """Drafts of each prompt's reference continuation (outputs: token ids)
+    with 0..k correct tokens, a different count step to step, then wrong
+    ones: each verification keeps a different number of its rows."""
+    cont = {tuple(p): list(o) + [0] * (k + 1) for p, o in zip(prompts, outputs)}
+
+    def drafts(r):
+        c, j = cont[tuple(r.prompt_token_ids)], r.num_output_tokens
+        good = (j + len(r.prompt_token_ids)) % (k + 1)
+        return c[j:j + good] + [(c[j + good] + 1) % vocab] * k
+    return Fixed(drafts)
+
+
 def test_stops_limits_and_logprobs_as_without(tiny_dir):
     """Drafts that would run past a stop id, max_tokens or min_tokens' ban:
     the accepted tokens stop exactly where decoding one at a time stops, and

@@ -114,22 +114,15 @@ def test_hybrid_verification_graphs_equal_eager(tmp_path):
     verification steps replayed at 4 rows per sequence (the delta rule a
     token at a time from device lengths, resuming from each state
     checkpoint) give the tokens of eager decoding without drafts."""
-    from test_spec_decode import Fixed
+    from test_spec_decode import partly_right
     from tiny_models import save_tiny_qwen3_next, token_prompts
     save_tiny_qwen3_next(tmp_path)
     ps = token_prompts(3, lo=20, hi=40, seed=3)
     kw = dict(device="cuda", dtype="float32")
     ref = toks(LLM(str(tmp_path), enforce_eager=True, **kw).generate(ps, greedy(16)))
-    cont = {tuple(p): r + [0] * 4 for p, r in zip(ps, ref)}
-
-    def drafts(r):
-        c, j = cont[tuple(r.prompt_token_ids)], r.num_output_tokens
-        good = (j + len(r.prompt_token_ids)) % 4
-        return c[j:j + good] + [(c[j + good] + 1) % 256] * 3
-
     llm = LLM(str(tmp_path), enforce_eager=False, speculative_config={"method": "ngram", "num_speculative_tokens": 3},
               **kw)
-    llm.core.proposer = Fixed(drafts)
+    llm.core.proposer = partly_right(ps, ref)
     graphs = llm.core.graphs
     assert graphs is not None and graphs.query_lens == (1, 4)
     shapes, run = [], graphs.run
