@@ -131,6 +131,19 @@ def test_hybrid_verification_graphs_equal_eager(tmp_path):
     assert shapes.count((4, 4)) >= 3 and llm.core.get_stats().spec_decode_num_accepted_tokens_per_pos[2] > 0
 
 
+def mtp_runs(path, ps, max_tokens, **kw):
+    """MTP drafting eagerly, then with CUDA graphs: [(tokens, drafts per
+    step, the engine's graphs)] for the two."""
+    runs = []
+    for eager in (True, False):
+        llm = LLM(str(path), device="cuda", dtype="float32", enforce_eager=eager, **kw)
+        drafts, propose = [], llm.core.proposer.propose
+        llm.core.proposer.propose = lambda reqs, k: (d := propose(reqs, k), drafts.append(d))[0]
+        runs.append((toks(llm.generate(ps, greedy(max_tokens))), drafts, llm.core.graphs))
+        del llm
+    return runs
+
+
 def test_mtp_graphs_equal_eager(tmp_path):
     """Qwen3-Next with an MTP head (k = 3) on CUDA: the target's steps
     replayed as graphs that keep the streams the head drafts from give the
@@ -142,14 +155,7 @@ def test_mtp_graphs_equal_eager(tmp_path):
     hf.save_pretrained(tmp_path, safe_serialization=True)
     add_mtp_head(tmp_path, hf)
     ps = token_prompts(3, lo=9, hi=20, seed=4)
-    runs = []
-    for eager in (True, False):
-        llm = LLM(str(tmp_path), device="cuda", dtype="float32", enforce_eager=eager, speculative_config=MTP)
-        drafts, propose = [], llm.core.proposer.propose
-        llm.core.proposer.propose = lambda reqs, k: (d := propose(reqs, k), drafts.append(d))[0]
-        runs.append((toks(llm.generate(ps, greedy(12))), drafts, llm.core.graphs))
-        del llm
-    (ref, ref_drafts, _), (out, drafts, graphs) = runs
+    (ref, ref_drafts, _), (out, drafts, graphs) = mtp_runs(tmp_path, ps, 12, speculative_config=MTP)
     assert graphs is not None and graphs.query_lens == (1, 4) and graphs.replays > 0
     assert out == ref and drafts == ref_drafts
 
@@ -164,17 +170,10 @@ def test_deepseek_v4_mtp_graphs_equal_eager(tmp_path, kv):
     from test_deepseek_v4 import CONFIG, case, save_with_mtp
     save_with_mtp(case(4), tmp_path)
     ps = prompts(3, CONFIG["vocab_size"], seed=6)
-    kw = dict(device="cuda", dtype="float32", block_size=4, kv_cache_dtype=kv)
-    ref = toks(LLM(str(tmp_path), enforce_eager=True, **kw).generate(ps, greedy(16)))
-    runs = []
-    for eager in (True, False):
-        llm = LLM(str(tmp_path), enforce_eager=eager, speculative_config={"method": "mtp",
-                                                                          "num_speculative_tokens": 3}, **kw)
-        drafts, propose = [], llm.core.proposer.propose
-        llm.core.proposer.propose = lambda reqs, k: (d := propose(reqs, k), drafts.append(d))[0]
-        runs.append((toks(llm.generate(ps, greedy(16))), drafts, llm.core.graphs))
-        del llm
-    (eager_out, eager_drafts, _), (out, drafts, graphs) = runs
+    kw = dict(block_size=4, kv_cache_dtype=kv)
+    ref = toks(LLM(str(tmp_path), device="cuda", dtype="float32", enforce_eager=True, **kw).generate(ps, greedy(16)))
+    (eager_out, eager_drafts, _), (out, drafts, graphs) = mtp_runs(
+        tmp_path, ps, 16, speculative_config={"method": "mtp", "num_speculative_tokens": 3}, **kw)
     assert graphs is not None and graphs.query_lens == (1, 4) and graphs.replays > 0
     assert out == eager_out == ref and drafts == eager_drafts
 
