@@ -329,13 +329,13 @@ class ModelRunner:
         """(input_ids, positions, attention metadata, logits rows) on the device."""
         d = self.buf.send(plan.offs)
         ids, pos, qsl_t, seq_lens_t, rows = d[:5]
-        if plan.dsv4_seqs is not None:
-            return ids, pos, self.kv_caches.batch(plan.dsv4_seqs, plan.qsl), rows
         B = len(plan.seq_lens)
         groups = [GroupMetadata(d[5 + 2 * g], d[6 + 2 * g].view(B, w)) for g, w in enumerate(plan.widths)]
         meta = AttentionMetadata(plan.qsl, plan.seq_lens, plan.num_decodes, groups, self.kv_caches,
                                  seq_lens_t=seq_lens_t, query_start_loc_t=qsl_t,
                                  max_seq_len=max(plan.seq_lens, default=0), max_query_len=plan.max_query_len)
+        if plan.dsv4_seqs is not None:      # DeepSeek-V4's decodes all at once, the rest per sequence
+            meta = self.kv_caches.batch(plan.dsv4_seqs, plan.qsl, meta)
         return ids, pos, meta, rows
 
     @torch.inference_mode()

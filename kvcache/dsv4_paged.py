@@ -266,23 +266,27 @@ class DSV4PagedCache:
             return None
         return f"DeepSeek-V4 spans of {rows} rows > 1 + max_rollback ({self.max_rollback}) run per sequence"
 
-    def rows(self, meta: AttentionMetadata) -> "DSV4Rows":
-        """The batched view of a step the engine laid out for batches_spans:
-        the generic metadata's per-group tables and slot mappings (entry
-        groups: the row of the entry a token's window closes, or -1)."""
-        g = meta.groups
-        q = meta.max_query_len
+    def rows(self, meta: AttentionMetadata, B: int | None = None) -> "DSV4Rows":
+        """The batched view of a step the engine laid out for batches_spans
+        (or of its first B sequences, single-token ones): the generic
+        metadata's per-group tables and slot mappings (entry groups: the row
+        of the entry a token's window closes, or -1)."""
+        g, q = meta.groups, meta.max_query_len
+        if B is None:
+            B = meta.num_seqs
+        else:
+            q = 1
         closes = None
         if not meta.frozen:
             # Which ratios' windows close at which row somewhere in the batch
             # (an eager step's host lengths): the others skip the pooling.
-            pos = np.asarray(meta.seq_lens, np.int64)[:, None] - q + np.arange(q)
+            pos = np.asarray(meta.seq_lens[:B], np.int64)[:, None] - q + np.arange(q)
             closes = {(r, j) for r in self.group_of_ratio for j in range(q) if ((pos[:, j] + 1) % r == 0).any()}
         return DSV4Rows(self.layers, q, self.block_size,
-                        g[self.state_group].block_tables[:, 0],
-                        {r: g[gi].block_tables for r, gi in self.group_of_ratio.items()},
-                        {r: g[gi].slot_mapping for r, gi in self.group_of_ratio.items()},
-                        meta.query_start_loc, closes)
+                        g[self.state_group].block_tables[:B, 0],
+                        {r: g[gi].block_tables[:B] for r, gi in self.group_of_ratio.items()},
+                        {r: g[gi].slot_mapping[:B * q] for r, gi in self.group_of_ratio.items()},
+                        meta.query_start_loc[:B + 1], closes)
 
     def _view(self, layer: DSV4LayerStorage, slot: int, length: int, tables: dict[int, torch.Tensor]) -> LayerView:
         st, s = layer.state, layer.spec
@@ -298,15 +302,21 @@ class DSV4PagedCache:
                                               PagedEntries(layer.entries["idx"], table, bs, n))
         return view
 
-    def batch(self, seqs: list[tuple[int, list[list[int]]]], query_start_loc: list[int]) -> DSV4Batch:
-        """seqs: per sequence (num_computed_tokens, its block table per group)."""
+    def batch(self, seqs: list[tuple[int, list[list[int]]]], query_start_loc: list[int],
+              meta: AttentionMetadata | None = None) -> DSV4Batch:
+        """seqs: per sequence (num_computed_tokens, its block table per group).
+        With the step's generic metadata, its leading decodes run all at once
+        (DSV4Batch.rows) and the views cover the other sequences."""
+        nd = meta.num_decodes if meta is not None else 0
+        rows = self.rows(meta, nd) if nd else None
+        seqs, query_start_loc = seqs[nd:], query_start_loc[nd:]
         states = []
         for length, tables in seqs:
             slot = tables[self.state_group][0]
             by_ratio = {r: torch.tensor(tables[gi], dtype=torch.long, device=self.device)
                         for r, gi in self.group_of_ratio.items()}
             states.append(SequenceView(length, [self._view(layer, slot, length, by_ratio) for layer in self.layers]))
-        return DSV4Batch(states, query_start_loc)
+        return DSV4Batch(states, query_start_loc, rows)
 
     def mtp_batch(self, seqs: list[tuple[int, list[list[int]]]], query_start_loc: list[int]
                   ) -> "DSV4Batch | DSV4Rows":

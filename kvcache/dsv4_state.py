@@ -27,7 +27,7 @@ K=V so one vector per entry. Reads dequantise (the reference path; a kernel
 would score the rotated codes directly). Indexer keys stay in the model dtype.
 """
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -228,7 +228,10 @@ class DSV4Batch:
     states[i] (its first new token is at position states[i].length)."""
     states: list[DSV4SequenceState]
     query_start_loc: list[int] = field(default_factory=list)
-    batched: ClassVar[bool] = False     # per-sequence views (kvcache/dsv4_paged.py DSV4Rows: all at once)
+    # The step's leading single-token sequences, run all at once (a
+    # kvcache/dsv4_paged.py DSV4Rows over tokens [0, query_start_loc[0])), or None.
+    rows: Any = None
+    batched: ClassVar[bool] = False     # the states, a sequence at a time (DSV4Rows: all at once)
 
     def __post_init__(self):
         if not self.query_start_loc:

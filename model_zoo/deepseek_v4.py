@@ -429,6 +429,11 @@ class Attention(nn.Module):
         else:
             bounds = [0, T] if meta is None else meta.query_start_loc
             outs = []
+            if meta is not None and meta.rows is not None:    # the leading decodes, all at once
+                sl = slice(0, bounds[0])
+                outs.append(self._rows(q[sl], kv[sl], positions[sl], x[sl], q_res[sl],
+                                       None if raw is None else (raw[0][sl], raw[1][sl]),
+                                       None if idx_raw is None else (idx_raw[0][sl], idx_raw[1][sl]), meta.rows))
             for i in range(len(bounds) - 1):
                 a, b = bounds[i], bounds[i + 1]
                 state = None if meta is None else meta.states[i].layers[self.layer_idx]

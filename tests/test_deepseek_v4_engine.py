@@ -8,7 +8,8 @@ Block size 4: a CSA block holds 16 tokens' worth of entries, an HCA block 64.
   - prompt logprobs and generated-token logprobs vs transformers (fp32, full
     teacher-forced forward), greedy tokens = transformers' argmax at every
     step, for several prompts of different lengths, with whole prefills and
-    with 16-token chunks (mixed decode + prefill-chunk steps checked to occur);
+    with 16-token chunks (mixed decode + prefill-chunk steps checked to occur;
+    decodes run all at once, DSV4Rows, prefills a sequence at a time);
   - preemption under a small pool: same tokens, everything freed;
   - rollback through the engine: decode 6 wrong tokens across window closes
     of both compressors, truncate, decode: bit-identical to never having
@@ -93,13 +94,21 @@ def record_steps(llm):
 
 
 def count_paths(llm):
-    """Count the pool's batched (rows) and per-sequence (batch) step views."""
-    pool, n = llm.core.runner.kv_caches, {"rows": 0, "batch": 0}
-    for name in n:
-        def counted(*a, _f=getattr(pool, name), _k=name):
-            n[_k] += 1
-            return _f(*a)
-        setattr(pool, name, counted)
+    """Count the pool's step views: batched (rows: decode-only steps),
+    per-sequence (batch) and, of those, mixed ones whose decodes ran batched."""
+    pool, n = llm.core.runner.kv_caches, {"rows": 0, "batch": 0, "mixed": 0}
+    rows, batch = pool.rows, pool.batch
+
+    def counted_rows(meta, *a):
+        n["rows"] += not a        # (batch() asks for its leading decodes' rows too)
+        return rows(meta, *a)
+
+    def counted_batch(*a):
+        m = batch(*a)
+        n["batch"] += 1
+        n["mixed"] += m.rows is not None
+        return m
+    pool.rows, pool.batch = counted_rows, counted_batch
     return n
 
 
@@ -115,9 +124,11 @@ def test_engine_matches_transformers(tiny_v4, chunk):
     outs = llm.generate(ps, greedy(12, prompt_logprobs=20, logprobs=20))
     worst = max(check_against_hf(hf, o) for o in outs)
     print(f"chunk {chunk}: max |logprob diff| vs transformers {worst:.2e} over {len(steps)} steps "
-          f"({paths['rows']} batched, {paths['batch']} per sequence)")
-    # Decode steps ran batched (DSV4Rows, 4 sequences at once), prefills per sequence.
+          f"({paths['rows']} batched, {paths['batch']} per sequence, {paths['mixed']} of them with batched decodes)")
+    # Decode steps ran batched (DSV4Rows, 4 sequences at once), prefills per
+    # sequence, and in mixed steps the decodes batched beside the prefill chunk.
     assert paths["rows"] >= 11 and paths["batch"] >= 1
+    assert (paths["mixed"] >= 5) if chunk else paths["mixed"] == 0
     if chunk is not None:
         assert max(n for _, _, n in steps) == chunk
         assert any(d >= 1 and p >= 1 for d, p, _ in steps), "no mixed decode + prefill step"

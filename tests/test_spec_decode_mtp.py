@@ -293,7 +293,7 @@ def test_verification_steps_batched_and_replayed(ckpt, monkeypatch):
     llm = LLM(path, **mtp(k, max_num_seqs=8))
     pool, spans, head = llm.core.runner.kv_caches, [], []
     rows, mtp_batch = pool.rows, pool.mtp_batch
-    pool.rows = lambda meta: (spans.append(meta.max_query_len), rows(meta))[1]
+    pool.rows = lambda meta, *a: (a or spans.append(meta.max_query_len), rows(meta, *a))[1]
     pool.mtp_batch = lambda *a: (m := mtp_batch(*a), head.append(m.batched))[0]
     d = Driver(llm, check_every=5)          # drafts checked against the no-cache head too
     assert d.run(PROMPTS, sps) == ref and d.checked > 10
