@@ -100,10 +100,13 @@ class DecodeGraphs:
 
     def __init__(self, model: torch.nn.Module, kv_caches: list, widths: list[int], max_model_len: int,
                  max_num_seqs: int, device: torch.device, emulate: bool = False,
-                 query_lens: tuple[int, ...] = (1,), max_num_tokens: int | None = None, streams: bool = False):
+                 query_lens: tuple[int, ...] = (1,), max_num_tokens: int | None = None, streams: bool = False,
+                 head: bool = False):
         self.model, self.kv_caches, self.device, self.emulate = model, kv_caches, device, emulate
-        # streams: capture the model's pre-collapse streams (forward_streams), which an MTP proposer keeps.
-        self.forward = model.forward_streams if streams else model
+        # streams: capture the model's pre-collapse streams (forward_streams), which an MTP proposer keeps;
+        # head: the MTP head's chained passes (mtp_streams), whose second input, the streams
+        # (model.stream_shape per row), is a static buffer too.
+        self.forward = model.mtp_streams if head else model.forward_streams if streams else model
         self.sizes = capture_sizes(max_num_seqs)
         # A graph's rows stay within a step's token budget (what the KV budget
         # profiled): verification sizes of more rows are not captured.
@@ -119,6 +122,10 @@ class DecodeGraphs:
         self.qsl = {q: torch.arange(0, n * q + 1, q, **z) for q in self.query_lens}   # never written
         self.slots = [torch.full((t,), -1, **z) for _ in widths]
         self.tables = [torch.zeros(n, w, **z) for w in widths]
+        self.streams = None
+        if head:
+            dtype = next(model.parameters()).dtype
+            self.streams = torch.zeros(t, *model.stream_shape, dtype=dtype, device=device)
         self.max_model_len = max_model_len
         self.graphs: dict[tuple[int, int], tuple] = {}   # (size, q) -> (graph or None if emulated, metadata, hidden)
         self.pool = None
@@ -135,7 +142,10 @@ class DecodeGraphs:
                                  max_seq_len=self.max_model_len, max_query_len=q, frozen=True)
 
     def _forward(self, b: int, q: int, meta: AttentionMetadata) -> torch.Tensor:
-        return self.forward(self.ids[:b * q], self.pos[:b * q], meta)
+        n = b * q
+        if self.streams is not None:
+            return self.forward(self.ids[:n], self.streams[:n], self.pos[:n], meta)
+        return self.forward(self.ids[:n], self.pos[:n], meta)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -164,13 +174,16 @@ class DecodeGraphs:
             torch.cuda.synchronize(self.device)
 
     def run(self, b: int, q: int, ids: torch.Tensor, pos: torch.Tensor, seq_lens: torch.Tensor,
-            groups: list[GroupMetadata]) -> torch.Tensor:
+            groups: list[GroupMetadata], streams: torch.Tensor | None = None) -> torch.Tensor:
         """Replay the graph of b sequences of q rows on a step's inputs (b * q
         rows, pads included; block tables up to their own width, which the
-        captured ones bound). Returns the hidden states [b * q, hidden]:
+        captured ones bound; streams: the head's, its real rows only, pads
+        keep older finite values). Returns the hidden states [b * q, hidden]:
         valid until the next run."""
         graph, meta, hidden = self.graphs[b, q]
         self.replays += 1
+        if streams is not None:
+            self.streams[:len(streams)].copy_(streams)
         self.ids[:b * q].copy_(ids, non_blocking=True)
         self.pos[:b * q].copy_(pos, non_blocking=True)
         self.seq_lens[:b].copy_(seq_lens, non_blocking=True)

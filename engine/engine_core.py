@@ -116,7 +116,7 @@ class EngineCore(Worker):
                                    args.long_prefill_token_threshold)
         self.runner = ModelRunner(self.model, self.kv, caches,
                                   followers=Followers(self.args.distributed_timeout) if self.tp > 1 else None,
-                                  graphs=self.graphs)
+                                  graphs=self.graphs, head_graphs=self.head_graphs)
         self._grammars: GrammarCompiler | None = None    # at prepare_grammars or the first constrained request
         self.stats = EngineStats()
         self.info = ModelInfo(

@@ -103,9 +103,10 @@ class StepPlan:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv: KVCacheManager | None, kv_caches: list, followers=None,
-                 graphs: DecodeGraphs | None = None):
+                 graphs: DecodeGraphs | None = None, head_graphs: DecodeGraphs | None = None):
         self.model = model
         self.graphs = graphs           # captured decode steps (CUDA graphs), or None: always eager
+        self.head_graphs = head_graphs   # captured chained MTP head passes, or None
         self.kv = kv                   # the leader's block tables (None on a follower rank)
         self.followers = followers     # tensor parallel: where the leader sends each step's plan
         self.kv_caches = kv_caches     # indexed by layer, or one DSV4PagedCache
@@ -218,8 +219,10 @@ class ModelRunner:
             slots[:] = bt[seq_of_tok, 0]      # a per-sequence state: its one slot
         elif r > 1:
             # One row per r tokens (DeepSeek-V4's compressed entries): the token
-            # that closes window w writes entry w; the others write nothing.
-            closes = (pos + 1) % r == 0
+            # that closes window w writes entry w; the others write nothing, nor
+            # does one past its table (an MTP head's chained positions: the head
+            # keeps no entries).
+            closes = ((pos + 1) % r == 0) & (pos // r // bs < ln[seq_of_tok])
             e = pos[closes] // r
             slots[:] = -1
             slots[closes] = bt[seq_of_tok[closes], e // bs] * bs + e % bs
@@ -234,8 +237,23 @@ class ModelRunner:
         builds its own (the head's ring in the state slot)."""
         if isinstance(self.kv_caches, DSV4PagedCache):
             return self.kv_caches.mtp_batch(seqs, qsl)
+        q = np.asarray(qsl, np.int64)
+        n = np.diff(q)
+        seq_lens, groups = self._mtp_arrays(seqs, qsl)
+        groups = [GroupMetadata(torch.from_numpy(s).to(self.device), torch.from_numpy(bt).to(self.device))
+                  for s, bt in groups]
+        return AttentionMetadata(list(qsl), seq_lens.tolist(), int(np.count_nonzero(n == 1)), groups,
+                                 self.kv_caches, seq_lens_t=torch.from_numpy(seq_lens).to(self.device),
+                                 query_start_loc_t=torch.from_numpy(q).to(self.device))
+
+    def _mtp_arrays(self, seqs: list[tuple[int, list[list[int]]]], qsl: list[int], pad_to: int = 0):
+        """An MTP head pass's sequence lengths [B] and per group (slot
+        mapping [T], block tables [B, W]), numpy; pad_to: B padded with pad
+        sequences of one row (length 0, slot -1, per-sequence groups' pad
+        slot), as a decode graph's."""
         B, q = len(seqs), np.asarray(qsl, np.int64)
         n = np.diff(q)
+        P = max(pad_to - B, 0)
         start = np.fromiter((s for s, _ in seqs), np.int64, B)
         seq_of_tok = np.repeat(np.arange(B), n)
         pos = np.arange(int(q[-1])) + (start - q[:-1])[seq_of_tok]
@@ -243,13 +261,33 @@ class ModelRunner:
         for g in range(len(self.kv.groups)):
             tg = [t[g] for _, t in seqs]
             ln = np.fromiter(map(len, tg), np.int64, B)
-            slots, bt = np.empty(len(pos), np.int64), np.empty((B, int(ln.max())), np.int64)
-            self._fill_group(g, tg, ln, pos, seq_of_tok, slots, bt)
-            groups.append(GroupMetadata(torch.from_numpy(slots).to(self.device),
-                                        torch.from_numpy(bt).to(self.device)))
-        return AttentionMetadata(list(qsl), (start + n).tolist(), int(np.count_nonzero(n == 1)), groups,
-                                 self.kv_caches, seq_lens_t=torch.from_numpy(start + n).to(self.device),
-                                 query_start_loc_t=torch.from_numpy(q).to(self.device))
+            slots, bt = np.full(len(pos) + P, -1, np.int64), np.zeros((B + P, int(ln.max())), np.int64)
+            self._fill_group(g, tg, ln, pos, seq_of_tok, slots[:len(pos)], bt[:B])
+            bt[B:] = PAD_SLOT if self.kv.groups[g].per_seq else 0
+            groups.append((slots, bt))
+        return np.concatenate([start + n, np.zeros(P, np.int64)]), groups
+
+    def mtp_replay(self, ids: list[int], streams: torch.Tensor, starts: list[int], tables: list[list[list[int]]]
+                   ) -> torch.Tensor | None:
+        """A chained MTP head pass (one row per sequence: ids at positions
+        starts, the previous pass's streams) replayed as a CUDA graph, or None
+        when none was captured for its size or its tables are wider. Returns
+        the head's streams [len(ids), ...], valid until the next replay."""
+        g, B = self.head_graphs, len(ids)
+        b = g.size_for(B) if g is not None else None
+        if b is None or any(len(t[i]) > w.shape[1] for t in tables for i, w in enumerate(g.tables)):
+            return None
+        seq_lens, groups = self._mtp_arrays(list(zip(starts, tables)), list(range(B + 1)), pad_to=b)
+        pad = np.zeros(b, np.int64)
+        pad[:B] = ids
+        pos = np.zeros(b, np.int64)
+        pos[:B] = starts
+        dev = self.device
+        h = g.run(b, 1, torch.from_numpy(pad).to(dev), torch.from_numpy(pos).to(dev),
+                  torch.from_numpy(seq_lens).to(dev),
+                  [GroupMetadata(torch.from_numpy(s).to(dev), torch.from_numpy(bt).to(dev)) for s, bt in groups],
+                  streams=streams)
+        return h[:B]
 
     def reserve_mtp_positions(self, req: Request, n: int) -> bool:
         """Blocks for n positions past req's computed length, which an MTP

@@ -15,7 +15,9 @@ positions are rolled back by the next step, which starts the head at the
 sequence's computed length again (the ring keeps max_rollback extra
 positions; a paged head's blocks for them are reserved, as the next step's
 verification needs them). Drafts are the argmax: deterministic, so verification treats
-them as one-hot."""
+them as one-hot. On CUDA the chained passes (one row per sequence) replay
+CUDA graphs captured at startup (ModelRunner.mtp_replay); the first pass,
+whose spans vary, runs eagerly."""
 import torch
 
 from engine.request import Request, Status
@@ -89,9 +91,11 @@ class MtpProposer(Proposer):
             todo, hs = [todo[n] for n in sel], hs[sel]
             # Position c + step_j - 1 (c: computed length) gets the previous draft.
             starts = [r.num_computed_tokens + step_j - 1 for _, r, _ in todo]
-            hs = self._run([out[i][-1] for i, _, _ in todo], hs, starts,
-                           [(p, tables[r.request_id]) for p, (_, r, _) in zip(starts, todo)],
-                           list(range(len(todo) + 1)))
+            ids, tabs = [out[i][-1] for i, _, _ in todo], [tables[r.request_id] for _, r, _ in todo]
+            # One row per sequence: a CUDA graph's replay where one was captured.
+            h = self.runner.mtp_replay(ids, hs, starts, tabs)
+            hs = h if h is not None else self._run(ids, hs, starts, list(zip(starts, tabs)),
+                                                   list(range(len(todo) + 1)))
             for (i, _, _), t in zip(todo, self._argmax(hs)):
                 out[i].append(t)
         return out

@@ -67,6 +67,7 @@ class Worker:
         self.model = self._load_model()
         self.caches = self._init_kv_caches()
         self.graphs = self._capture_graphs() if self.device.type == "cuda" and not args.enforce_eager else None
+        self.head_graphs = self._capture_head_graphs() if self.graphs is not None else None
 
     @property
     def tp(self) -> int:
@@ -179,11 +180,7 @@ class Worker:
                 log.info("CUDA graphs for verification steps off: %s", why)
             else:
                 query_lens = (1, 1 + self.spec.num_speculative_tokens)
-        # The widest block table of each group: one slot per sequence, or the blocks of max_model_len
-        # tokens (r tokens per row in a compressed-entry group).
-        widths = [1 if g.per_seq else -(-(self.max_model_len // g.ratio) // args.block_size)
-                  for g in self.plan.groups]
-        graphs = DecodeGraphs(self.model, self.caches, widths, self.max_model_len, args.max_num_seqs,
+        graphs = DecodeGraphs(self.model, self.caches, self._graph_widths(), self.max_model_len, args.max_num_seqs,
                               self.device, emulate=emulate, query_lens=query_lens,
                               max_num_tokens=args.max_num_batched_tokens, streams=self._mtp_drafts)
         used = torch.cuda.memory_allocated(self.device) if not emulate else 0
@@ -201,6 +198,29 @@ class Worker:
                  ",".join(map(str, graphs.sizes)), ",".join(map(str, graphs.query_lens)),
                  time.monotonic() - t0, "" if emulate else
                  f" ({(torch.cuda.memory_allocated(self.device) - used) / 2**20:.0f} MiB)")
+        return graphs
+
+    def _graph_widths(self) -> list[int]:
+        """The widest block table of each group: one slot per sequence, or the
+        blocks of max_model_len tokens (r tokens per row in a compressed-entry group)."""
+        return [1 if g.per_seq else -(-(self.max_model_len // g.ratio) // self.args.block_size)
+                for g in self.plan.groups]
+
+    def _capture_head_graphs(self, emulate: bool = False) -> DecodeGraphs | None:
+        """With MTP drafts of k > 1: the head's chained passes (one row per
+        sequence, the previous pass's streams in) as CUDA graphs per padded
+        batch size, or None (said in one line when a capture fails)."""
+        if not self._mtp_drafts or self.spec.num_speculative_tokens < 2:
+            return None
+        graphs = DecodeGraphs(self.model, self.caches, self._graph_widths(), self.max_model_len,
+                              self.args.max_num_seqs, self.device, emulate=emulate, head=True)
+        try:
+            graphs.capture()
+        except Exception as e:
+            log.warning("CUDA graphs of the MTP head off: capturing a chained pass failed: %s: %s",
+                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            return None
+        log.info("CUDA graphs: the MTP head's chained passes, batch sizes %s", ",".join(map(str, graphs.sizes)))
         return graphs
 
     @property

@@ -266,11 +266,12 @@ class DSV4PagedCache:
             return None
         return f"DeepSeek-V4 spans of {rows} rows > 1 + max_rollback ({self.max_rollback}) run per sequence"
 
-    def rows(self, meta: AttentionMetadata, B: int | None = None) -> "DSV4Rows":
+    def rows(self, meta: AttentionMetadata, B: int | None = None, mtp: bool = False) -> "DSV4Rows":
         """The batched view of a step the engine laid out for batches_spans
         (or of its first B sequences, single-token ones): the generic
         metadata's per-group tables and slot mappings (entry groups: the row
-        of the entry a token's window closes, or -1)."""
+        of the entry a token's window closes, or -1); mtp: the MTP head's
+        layers (a CUDA graph of its chained passes)."""
         g, q = meta.groups, meta.max_query_len
         if B is None:
             B = meta.num_seqs
@@ -282,7 +283,7 @@ class DSV4PagedCache:
             # (an eager step's host lengths): the others skip the pooling.
             pos = np.asarray(meta.seq_lens[:B], np.int64)[:, None] - q + np.arange(q)
             closes = {(r, j) for r in self.group_of_ratio for j in range(q) if ((pos[:, j] + 1) % r == 0).any()}
-        return DSV4Rows(self.layers, q, self.block_size,
+        return DSV4Rows(self.mtp_layers if mtp else self.layers, q, self.block_size,
                         g[self.state_group].block_tables[:B, 0],
                         {r: g[gi].block_tables[:B] for r, gi in self.group_of_ratio.items()},
                         {r: g[gi].slot_mapping[:B * q] for r, gi in self.group_of_ratio.items()},

@@ -680,11 +680,12 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.mtp = nn.ModuleList([DeepseekV4MTP(c)] if self.has_mtp else [])
 
     @staticmethod
-    def _metadata(positions, meta):
+    def _metadata(positions, meta, mtp: bool = False):
         """The step's DeepSeek-V4 view: the engine's generic metadata of a
-        batched step (its pool's DSV4Rows), or a DSV4Batch as given."""
+        batched step (its pool's DSV4Rows; mtp: over the MTP head's layers),
+        or a DSV4Batch as given."""
         if isinstance(meta, AttentionMetadata):
-            meta = meta.kv_caches.rows(meta)
+            meta = meta.kv_caches.rows(meta, mtp=mtp)
         if meta is not None:
             meta.check(positions)
         return meta
@@ -698,6 +699,11 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def collapse(self, streams):
         return self.model.norm(self.model.hc_head(streams))
+
+    @property
+    def stream_shape(self) -> tuple[int, ...]:
+        """One row of what forward_streams returns and mtp_streams takes."""
+        return (self.config["hc_mult"], self.config["hidden_size"])
 
     def forward(self, input_ids, positions, attn_metadata):
         return self.collapse(self.forward_streams(input_ids, positions, attn_metadata))
@@ -715,7 +721,7 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def mtp_streams(self, next_ids, streams, positions, attn_metadata):
         """mtp_forward before its collapse (mtp_collapse): [T, hc, D]."""
-        attn_metadata = self._metadata(positions, attn_metadata)
+        attn_metadata = self._metadata(positions, attn_metadata, mtp=True)
         h = self.mtp[0].draft_streams(self.model.embed_tokens(next_ids), streams, positions, next_ids,
                                       attn_metadata)
         if attn_metadata is not None:

@@ -441,6 +441,11 @@ class Qwen3NextForCausalLM(nn.Module):
 
     mtp_collapse = collapse
 
+    @property
+    def stream_shape(self) -> tuple[int, ...]:
+        """One row of what forward_streams returns and mtp_streams takes."""
+        return (self.config["hidden_size"],)
+
     def mtp_streams(self, next_ids, hidden, positions, attn_metadata):
         """Draft hidden states: next_ids[i] is the token after position
         positions[i], hidden[i] the target's final hidden state there."""

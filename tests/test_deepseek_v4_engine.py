@@ -99,9 +99,9 @@ def count_paths(llm):
     pool, n = llm.core.runner.kv_caches, {"rows": 0, "batch": 0, "mixed": 0}
     rows, batch = pool.rows, pool.batch
 
-    def counted_rows(meta, *a):
+    def counted_rows(meta, *a, **kw):
         n["rows"] += not a        # (batch() asks for its leading decodes' rows too)
-        return rows(meta, *a)
+        return rows(meta, *a, **kw)
 
     def counted_batch(*a):
         m = batch(*a)

@@ -182,9 +182,10 @@ def test_lossless_with_chunks_and_preemption(model):
 def test_target_steps_replayed_as_graphs(qwen3_next, monkeypatch):
     """The target's steps as CUDA graphs replay them (emulated on CPU: the
     CUDA attention path interpreted), the graph capturing the streams the
-    head drafts from: verification steps of 1 + 3 rows replayed, every
-    draft, token and logprob the eager run's (the head read the same
-    streams; lossless against no drafts: test_lossless_with_chunks_and_preemption)."""
+    head drafts from: verification steps of 1 + 3 rows replayed, and the
+    head's chained passes (one row per sequence, padded 3 -> 4) from their
+    own graphs; every draft, token and logprob the eager run's (lossless
+    against no drafts: test_lossless_with_chunks_and_preemption)."""
     from model_zoo import cpu_ops
     path, _, _ = qwen3_next
     monkeypatch.setenv("TQSERVE_ATTN_BACKEND", "dense-triton")
@@ -201,10 +202,13 @@ def test_target_steps_replayed_as_graphs(qwen3_next, monkeypatch):
             assert graphs.query_lens == (1, 4) and graphs.forward == llm.core.model.forward_streams
             llm.core.runner.graphs, run = graphs, graphs.run
             graphs.run = lambda b, q, *a: (shapes.append((b, q)), run(b, q, *a))[1]
+            head = llm.core.runner.head_graphs = llm.core._capture_head_graphs(emulate=True)
+            assert head is not None and head.forward == llm.core.model.mtp_streams
         runs.append((llm.generate(ps, sp), drafts, shapes))
     (ref, eager_drafts, _), (out, drafts, shapes) = runs
     assert drafts == eager_drafts and sum(len(d) for step in drafts for d in step) > 20
     assert shapes.count((3, 4)) >= 5
+    assert head.replays >= 10         # the head's chained passes (2 per step) replayed too
     for a, b in zip(ref, out):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         worst = max(abs(la[t] - lb[t]) for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs) for t in la)

@@ -283,8 +283,9 @@ def test_verification_steps_batched_and_replayed(ckpt, monkeypatch):
     sequence, batched too and its drafts checked against the no-cache
     head), and as CUDA graphs (emulated on CPU) of 1 + k rows per sequence
     whatever its drafts (oracle drafts, 0..3 accepted: pad rows after a
-    sequence's tokens). Both: the tokens of decoding without drafts; the
-    graph run's drafts are counted exactly."""
+    sequence's tokens), the head's chained passes from graphs of their own
+    (its drafts checked against the no-cache head). Both: the tokens of
+    decoding without drafts; the graph run's drafts are counted exactly."""
     from model_zoo import cpu_ops
     monkeypatch.setattr(cpu_ops, "ENABLED", False)    # the model's torch ops, as on a GPU
     path, _, _ = ckpt
@@ -293,7 +294,7 @@ def test_verification_steps_batched_and_replayed(ckpt, monkeypatch):
     llm = LLM(path, **mtp(k, max_num_seqs=8))
     pool, spans, head = llm.core.runner.kv_caches, [], []
     rows, mtp_batch = pool.rows, pool.mtp_batch
-    pool.rows = lambda meta, *a: (a or spans.append(meta.max_query_len), rows(meta, *a))[1]
+    pool.rows = lambda meta, *a, **kw: (a or spans.append(meta.max_query_len), rows(meta, *a, **kw))[1]
     pool.mtp_batch = lambda *a: (m := mtp_batch(*a), head.append(m.batched))[0]
     d = Driver(llm, check_every=5)          # drafts checked against the no-cache head too
     assert d.run(PROMPTS, sps) == ref and d.checked > 10
@@ -305,9 +306,11 @@ def test_verification_steps_batched_and_replayed(ckpt, monkeypatch):
     assert graphs is not None and graphs.query_lens == (1, 1 + k)
     llm.core.runner.graphs, run, shapes = graphs, graphs.run, []
     graphs.run = lambda b, q, *a: (shapes.append((b, q)), run(b, q, *a))[1]
-    d = Driver(llm, oracle=ref, check_every=None)
-    assert d.run(PROMPTS, sps) == ref
+    head = llm.core.runner.head_graphs = llm.core._capture_head_graphs(emulate=True)
+    d = Driver(llm, oracle=ref, check_every=3)      # the head's drafts against the no-cache head
+    assert d.run(PROMPTS, sps) == ref and d.checked > 5
     assert sum(q == 1 + k for _, q in shapes) >= 5, shapes
+    assert head.replays >= 20                       # its chained passes (k - 1 per step) replayed
     check_stats(llm.core, k, accepted_prefixes(d, PROMPTS, ref))
 
 

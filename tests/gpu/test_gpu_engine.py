@@ -133,21 +133,23 @@ def test_hybrid_verification_graphs_equal_eager(tmp_path):
 
 def mtp_runs(path, ps, max_tokens, **kw):
     """MTP drafting eagerly, then with CUDA graphs: [(tokens, drafts per
-    step, the engine's graphs)] for the two."""
+    step, the engine's graphs, its MTP head's graphs)] for the two."""
     runs = []
     for eager in (True, False):
         llm = LLM(str(path), device="cuda", dtype="float32", enforce_eager=eager, **kw)
         drafts, propose = [], llm.core.proposer.propose
         llm.core.proposer.propose = lambda reqs, k: (d := propose(reqs, k), drafts.append(d))[0]
-        runs.append((toks(llm.generate(ps, greedy(max_tokens))), drafts, llm.core.graphs))
+        runs.append((toks(llm.generate(ps, greedy(max_tokens))), drafts, llm.core.graphs,
+                     llm.core.runner.head_graphs))
         del llm
     return runs
 
 
 def test_mtp_graphs_equal_eager(tmp_path):
     """Qwen3-Next with an MTP head (k = 3) on CUDA: the target's steps
-    replayed as graphs that keep the streams the head drafts from give the
-    eager run's drafts and tokens."""
+    replayed as graphs that keep the streams the head drafts from, and the
+    head's chained passes as graphs of their own, give the eager run's
+    drafts and tokens."""
     from test_hybrid_mtp import MTP, add_mtp_head
     from test_qwen3_next import make_hf
     from tiny_models import token_prompts
@@ -155,8 +157,9 @@ def test_mtp_graphs_equal_eager(tmp_path):
     hf.save_pretrained(tmp_path, safe_serialization=True)
     add_mtp_head(tmp_path, hf)
     ps = token_prompts(3, lo=9, hi=20, seed=4)
-    (ref, ref_drafts, _), (out, drafts, graphs) = mtp_runs(tmp_path, ps, 12, speculative_config=MTP)
+    (ref, ref_drafts, _, _), (out, drafts, graphs, head) = mtp_runs(tmp_path, ps, 12, speculative_config=MTP)
     assert graphs is not None and graphs.query_lens == (1, 4) and graphs.replays > 0
+    assert head is not None and head.replays > 0
     assert out == ref and drafts == ref_drafts
 
 
@@ -164,17 +167,18 @@ def test_mtp_graphs_equal_eager(tmp_path):
 def test_deepseek_v4_mtp_graphs_equal_eager(tmp_path, kv):
     """DeepSeek-V4 with its MTP head (k = 3) on CUDA: decodes and
     verification steps run every sequence at once (DSV4Rows) and replay as
-    graphs (the pool's pad slot and discard rows taking the pad rows' writes);
-    drafts and tokens equal the eager run's, and the tokens equal decoding
-    without drafts."""
+    graphs (the pool's pad slot and discard rows taking the pad rows' writes),
+    and so do the head's chained passes; drafts and tokens equal the eager
+    run's, and the tokens equal decoding without drafts."""
     from test_deepseek_v4 import CONFIG, case, save_with_mtp
     save_with_mtp(case(4), tmp_path)
     ps = prompts(3, CONFIG["vocab_size"], seed=6)
     kw = dict(block_size=4, kv_cache_dtype=kv)
     ref = toks(LLM(str(tmp_path), device="cuda", dtype="float32", enforce_eager=True, **kw).generate(ps, greedy(16)))
-    (eager_out, eager_drafts, _), (out, drafts, graphs) = mtp_runs(
+    (eager_out, eager_drafts, _, _), (out, drafts, graphs, head) = mtp_runs(
         tmp_path, ps, 16, speculative_config={"method": "mtp", "num_speculative_tokens": 3}, **kw)
     assert graphs is not None and graphs.query_lens == (1, 4) and graphs.replays > 0
+    assert head is not None and head.replays > 0
     assert out == eager_out == ref and drafts == eager_drafts
 
 
