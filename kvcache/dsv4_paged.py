@@ -59,6 +59,10 @@ from kvcache.spec import DSV4LayerSpec, LayerSpec
 from kvcache.turboquant import Codec
 
 CSA = "compressed_sparse_attention"
+# The most compressed entries per sequence a captured step may gather (32K
+# tokens of context at CSA's ratio 4); a sparse-attention kernel reading only
+# the visible / top-k entries would lift this. Not tuned on a GPU.
+MAX_GRAPH_ENTRIES = 8192
 
 
 def dsv4_groups(specs: list[DSV4LayerSpec]) -> list[KVGroup]:
@@ -231,10 +235,12 @@ class DSV4PagedCache:
 
     def __init__(self, specs: list[DSV4LayerSpec], groups: list[KVGroup], num_blocks: list[int],
                  block_size: int, max_rollback: int, dtype, device=None,
-                 mtp_specs: list[DSV4LayerSpec] | None = None):
-        """mtp_specs: the MTP head's mtp_cache_spec(), kept per slot beside the main layers."""
+                 mtp_specs: list[DSV4LayerSpec] | None = None, capacity: int = 0):
+        """mtp_specs: the MTP head's mtp_cache_spec(), kept per slot beside the
+        main layers; capacity: the longest context a sequence may reach (the
+        plan's), which bounds what a CUDA graph's step reads."""
         self.specs, self.groups, self.block_size, self.device = specs, groups, block_size, device
-        self.max_rollback = max_rollback
+        self.max_rollback, self.capacity = max_rollback, capacity
         self.state_group = len(groups) - 1
         self.group_of_ratio = {g.ratio: gi for gi, g in enumerate(groups) if not g.per_seq}
         num_slots = num_blocks[self.state_group]
@@ -259,12 +265,21 @@ class DSV4PagedCache:
 
     @property
     def not_capturable(self) -> str | None:
+        # A graph's step reads each sequence's whole entry table at its bound
+        # (Attention._emit_row gathers and masks it), an eager one only what
+        # the step's longest table holds: past this many entries, eager wins.
+        ratios = [s.ratio for s in self.specs if s.ratio]
+        bound = self.capacity // min(ratios) if ratios else 0
+        if bound > MAX_GRAPH_ENTRIES:
+            return (f"DeepSeek-V4 decode graphs would read {bound} compressed entries per sequence and layer "
+                    f"(context capacity {self.capacity}; at most {MAX_GRAPH_ENTRIES}: lower max_model_len), "
+                    f"so its batched steps run eagerly")
         return None
 
     def spans_not_capturable(self, rows: int) -> str | None:
-        if self.batches_spans(rows):
-            return None
-        return f"DeepSeek-V4 spans of {rows} rows > 1 + max_rollback ({self.max_rollback}) run per sequence"
+        if not self.batches_spans(rows):
+            return f"DeepSeek-V4 spans of {rows} rows > 1 + max_rollback ({self.max_rollback}) run per sequence"
+        return self.not_capturable
 
     def rows(self, meta: AttentionMetadata, B: int | None = None, mtp: bool = False) -> "DSV4Rows":
         """The batched view of a step the engine laid out for batches_spans

@@ -219,7 +219,7 @@ def allocate_kv_caches(specs: list[LayerSpec], plan: KVPlan, dtype: torch.dtype,
     if specs and isinstance(specs[0], DSV4LayerSpec):
         from kvcache.dsv4_paged import DSV4PagedCache
         return DSV4PagedCache(specs, plan.groups, plan.num_blocks, plan.block_size, plan.max_rollback, dtype,
-                              device, plan.mtp_specs)
+                              device, plan.mtp_specs, capacity=plan.capacity)
     specs = _checkpointed(specs + plan.mtp_specs, plan.max_rollback or 0)
     caches = [None] * (max(s.layer_idx for s in specs) + 1)
     by_idx = {s.layer_idx: s for s in specs}

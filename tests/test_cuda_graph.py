@@ -183,6 +183,20 @@ def test_deepseek_v4_decode_replayed_equals_eager(graph_env, tmp_path, kv):
     assert llm.core.kv.num_used_blocks == 0
 
 
+def test_deepseek_v4_graphs_bounded_by_context(tmp_path, monkeypatch, caplog):
+    """A captured V4 step reads every sequence's whole entry table at its
+    bound: past MAX_GRAPH_ENTRIES per sequence the engine says so and its
+    batched steps stay eager."""
+    from kvcache import dsv4_paged
+    save_tiny_deepseek_v4(tmp_path)
+    llm = _engine(tmp_path)
+    assert llm.core.plan.capacity_tokens == 128 and why_not_capturable(llm.core.caches) is None
+    monkeypatch.setattr(dsv4_paged, "MAX_GRAPH_ENTRIES", 16)
+    with caplog.at_level("INFO", logger="tqserve.engine"):
+        assert llm.core._capture_graphs(emulate=True) is None
+    assert "would read 32 compressed entries per sequence" in caplog.text     # 128 tokens / CSA's 4
+
+
 def _one_sequence_padded_to_2(path, state):
     """One 6-token prompt, 4 greedy tokens, eager then with every decode
     replayed at size 2: [(tokens, state(llm)) eager, (...) replayed]."""
