@@ -220,14 +220,19 @@ class DSV4Rows:
     def advance(self) -> None:
         """The engine's lengths move on; nothing here holds one."""
 
+    def once(self, key, make):
+        """make(), computed by the first layer that asks in this step (what
+        every layer computes alike: masks, entry indices)."""
+        v = self.memo.get(key)
+        if v is None:
+            v = self.memo[key] = make()
+        return v
+
     def entry_index(self, ratio: int) -> torch.Tensor:
         """[B, W * block_size] entry rows of every sequence's table, in entry order."""
-        idx = self.memo.get(ratio)
-        if idx is None:
-            t = self.tables[ratio]
-            idx = self.memo[ratio] = (t[:, :, None] * self.block_size
-                                      + torch.arange(self.block_size, device=t.device)).flatten(1)
-        return idx
+        t = self.tables[ratio]
+        return self.once(("entries", ratio), lambda: (t[:, :, None] * self.block_size
+                                                      + torch.arange(self.block_size, device=t.device)).flatten(1))
 
 
 class DSV4PagedCache:

@@ -219,21 +219,21 @@ class Codec:
             assert head_dim % self.group == 0 and head_dim * fmt.bits % 8 == 0
             self.codebook = _codebook(fmt.bits, self.group)
             self.bounds = (self.codebook[1:] + self.codebook[:-1]) / 2
-        self._rot = {}     # device -> R^T; (device, dtype) -> rot_pm1; (name, device, dtype) -> on()
+        self._cache = {}   # device -> R^T; (device, dtype) -> rot_pm1; (name, device, dtype) -> on()
 
     def rot_t(self, device) -> torch.Tensor:
-        r = self._rot.get(str(device))
+        r = self._cache.get(str(device))
         if r is None:
-            r = self._rot[str(device)] = rotation_t(self.signs.to(device))
+            r = self._cache[str(device)] = rotation_t(self.signs.to(device))
         return r
 
     def on(self, name: str, device, dtype=torch.float32) -> torch.Tensor:
         """The codebook or its bounds on device, copied once: a copy from host
         memory in every call would also break CUDA-graph capture."""
         key = (name, str(device), dtype)
-        t = self._rot.get(key)
+        t = self._cache.get(key)
         if t is None:
-            t = self._rot[key] = getattr(self, name).to(device=device, dtype=dtype)
+            t = self._cache[key] = getattr(self, name).to(device=device, dtype=dtype)
         return t
 
     def rot_pm1(self, device, dtype) -> torch.Tensor:
@@ -241,9 +241,9 @@ class Codec:
         in any dtype, so a 16-bit kernel can rotate with it (x @ it / sqrt(D)
         = rotate(x)) without rounding the rotation itself."""
         key = (str(device), dtype)
-        r = self._rot.get(key)
+        r = self._cache.get(key)
         if r is None:
-            r = self._rot[key] = (self.rot_t(device) * self.D ** 0.5).round().to(dtype).contiguous()
+            r = self._cache[key] = (self.rot_t(device) * self.D ** 0.5).round().to(dtype).contiguous()
         return r
 
     def alloc(self, num_slots: int, device) -> dict[str, torch.Tensor]:

@@ -532,17 +532,15 @@ class Attention(nn.Module):
         slots = meta.slots
         ring = store.state["window"]
         cap = ring.shape[1]
-        # The ring holds positions pos - cap .. pos - 1 (older or stale slots fall outside the window).
-        back = (pos[:, None] - 1) - ((pos[:, None] - 1 - torch.arange(cap, device=pos.device)) % cap)
         keys = torch.cat([ring[slots].to(kv.dtype), kv[:, None]], dim=1)
-        kpos = torch.cat([back, pos[:, None]], dim=1)
-        mask = (kpos >= 0) & (kpos > pos[:, None] - self.window)
+        mask = meta.once(("window", cap, j), lambda: self._window_mask(pos, cap))
         ring[slots, pos % cap] = kv.to(ring.dtype)
         if self.compressor is not None:
             comp = self.compressor
             entries = self._emit_row(comp, store, "comp", raw, pos, meta, j)
             S = entries.shape[1]
-            visible = torch.arange(S, device=pos.device)[None, :] < ((pos + 1) // self.ratio)[:, None]
+            visible = meta.once(("visible", self.ratio, j), lambda: torch.arange(
+                S, device=pos.device)[None, :] < ((pos + 1) // self.ratio)[:, None])
             if self.layer_type == CSA:
                 ind = comp.indexer
                 ikeys = self._emit_row(ind, store, "idx", idx_raw, pos, meta, j)
@@ -553,6 +551,14 @@ class Attention(nn.Module):
             keys = torch.cat([keys, entries], dim=1)
             mask = torch.cat([mask, visible], dim=1)
         return self._attend(q, keys, mask)
+
+    def _window_mask(self, pos, cap: int):
+        """[B, cap + 1]: which ring slots (positions pos - cap .. pos - 1; older
+        or stale ones fall outside the window) and the row itself it sees;
+        alike in every layer, so computed once per row (DSV4Rows.once)."""
+        back = (pos[:, None] - 1) - ((pos[:, None] - 1 - torch.arange(cap, device=pos.device)) % cap)
+        kpos = torch.cat([back, pos[:, None]], dim=1)
+        return (kpos >= 0) & (kpos > pos[:, None] - self.window)
 
     def _emit_row(self, comp: Compressor, store, part: str, raw, pos, meta, j: int):
         """One row of every sequence into compressor `part`'s carry ring; the
@@ -565,17 +571,18 @@ class Attention(nn.Module):
         cap, span = kv_ring.shape[1], (2 if comp.overlap else 1) * r
         rows = meta.entry_index(r)
         codec = store.codec if part == "comp" else None
-        if not meta.may_close(r, j):     # an eager step where no window closes: only the carry moves
-            kv_ring[slots, pos % cap] = raw[0].to(kv_ring.dtype)
-            gate_ring[slots, pos % cap] = raw[1].to(gate_ring.dtype)
-            return self._entries(store, part, codec, rows, raw[0].dtype)
-        w = (pos + 1) // r - 1      # the window ending at pos, when (pos + 1) % r == 0
-        # Its raw rows: the span - 1 positions before pos from the ring, pos's own as computed.
-        back = (pos[:, None] - span + 1 + torch.arange(span - 1, device=pos.device)) % cap
-        kv = torch.cat([kv_ring[slots[:, None], back].to(raw[0].dtype), raw[0][:, None]], dim=1)
-        gate = torch.cat([gate_ring[slots[:, None], back].to(raw[1].dtype), raw[1][:, None]], dim=1)
+        # An eager step where no window closes at this row only moves the carry.
+        closing = meta.may_close(r, j)
+        if closing:
+            # The closing window's raw rows: the span - 1 positions before pos from the ring, pos's own as computed.
+            back = (pos[:, None] - span + 1 + torch.arange(span - 1, device=pos.device)) % cap
+            kv = torch.cat([kv_ring[slots[:, None], back].to(raw[0].dtype), raw[0][:, None]], dim=1)
+            gate = torch.cat([gate_ring[slots[:, None], back].to(raw[1].dtype), raw[1][:, None]], dim=1)
         kv_ring[slots, pos % cap] = raw[0].to(kv_ring.dtype)
         gate_ring[slots, pos % cap] = raw[1].to(gate_ring.dtype)
+        if not closing:
+            return self._entries(store, part, codec, rows, raw[0].dtype)
+        w = (pos + 1) // r - 1      # the window ending at pos, when (pos + 1) % r == 0
         prev_kv = prev_gate = None
         if comp.overlap:
             first = (w <= 0)[:, None, None]      # window 0 has no previous one
