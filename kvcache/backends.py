@@ -15,6 +15,9 @@ backend from the registry by its format and its device:
                                          reference for head dims it was not built for)
     tq-torch        tq      -            the torch reference (tq_cache.py)
     tq-triton       tq      cuda         Triton over the compressed blocks (tq_triton.py)
+    dsv4-torch      dsv4    -            DeepSeek-V4's batched steps: entries gathered and
+                                         masked (dsv4_attn.py, the reference)
+    dsv4-triton     dsv4    cuda         the same reading only the entries used (dsv4_triton.py)
 
 Any other device gets the torch backend of its format. Overrides, strongest
 first: an explicit name (DenseLayerCache(backend=...), `cache.backend =
@@ -39,10 +42,10 @@ import torch
 
 _REGISTRY: dict = {}
 _DEFAULTS = {("dense", "cpu"): "dense-cpu", ("dense", "cuda"): "dense-triton",
-             ("tq", "cpu"): "tq-cpu", ("tq", "cuda"): "tq-triton"}
-_FALLBACK = {"dense": "dense-torch", "tq": "tq-torch"}
+             ("tq", "cpu"): "tq-cpu", ("tq", "cuda"): "tq-triton", ("dsv4", "cuda"): "dsv4-triton"}
+_FALLBACK = {"dense": "dense-torch", "tq": "tq-torch", "dsv4": "dsv4-torch"}
 _BUILTIN = ("kvcache.dense_cache", "kvcache.dense_cpu", "kvcache.dense_triton", "kvcache.tq_cache",
-            "kvcache.tq_cpu", "kvcache.tq_triton")
+            "kvcache.tq_cpu", "kvcache.tq_triton", "kvcache.dsv4_attn")
 
 
 class AttentionBackend:

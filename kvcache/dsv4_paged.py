@@ -50,6 +50,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from kvcache.backends import backend_for
 from kvcache.dsv4_state import DSV4Batch, Ring
 from kvcache.kv_formats import KVPolicy
 from kvcache.kv_manager import KVGroup
@@ -59,9 +60,9 @@ from kvcache.spec import DSV4LayerSpec, LayerSpec
 from kvcache.turboquant import Codec
 
 CSA = "compressed_sparse_attention"
-# The most compressed entries per sequence a captured step may gather (32K
-# tokens of context at CSA's ratio 4); a sparse-attention kernel reading only
-# the visible / top-k entries would lift this. Not tuned on a GPU.
+# The most compressed entries per sequence a captured step may gather through
+# dsv4-torch (32K tokens of context at CSA's ratio 4); dsv4-triton reads only
+# the entries each sequence uses and has no such bound. Not tuned on a GPU.
 MAX_GRAPH_ENTRIES = 8192
 
 
@@ -85,6 +86,7 @@ class DSV4LayerStorage:
     def __init__(self, spec: DSV4LayerSpec, num_slots: int, num_entry_blocks: int, block_size: int,
                  max_rollback: int, dtype, device, num_layers: int):
         self.spec = spec
+        self.backend = backend_for("dsv4", device or "cpu")     # reads the entries in a batched step
         D, R, r = spec.head_dim, max_rollback, spec.ratio
         self.codec = None
         if isinstance(dtype, KVPolicy):
@@ -270,12 +272,12 @@ class DSV4PagedCache:
 
     @property
     def not_capturable(self) -> str | None:
-        # A graph's step reads each sequence's whole entry table at its bound
-        # (Attention._emit_row gathers and masks it), an eager one only what
-        # the step's longest table holds: past this many entries, eager wins.
+        # A graph's step through a backend that gathers whole tables (dsv4-torch)
+        # reads each sequence's table at its bound, an eager one only what the
+        # step's longest table holds: past this many entries, eager wins.
         ratios = [s.ratio for s in self.specs if s.ratio]
         bound = self.capacity // min(ratios) if ratios else 0
-        if bound > MAX_GRAPH_ENTRIES:
+        if bound > MAX_GRAPH_ENTRIES and any(layer.backend.gathers_whole_table for layer in self.layers):
             return (f"DeepSeek-V4 decode graphs would read {bound} compressed entries per sequence and layer "
                     f"(context capacity {self.capacity}; at most {MAX_GRAPH_ENTRIES}: lower max_model_len), "
                     f"so its batched steps run eagerly")

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvcache.dsv4_attn import index_scores_torch, sink_attention
 from kvcache.dsv4_state import DSV4SequenceState
 from kvcache.metadata import AttentionMetadata
 from kvcache.spec import DSV4LayerSpec
@@ -358,15 +359,14 @@ class Indexer(Compressor):
         self.q_b_proj = linear(c["q_lora_rank"], self.n_heads * self.head_dim)
         self.weights_proj = linear(c["hidden_size"], self.n_heads)
 
-    def scores(self, q_res, x, positions, keys, inv_freq):
-        """[n, S] index scores of n queries against S keys [S, d_I] (one
-        sequence's) or [n, S, d_I] (each query its own sequence's)."""
+    def query(self, q_res, x, positions, inv_freq):
+        """The n queries' index vectors [n, h, d_I] and head weights [n, h] (fp32)."""
         q = self.q_b_proj(q_res).view(-1, self.n_heads, self.head_dim)
-        q = apply_rope(q, positions, inv_freq)
-        eq = "nhd,sd->nhs" if keys.dim() == 2 else "nhd,nsd->nhs"
-        s = F.relu(torch.einsum(eq, q.float(), keys.float())) * self.head_dim ** -0.5
-        w = self.weights_proj(x).float() * self.n_heads ** -0.5
-        return (s * w.unsqueeze(-1)).sum(dim=1)
+        return apply_rope(q, positions, inv_freq), self.weights_proj(x).float() * self.n_heads ** -0.5
+
+    def scores(self, q_res, x, positions, keys, inv_freq):
+        """[n, S] index scores of n queries against one sequence's S keys [S, d_I]."""
+        return index_scores_torch(*self.query(q_res, x, positions, inv_freq), keys)
 
 
 # ---------------------------------------------------------------- attention
@@ -497,20 +497,7 @@ class Attention(nn.Module):
                 visible = visible & chosen
             keys = torch.cat([keys, entries], dim=0)
             mask = torch.cat([mask, visible], dim=1)
-        return self._attend(q, keys, mask)
-
-    def _attend(self, q, keys, mask):
-        """q [n, h, D] over keys [K, D] (one sequence's) or [n, K, D] (each
-        query its own), mask [n, K]."""
-        eq = "kd" if keys.dim() == 2 else "nkd"
-        logits = torch.einsum(f"nhd,{eq}->nhk", q, keys) * self.scale
-        logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
-        # fp32 softmax with the fp32 sinks (as transformers' cat promotes it)
-        sinks = self.sinks.view(1, -1, 1).expand(q.shape[0], -1, 1).float()
-        combined = torch.cat([logits.float(), sinks], dim=-1)
-        combined = combined - combined.max(dim=-1, keepdim=True).values
-        probs = combined.softmax(dim=-1)[..., :-1]
-        return torch.einsum(f"nhk,{eq}->nhd", probs.to(keys.dtype), keys)
+        return sink_attention(q, keys, mask, self.sinks, self.scale)
 
     # -- all sequences at once (DSV4Rows: decodes, verification spans) ------
     def _rows(self, q, kv, pos, x, q_res, raw, idx_raw, meta):
@@ -532,25 +519,26 @@ class Attention(nn.Module):
         slots = meta.slots
         ring = store.state["window"]
         cap = ring.shape[1]
-        keys = torch.cat([ring[slots].to(kv.dtype), kv[:, None]], dim=1)
-        mask = meta.once(("window", cap, j), lambda: self._window_mask(pos, cap))
+        wkeys = torch.cat([ring[slots].to(kv.dtype), kv[:, None]], dim=1)
+        wmask = meta.once(("window", cap, j), lambda: self._window_mask(pos, cap))
         ring[slots, pos % cap] = kv.to(ring.dtype)
-        if self.compressor is not None:
-            comp = self.compressor
-            entries = self._emit_row(comp, store, "comp", raw, pos, meta, j)
-            S = entries.shape[1]
-            visible = meta.once(("visible", self.ratio, j), lambda: torch.arange(
-                S, device=pos.device)[None, :] < ((pos + 1) // self.ratio)[:, None])
-            if self.layer_type == CSA:
-                ind = comp.indexer
-                ikeys = self._emit_row(ind, store, "idx", idx_raw, pos, meta, j)
-                if S > 0:
-                    scores = ind.scores(q_res, x, pos, ikeys, self.comp_inv_freq).masked_fill(~visible, float("-inf"))
-                    top = scores.topk(min(ind.topk, S), dim=-1).indices
-                    visible = visible & torch.zeros_like(visible).scatter_(1, top, True)
-            keys = torch.cat([keys, entries], dim=1)
-            mask = torch.cat([mask, visible], dim=1)
-        return self._attend(q, keys, mask)
+        if self.compressor is None:
+            return sink_attention(q, wkeys, wmask, self.sinks, self.scale)
+        # The entries: read by the pool's backend (kvcache/dsv4_attn.py) through their rows.
+        comp, r, backend = self.compressor, self.ratio, store.backend
+        self._emit_row(comp, store, "comp", raw, pos, meta, j)
+        rows = meta.entry_index(r)                                        # [B, E] every sequence's table
+        count = meta.once(("count", r, j), lambda: (pos + 1) // r)        # the entries row j sees
+        sel = rows
+        if self.layer_type == CSA:
+            ind = comp.indexer
+            self._emit_row(ind, store, "idx", idx_raw, pos, meta, j)
+            if rows.shape[1]:
+                qi, w = ind.query(q_res, x, pos, self.comp_inv_freq)
+                scores = backend.index_scores(qi, w, store.entries["idx"], rows, count)
+                top = scores.topk(min(ind.topk, rows.shape[1]), dim=-1).indices
+                sel, count = torch.where(top < count[:, None], rows.gather(1, top), -1), None
+        return backend.attend(q, wkeys, wmask, store, sel, count, self.sinks, self.scale)
 
     def _window_mask(self, pos, cap: int):
         """[B, cap + 1]: which ring slots (positions pos - cap .. pos - 1; older
@@ -563,13 +551,10 @@ class Attention(nn.Module):
     def _emit_row(self, comp: Compressor, store, part: str, raw, pos, meta, j: int):
         """One row of every sequence into compressor `part`'s carry ring; the
         window that closes at it (if any) pooled into its entry row
-        (meta.entry_rows; -1: the discard row). Returns every sequence's
-        entries [B, E, d] (E: its table's capacity; the first (pos + 1) // r
-        are real)."""
+        (meta.entry_rows; -1: the discard row)."""
         r, slots = comp.ratio, meta.slots
         kv_ring, gate_ring = store.state[f"{part}_kv"], store.state[f"{part}_gate"]
         cap, span = kv_ring.shape[1], (2 if comp.overlap else 1) * r
-        rows = meta.entry_index(r)
         codec = store.codec if part == "comp" else None
         # An eager step where no window closes at this row only moves the carry.
         closing = meta.may_close(r, j)
@@ -581,7 +566,7 @@ class Attention(nn.Module):
         kv_ring[slots, pos % cap] = raw[0].to(kv_ring.dtype)
         gate_ring[slots, pos % cap] = raw[1].to(gate_ring.dtype)
         if not closing:
-            return self._entries(store, part, codec, rows, raw[0].dtype)
+            return
         w = (pos + 1) // r - 1      # the window ending at pos, when (pos + 1) % r == 0
         prev_kv = prev_gate = None
         if comp.overlap:
@@ -595,15 +580,6 @@ class Attention(nn.Module):
         else:
             for k, v in codec.encode(entry.unsqueeze(1)).items():
                 store.coded[k][dest] = v
-        return self._entries(store, part, codec, rows, raw[0].dtype)
-
-    @staticmethod
-    def _entries(store, part: str, codec, rows, dtype):
-        """Entries at rows [B, E] -> [B, E, d] in dtype (coded ones dequantised)."""
-        if codec is None:
-            return store.entries[part][rows].to(dtype)
-        got = codec.dequantize({k: v[rows] for k, v in store.coded.items()}, torch.float32)
-        return got.squeeze(-2).to(dtype)
 
 
 def layer_spec(c: dict, i: int, layer_type: str) -> DSV4LayerSpec:

@@ -159,14 +159,17 @@ def test_replayed_decode_equals_eager(graph_env, tmp_path, family, monkeypatch):
     assert [done["a"], done["b"]] == _toks(ref_g)[:2]
 
 
-@pytest.mark.parametrize("kv", ["auto", "tq4"])
-def test_deepseek_v4_decode_replayed_equals_eager(graph_env, tmp_path, kv):
+@pytest.mark.parametrize("kv,backend", [("auto", "dsv4-torch"), ("tq4", "dsv4-torch"), ("tq4", "dsv4-triton")])
+def test_deepseek_v4_decode_replayed_equals_eager(graph_env, monkeypatch, tmp_path, kv, backend):
     """DeepSeek-V4's stateful pool (window and carry rings per state slot,
     paged compressed entries; tq4: coded) captured: decodes of 3 sequences
     padded to 4 (the pad sequence writes the pad slot, rows that close no
     window the discard row) across CSA and HCA window closes, every one
     replayed, give eager's tokens and logprobs; eager decodes run batched
-    too (DSV4Rows), checked against transformers in test_deepseek_v4_engine."""
+    too (DSV4Rows), checked against transformers in test_deepseek_v4_engine.
+    dsv4-triton: the entries read by the CUDA backend's kernels, at the
+    graph's table bound, each sequence's count read on the device."""
+    monkeypatch.setenv("TQSERVE_ATTN_BACKEND", f"dense-triton,{backend}")
     save_tiny_deepseek_v4(tmp_path)
     prompts = [[t % 128 for t in p] for p in token_prompts(3, lo=20, hi=60, seed=1)]
     greedy = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, ignore_eos=True)
@@ -184,9 +187,9 @@ def test_deepseek_v4_decode_replayed_equals_eager(graph_env, tmp_path, kv):
 
 
 def test_deepseek_v4_graphs_bounded_by_context(tmp_path, monkeypatch, caplog):
-    """A captured V4 step reads every sequence's whole entry table at its
-    bound: past MAX_GRAPH_ENTRIES per sequence the engine says so and its
-    batched steps stay eager."""
+    """A captured V4 step through dsv4-torch reads every sequence's whole
+    entry table at its bound: past MAX_GRAPH_ENTRIES per sequence the engine
+    says so and its batched steps stay eager."""
     from kvcache import dsv4_paged
     save_tiny_deepseek_v4(tmp_path)
     llm = _engine(tmp_path)
@@ -195,6 +198,9 @@ def test_deepseek_v4_graphs_bounded_by_context(tmp_path, monkeypatch, caplog):
     with caplog.at_level("INFO", logger="tqserve.engine"):
         assert llm.core._capture_graphs(emulate=True) is None
     assert "would read 32 compressed entries per sequence" in caplog.text     # 128 tokens / CSA's 4
+    # The CUDA backend reads only the entries a sequence uses: no bound.
+    monkeypatch.setenv("TQSERVE_ATTN_BACKEND", "dsv4-triton")
+    assert why_not_capturable(_engine(tmp_path).core.caches) is None
 
 
 def _one_sequence_padded_to_2(path, state):

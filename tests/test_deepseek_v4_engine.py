@@ -112,8 +112,10 @@ def count_paths(llm):
     return n
 
 
-@pytest.mark.parametrize("chunk", [None, 16])
-def test_engine_matches_transformers(tiny_v4, chunk):
+# dsv4-triton: the CUDA backend's kernels (kvcache/dsv4_triton.py), interpreted.
+@pytest.mark.parametrize("chunk,backend", [(None, "dsv4-torch"), (16, "dsv4-torch"), (16, "dsv4-triton")])
+def test_engine_matches_transformers(tiny_v4, monkeypatch, chunk, backend):
+    monkeypatch.setenv("TQSERVE_ATTN_BACKEND", backend)
     path, hf = tiny_v4
     kw = {} if chunk is None else dict(max_num_batched_tokens=chunk)
     llm = LLM(path, block_size=4, **kw)
@@ -123,7 +125,8 @@ def test_engine_matches_transformers(tiny_v4, chunk):
     ps = prompts(4, 20, 90, seed=2)   # 20..90 tokens: CSA and HCA entries, several blocks
     outs = llm.generate(ps, greedy(12, prompt_logprobs=20, logprobs=20))
     worst = max(check_against_hf(hf, o) for o in outs)
-    print(f"chunk {chunk}: max |logprob diff| vs transformers {worst:.2e} over {len(steps)} steps "
+    assert llm.core.runner.kv_caches.layers[1].backend.name == backend
+    print(f"{backend}, chunk {chunk}: max |logprob diff| vs transformers {worst:.2e} over {len(steps)} steps "
           f"({paths['rows']} batched, {paths['batch']} per sequence, {paths['mixed']} of them with batched decodes)")
     # Decode steps ran batched (DSV4Rows, 4 sequences at once), prefills per
     # sequence, and in mixed steps the decodes batched beside the prefill chunk.

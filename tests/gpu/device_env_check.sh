@@ -23,7 +23,7 @@ OUT=$(mktemp -d)
 echo "== pytest: Triton kernels, sampler, device code paths, tests/gpu (skipped: no CUDA)"
 "$PY" -m pytest -q -ra tests/test_tq_triton.py tests/test_tq_store.py tests/test_dense_triton.py \
     tests/test_quant_fp.py tests/test_dsv4_quant.py tests/test_sampler.py tests/test_engine_device.py \
-    tests/test_pynccl.py tests/test_cuda_graph.py tests/gpu
+    tests/test_pynccl.py tests/test_cuda_graph.py tests/test_dsv4_triton.py tests/gpu
 echo "== the GPU benches' own CPU checks (nothing written to tests/bench/results)"
 "$PY" tests/bench/gpu_engine.py --device cpu --tiny --out "$OUT/gpu_engine"
 "$PY" tests/bench/tq_triton_gpu.py --cpu-check

@@ -7,8 +7,8 @@
 #   OUT=/some/dir bash tests/gpu/run.sh [stage ...]      # no stage: all of them, in this order
 # Stages:
 #   tests   pytest: tests/gpu (parity with transformers on CUDA, CUDA graphs = eager, batch
-#           invariance, seeded sampling, preemption / prefix hits, KV presets, NCCL) and the CUDA
-#           cases of test_sampler / test_engine_device
+#           invariance, seeded sampling, preemption / prefix hits, KV presets, NCCL), the CUDA
+#           cases of test_sampler / test_engine_device and DeepSeek-V4's kernels (test_dsv4_triton, bf16)
 #   graphs  tests/bench/gpu_engine.py sections 1 and 4 on the Llama-3.2-1B shape (roofline, batch
 #           1 with and without CUDA graphs): the quickest look at the engine's speed
 #   engine  tests/bench/gpu_engine.py, every section on both shapes (the issue's ~10 minutes)
@@ -32,7 +32,8 @@ for stage in "${stages[@]}"; do
     tests)
         python -c "import pytest" 2>/dev/null || python -m pip install -q --no-index --find-links .gpu-wheels pytest
         # -v: one line per test as it ends, so a stage cut by its timeout still says which passed.
-        timeout 420 python -m pytest -v -ra tests/gpu tests/test_sampler.py tests/test_engine_device.py 2>&1 \
+        timeout 420 python -m pytest -v -ra tests/gpu tests/test_sampler.py tests/test_engine_device.py \
+            tests/test_dsv4_triton.py 2>&1 \
             | tee "$OUT/pytest.txt" ;;
     graphs)
         timeout 300 python tests/bench/gpu_engine.py --models llama-3.2-1b --only 1,4 --out "$OUT/gpu_engine_graphs" 2>&1 \
