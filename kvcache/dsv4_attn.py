@@ -84,8 +84,12 @@ def gather_entries(store, sel: torch.Tensor, dtype) -> torch.Tensor:
 class DSV4Backend:
     """index_scores(q [B, h, d], w [B, h] fp32, keys [N, d], rows [B, E],
     count [B]) -> [B, E] fp32 index scores, -inf at t >= count;
-    attend(q [B, H, D], wkeys [B, W, D], wmask [B, W], store, sel [B, K],
-    count [B] | None, sinks [H], scale) -> [B, H, D] in q's dtype."""
+    attend(q [B, H, D], wkeys [B, W, D] (or [W, D]: the same window for
+    every row, a prefill chunk's), wmask [B, W], store, sel [B, K], count
+    [B] | None, sinks [H], scale) -> [B, H, D] in q's dtype. B: rows, each
+    with its own entries (a prefill chunk's rows share their sequence's
+    table: rows / sel may be expanded, stride 0). gathers_whole_table: the
+    cost grows with the table's width (E), not with what a row uses."""
     name: str = ""
     format: str = ""
     gathers_whole_table: bool = True
@@ -107,6 +111,8 @@ class DSV4TorchBackend(DSV4Backend):
         return index_scores_torch(q, w, keys[rows]).masked_fill(~vis, float("-inf"))
 
     def attend(self, q, wkeys, wmask, store, sel, count, sinks, scale: float):
+        if wkeys.dim() == 2:
+            wkeys = wkeys.expand(q.shape[0], -1, -1)
         keys = torch.cat([wkeys, gather_entries(store, sel, wkeys.dtype)], dim=1)
         mask = torch.cat([wmask, used(sel, count)], dim=1)
         return sink_attention(q, keys, mask, sinks, scale)
@@ -123,7 +129,8 @@ class DSV4TritonBackend(DSV4Backend):
     def attend(self, q, wkeys, wmask, store, sel, count, sinks, scale: float):
         from kvcache.dsv4_triton import entry_attention
         o_e, lse_e = entry_attention(q, store, sel, count, scale)    # [S, B, H, D] (rotated if coded), [S, B, H]
-        logits = (torch.einsum("bhd,bkd->bhk", q, wkeys) * scale).float()
+        eq = "kd" if wkeys.dim() == 2 else "bkd"
+        logits = (torch.einsum(f"bhd,{eq}->bhk", q, wkeys) * scale).float()
         logits = logits.masked_fill(~wmask[:, None, :], float("-inf"))
         s = sinks.float().view(1, -1)
         m = torch.maximum(torch.maximum(logits.amax(dim=-1), lse_e.amax(dim=0)), s)   # finite: the sink is
@@ -131,5 +138,5 @@ class DSV4TritonBackend(DSV4Backend):
         ent = (pe[..., None] * o_e).sum(dim=0)
         if store.codec is not None:
             ent = ent @ store.codec.rot_t(q.device).T
-        num = torch.einsum("bhk,bkd->bhd", pw, wkeys.float()) + ent
+        num = torch.einsum(f"bhk,{eq}->bhd", pw, wkeys.float()) + ent
         return (num / (pw.sum(dim=-1) + pe.sum(dim=0) + ps)[..., None]).to(q.dtype)

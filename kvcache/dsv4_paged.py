@@ -148,6 +148,10 @@ class PagedEntries:
     def get(self) -> torch.Tensor:
         return self.data.index_select(0, self._rows(0, self.n))
 
+    def rows(self) -> torch.Tensor:
+        """[n] the pool rows of the entries, in entry order."""
+        return self._rows(0, self.n)
+
 
 class PagedCodedEntries(PagedEntries):
     """Entries in a TurboQuant / int8 format: data is the codec's dict of row tensors."""
@@ -182,6 +186,7 @@ class LayerView:
     window: Ring
     compressor: CompressorView | None = None
     indexer: CompressorView | None = None
+    store: "DSV4LayerStorage | None" = None     # the pool's tensors (its backend reads entries by row)
 
 
 class SequenceView:
@@ -313,7 +318,7 @@ class DSV4PagedCache:
 
     def _view(self, layer: DSV4LayerStorage, slot: int, length: int, tables: dict[int, torch.Tensor]) -> LayerView:
         st, s = layer.state, layer.spec
-        view = LayerView(s.layer_type, Ring.over(st["window"][slot]))
+        view = LayerView(s.layer_type, Ring.over(st["window"][slot]), store=layer)
         if s.ratio:
             table, bs, n = tables[s.ratio], self.block_size, length // s.ratio
             entries = (PagedEntries(layer.entries["comp"], table, bs, n) if layer.codec is None else

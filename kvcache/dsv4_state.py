@@ -149,6 +149,8 @@ class CompressorState:
 
 
 class DSV4LayerState:
+    store = None      # per-sequence tensors of its own, no pool storage (LayerView.store): torch attention
+
     def __init__(self, layer_type: str, head_dim: int, sliding_window: int, ratio: int = 0,
                  index_head_dim: int = 0, max_rollback: int = 0, dtype=torch.float32, device=None,
                  entry_format=None, seed: int = 0):

@@ -453,8 +453,10 @@ class Attention(nn.Module):
             g = self.o_a_proj.quant.grouped_matmul(g, self.groups)
         return self.o_b_proj(g.flatten(1))
 
-    def _compress(self, comp: Compressor, cstate, raw, start: int, n: int):
-        """All entries visible after writing n new tokens at positions [start, start + n)."""
+    def _compress(self, comp: Compressor, cstate, raw, start: int, n: int, read: bool = True):
+        """Write n new tokens at positions [start, start + n) into the carry
+        and the entries they close; with read, return all entries visible
+        after them."""
         r = comp.ratio
         w1 = (start + n) // r
         if cstate is None:
@@ -469,7 +471,7 @@ class Attention(nn.Module):
             cstate.entries.append(comp.emit(kv, gate, lo, w0, w1, self.comp_inv_freq))
         cstate.raw_kv.write(start, raw[0])
         cstate.raw_gate.write(start, raw[1])
-        return cstate.entries.get().to(raw[0].dtype)
+        return cstate.entries.get().to(raw[0].dtype) if read else None
 
     def _sequence(self, q, kv, pos, start, state, x, q_res, raw, idx_raw):
         n = q.shape[0]
@@ -481,6 +483,16 @@ class Attention(nn.Module):
             kpos = torch.arange(lo, start + n, device=pos.device)
             state.window.write(start, kv)
         mask = (kpos[None, :] <= pos[:, None]) & (kpos[None, :] > pos[:, None] - self.window)
+        store = None if state is None else state.store
+        if self.compressor is not None and store is not None and not store.backend.gathers_whole_table:
+            # Each row's entries read through their pool rows by the backend's kernels (dsv4-triton):
+            # no [rows, heads, entries] logits, which grow with the context.
+            self._compress(self.compressor, state.compressor, raw, start, n, read=False)
+            if self.layer_type == CSA:
+                self._compress(self.compressor.indexer, state.indexer, idx_raw, start, n, read=False)
+            rows = state.compressor.entries.rows()[None].expand(n, -1)
+            sel, count = self._select(store, rows, (pos + 1) // self.ratio, q_res, x, pos)
+            return store.backend.attend(q, keys, mask, store, sel, count, self.sinks, self.scale)
         if self.compressor is not None:
             entries = self._compress(self.compressor, None if state is None else state.compressor, raw, start, n)
             S = entries.shape[0]
@@ -525,20 +537,26 @@ class Attention(nn.Module):
         if self.compressor is None:
             return sink_attention(q, wkeys, wmask, self.sinks, self.scale)
         # The entries: read by the pool's backend (kvcache/dsv4_attn.py) through their rows.
-        comp, r, backend = self.compressor, self.ratio, store.backend
-        self._emit_row(comp, store, "comp", raw, pos, meta, j)
+        r = self.ratio
+        self._emit_row(self.compressor, store, "comp", raw, pos, meta, j)
+        if self.layer_type == CSA:
+            self._emit_row(self.compressor.indexer, store, "idx", idx_raw, pos, meta, j)
         rows = meta.entry_index(r)                                        # [B, E] every sequence's table
         count = meta.once(("count", r, j), lambda: (pos + 1) // r)        # the entries row j sees
-        sel = rows
-        if self.layer_type == CSA:
-            ind = comp.indexer
-            self._emit_row(ind, store, "idx", idx_raw, pos, meta, j)
-            if rows.shape[1]:
-                qi, w = ind.query(q_res, x, pos, self.comp_inv_freq)
-                scores = backend.index_scores(qi, w, store.entries["idx"], rows, count)
-                top = scores.topk(min(ind.topk, rows.shape[1]), dim=-1).indices
-                sel, count = torch.where(top < count[:, None], rows.gather(1, top), -1), None
-        return backend.attend(q, wkeys, wmask, store, sel, count, self.sinks, self.scale)
+        sel, count = self._select(store, rows, count, q_res, x, pos)
+        return store.backend.attend(q, wkeys, wmask, store, sel, count, self.sinks, self.scale)
+
+    def _select(self, store, rows, count, q_res, x, pos):
+        """The entries each row attends to, as the backend takes them: HCA
+        its table rows up to count; CSA the lightning indexer's top-k of
+        those (their rows, -1 for a pick past count; count None)."""
+        if self.layer_type != CSA or not rows.shape[1]:
+            return rows, count
+        ind = self.compressor.indexer
+        qi, w = ind.query(q_res, x, pos, self.comp_inv_freq)
+        scores = store.backend.index_scores(qi, w, store.entries["idx"], rows, count)
+        top = scores.topk(min(ind.topk, rows.shape[1]), dim=-1).indices
+        return torch.where(top < count[:, None], rows.gather(1, top), -1), None
 
     def _window_mask(self, pos, cap: int):
         """[B, cap + 1]: which ring slots (positions pos - cap .. pos - 1; older

@@ -112,8 +112,9 @@ def count_paths(llm):
     return n
 
 
-# dsv4-triton: the CUDA backend's kernels (kvcache/dsv4_triton.py), interpreted.
-@pytest.mark.parametrize("chunk,backend", [(None, "dsv4-torch"), (16, "dsv4-torch"), (16, "dsv4-triton")])
+# dsv4-triton: the CUDA backend's kernels (kvcache/dsv4_triton.py), interpreted, in decodes and prefill chunks.
+@pytest.mark.parametrize("chunk,backend", [(None, "dsv4-torch"), (16, "dsv4-torch"), (None, "dsv4-triton"),
+                                           (16, "dsv4-triton")])
 def test_engine_matches_transformers(tiny_v4, monkeypatch, chunk, backend):
     monkeypatch.setenv("TQSERVE_ATTN_BACKEND", backend)
     path, hf = tiny_v4

@@ -91,6 +91,29 @@ def test_csa_picks_with_gaps(fmt, dtype):
            TORCH.attend(q, wkeys, wmask, store, sel, None, sinks, 0.2), dtype)
 
 
+@pytest.mark.parametrize("fmt,dtype", [("dense", torch.float32), ("tq4", HALF)])
+def test_prefill_rows_share_a_table(fmt, dtype):
+    # A prefill chunk: n rows of one sequence, one window [W, D] for all (a causal band), one
+    # table expanded over the rows (stride 0), each row's count its own; CSA's picks from the
+    # indexer's scores over that same expanded table.
+    g = torch.Generator().manual_seed(3)
+    n, H, D, E, N, W = 12, 4, 32, 40, 90, 20
+    store = _store(fmt, N, D, dtype, g)
+    q, _, _, sinks = _step(n, H, D, W, dtype, g)
+    wkeys = torch.randn(W, D, generator=g).to(DEV, dtype)
+    wmask = (torch.arange(W)[None, :] <= torch.arange(n)[:, None] + W - n).to(DEV)
+    rows = torch.randperm(N, generator=g)[:E].to(DEV)[None].expand(n, -1)
+    count = torch.arange(n, device=DEV) * 3
+    _close(TRITON.attend(q, wkeys, wmask, store, rows, count, sinks, 0.3),
+           TORCH.attend(q, wkeys, wmask, store, rows, count, sinks, 0.3), dtype)
+    qi, w = torch.randn(n, 8, 16, generator=g).to(DEV, dtype), torch.randn(n, 8, generator=g).to(DEV)
+    keys = torch.randn(N, 16, generator=g).to(DEV, dtype)
+    out, ref = TRITON.index_scores(qi, w, keys, rows, count), TORCH.index_scores(qi, w, keys, rows, count)
+    fin = ~torch.isinf(ref)
+    assert torch.equal(fin, ~torch.isinf(out))
+    torch.testing.assert_close(out[fin], ref[fin], rtol=1e-3, atol=1e-3)
+
+
 @pytest.mark.parametrize("qdt,kdt", [(torch.float32, torch.float32), (HALF, HALF), (torch.bfloat16, torch.float16)])
 def test_index_scores(qdt, kdt):
     g = torch.Generator().manual_seed(2)
