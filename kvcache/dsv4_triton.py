@@ -15,12 +15,13 @@ DENSE = 3     # entry_attn_kernel's KIND for entries stored dense
 
 def entry_tiles(D: int, coded: bool):
     """(query heads per program, entries per tile, warps, pipeline stages):
-    no register spills for sm_90 / sm_121 at 16-bit queries
-    (tests/test_dsv4_triton.py compiles them; a 512-dim coded tile of 3 or 5
-    bits spills 8-16 bytes with 2 stages); not tuned on a GPU."""
-    if D > 256 and coded:
-        return 16, 16, 8, 1
-    return 16, 32, (4 if D <= 128 and not coded else 8), 2
+    no register spills for sm_90 / sm_121 at 16-bit queries, with Triton 3.9
+    and 3.6 (the H200 machine's), but for 512-dim coded tiles, which spill
+    8-32 bytes with 3.6 in every shape tried (tests/test_dsv4_triton.py
+    compiles them); not tuned on a GPU."""
+    if not coded:
+        return 16, 32, (4 if D <= 128 else 8), 2
+    return (16, 32, 8, 2) if D <= 64 else (16, 16, 8, 2) if D <= 256 else (16, 16, 8, 1)
 
 
 def entry_attention(q: torch.Tensor, store, sel: torch.Tensor, count: torch.Tensor | None, scale: float,
