@@ -372,7 +372,7 @@ def test_turboquant_decode_replayed_equals_eager(tmp_path, monkeypatch, kv):
     save_tiny_llama(tmp_path)
     # Repeating prompts: the n-gram drafts below find matches in them.
     prompts = [p[:4] * 3 for p in token_prompts(3, lo=3, hi=20, seed=2)]
-    greedy = SamplingParams(max_tokens=8, temperature=0.0, logprobs=2, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, logprobs=2, ignore_eos=True)
     monkeypatch.setenv("TQSERVE_ATTN_BACKEND", "dense-torch")
     cpu = _engine(tmp_path, kv_cache_dtype=kv).generate(prompts, greedy)     # tq-cpu: the CPU kernel
     monkeypatch.setenv("TQSERVE_ATTN_BACKEND", "dense-triton,tq-triton")
