@@ -3,10 +3,7 @@ own because it imports triton at import time."""
 import triton
 import triton.language as tl
 
-from kvcache.tq_triton_kernels import _dot, _load_tile
-
-LOG2E = tl.constexpr(1.4426950408889634)
-LN2 = tl.constexpr(0.6931471805599453)
+from kvcache.tq_triton_kernels import LN2, _dot, _load_tile, _online
 
 
 @triton.jit
@@ -49,14 +46,8 @@ def entry_attn_kernel(q_ptr, sel_ptr, count_ptr, data, scale, cb, o_ptr, lse_ptr
         else:
             k = _load_tile(data, scale, cb, rows, 0, ok, s_slot, s_h, sc_slot, sc_h,
                            KIND, BITS, GROUP, BN, D).to(q.dtype)
-        s = _dot(q, tl.trans(k), F32) * (sm_scale * LOG2E)
-        s = tl.where(ok[None, :], s, -1e30)
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.where(ok[None, :], tl.exp2(s - m_new[:, None]), 0.0)
-        l = l * alpha + tl.sum(p, 1)
+        p, alpha, m, l = _online(_dot(q, tl.trans(k), F32) * sm_scale, ok[None, :], m, l)
         acc = acc * alpha[:, None] + _dot(p.to(k.dtype), k, F32)
-        m = m_new
     o = acc / tl.maximum(l, 1e-30)[:, None]
     lse = tl.where(l > 0, (m + tl.log2(tl.maximum(l, 1e-30))) * LN2, float("-inf"))
     tl.store(o_ptr + sp * s_os + b * s_ob + heads[:, None] * s_oh + d[None, :], o, mask=hm[:, None])
