@@ -9,6 +9,7 @@ The phases run in the same order on every rank, since the model's forward
 """
 import logging
 import time
+from collections import Counter
 
 import torch
 
@@ -153,6 +154,9 @@ class Worker:
             log.info("KV formats by layer: %s", cdtype.describe([s for s in specs if not s.per_seq],
                                                                  self.plan.layer_bytes_per_token))
         set_key_means(caches, key_means)
+        names = Counter(n for c in (caches if isinstance(caches, list) else [caches]) if c is not None
+                        for n in c.attention_backends)
+        log.info("attention (layers): %s", ", ".join(f"{n} x {k}" for n, k in names.items()))
         if args.max_model_len is not None:
             if args.max_model_len > self.plan.capacity_tokens:
                 raise ValueError(f"max_model_len {args.max_model_len} exceeds the KV cache capacity of "

@@ -276,6 +276,11 @@ class DSV4PagedCache:
         return 1 <= q <= 1 + self.max_rollback
 
     @property
+    def attention_backends(self) -> list[str]:
+        """Per layer: the backend reading its entries, or the model's torch sliding window."""
+        return [layer.backend.name if layer.spec.ratio else "sliding-window-torch" for layer in self.layers]
+
+    @property
     def not_capturable(self) -> str | None:
         # A graph's step through a backend that gathers whole tables (dsv4-torch)
         # reads each sequence's table at its bound, an eager one only what the

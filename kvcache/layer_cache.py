@@ -38,6 +38,11 @@ class LayerCache:
         self._backend = b if isinstance(b, AttentionBackend) else backend_for(self.format_kind, self.device, b)
 
     @property
+    def attention_backends(self) -> list[str]:
+        """What runs each layer's attention (one layer here), for the startup log."""
+        return [self.backend.name]
+
+    @property
     def not_capturable(self) -> str | None:
         """Why a decode step over this layer cannot be a CUDA graph (None: it can)."""
         b = self.backend

@@ -40,6 +40,8 @@ class LinearStateCache:
     # Its layer's decode is torch ops over the slots the block tables name,
     # which a capture's warm-up checks for host syncs like any other.
     not_capturable = None
+    attention_backends = ["gated-delta-torch"]     # the model's delta rule (model_zoo/gated_delta.py)
+
     def spans_not_capturable(self, rows: int) -> str | None:
         # Spans of one length up to `checkpoints` rows (a verification step) run a
         # token at a time from device lengths (qwen3_next.GatedDeltaNet._rows);

@@ -355,9 +355,11 @@ def test_a_step_with_a_host_sync_is_refused_at_capture(graph_env, tmp_path, monk
     assert "capturing a decode step failed: HostSyncError" in caplog.text
 
 
-def test_no_graphs_on_cpu(tmp_path):
+def test_no_graphs_on_cpu(tmp_path, caplog):
     save_tiny_llama(tmp_path)
-    assert _engine(tmp_path).core.graphs is None
+    with caplog.at_level("INFO", logger="tqserve.engine"):
+        assert _engine(tmp_path).core.graphs is None
+    assert "attention (layers): dense-cpu x 2" in caplog.text      # the startup line names the backends
 
 
 @pytest.mark.parametrize("kv", ["tq4", "k8v4"])

@@ -115,11 +115,13 @@ def count_paths(llm):
 # dsv4-triton: the CUDA backend's kernels (kvcache/dsv4_triton.py), interpreted, in decodes and prefill chunks.
 @pytest.mark.parametrize("chunk,backend", [(None, "dsv4-torch"), (16, "dsv4-torch"), (None, "dsv4-triton"),
                                            (16, "dsv4-triton")])
-def test_engine_matches_transformers(tiny_v4, monkeypatch, chunk, backend):
+def test_engine_matches_transformers(tiny_v4, monkeypatch, caplog, chunk, backend):
     monkeypatch.setenv("TQSERVE_ATTN_BACKEND", backend)
     path, hf = tiny_v4
     kw = {} if chunk is None else dict(max_num_batched_tokens=chunk)
-    llm = LLM(path, block_size=4, **kw)
+    with caplog.at_level("INFO", logger="tqserve.engine"):
+        llm = LLM(path, block_size=4, **kw)
+    assert f"attention (layers): sliding-window-torch x 1, {backend} x 3" in caplog.text
     assert not llm.core.kv.enable_caching            # off for V4, by design (kvcache/dsv4_paged.py)
     steps = record_steps(llm)
     paths = count_paths(llm)
