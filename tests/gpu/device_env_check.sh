@@ -30,4 +30,5 @@ echo "== the GPU benches' own CPU checks (nothing written to tests/bench/results
 "$PY" tests/bench/quant_gpu.py --device cpu --out "$OUT/quant_gpu"
 "$PY" tests/bench/dsv4_decode.py --batch 1,2 --context 40 --tokens 4 --backends dsv4-triton,dsv4-torch \
     --out "$OUT/dsv4_decode"
+"$PY" tests/bench/dsv4_attn_gpu.py --cpu-check
 echo "device env check passed ($("$PY" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'))"

@@ -15,7 +15,8 @@
 #   tq      tests/bench/tq_triton_gpu.py (TurboQuant kernels vs SDPA)
 #   quant   tests/bench/quant_gpu.py (quantized-weight kernels; --budget-s 240)
 #   dsv4    tests/bench/dsv4_decode.py --device cuda (DeepSeek-V4 decode: batched + CUDA graphs vs
-#           per sequence, eager)
+#           per sequence, eager) and tests/bench/dsv4_attn_gpu.py (the dsv4-triton kernels vs the torch
+#           reference at DeepSeek-V4-Flash's shapes, 8K-128K context)
 # pytest (pure Python) may be missing there: carry its wheels in .gpu-wheels/
 # (`pip download pytest -d .gpu-wheels` here; the folder is git-ignored).
 set -uo pipefail
@@ -49,6 +50,7 @@ for stage in "${stages[@]}"; do
         timeout 360 python tests/bench/quant_gpu.py --out "$OUT/quant_gpu" 2>&1 | tee "$OUT/quant_gpu.log" ;;
     dsv4)
         timeout 300 python tests/bench/dsv4_decode.py --device cuda --batch 1,8,64 2>&1 | tee "$OUT/dsv4_decode.log"
+        timeout 240 python tests/bench/dsv4_attn_gpu.py --out "$OUT/dsv4_attn_gpu" 2>&1 | tee "$OUT/dsv4_attn_gpu.log"
         cp tests/bench/results/dsv4_decode_cuda.* "$OUT/" 2>/dev/null || true ;;
     *)
         echo "unknown stage $stage (tests, graphs, engine, tq, quant, dsv4)" >&2
