@@ -12,7 +12,10 @@ its row may see, which live in paged entry rows of the pool:
 
 Entry t of sequence b is used iff t < count[b] and sel[b, t] >= 0. K = V
 (MQA: one entry vector for every head), and the softmax has one learned sink
-logit per head (it adds to the denominator only).
+logit per head (it adds to the denominator only). The backend also pools
+the window each row closes from the compressors' carry rings (`pool_rows`:
+gated softmax over the window's rows per channel, before the compressor's
+norm and rope, which stay the model's).
 
     name          default on   what runs
     dsv4-torch    cpu          gathers the entries at sel (a CSA layer's
@@ -22,7 +25,8 @@ logit per head (it adds to the denominator only).
                                use through sel, looping to each sequence's
                                count on the device (dsv4_triton_kernels.py),
                                split over the entries; the window part in
-                               torch, merged with the splits and the sink
+                               torch, merged with the splits and the sink;
+                               the pooling in one launch per compressor
 
 dsv4-torch's cost grows with the table (what the eager step's longest
 sequence holds, in a CUDA graph the bound: capacity / ratio entries), so
@@ -63,6 +67,19 @@ def index_scores_torch(q, w, keys) -> torch.Tensor:
     return (s * w.unsqueeze(-1)).sum(dim=1)
 
 
+def gated_pool(kv, gate, prev_kv, prev_gate, bias, overlap: bool) -> torch.Tensor:
+    """A compressor's pooling before its norm and rope: windows kv, gate
+    [nw, r, width] (+ position bias [r, width]) and, with overlap (CSA:
+    width 2d), the previous windows' first halves beside the windows'
+    second -> [nw, d], softmax over the window's rows per channel (fp32)."""
+    gate = gate + bias
+    if overlap:
+        d = kv.shape[-1] // 2
+        kv = torch.cat([prev_kv[..., :d], kv[..., d:]], dim=1)
+        gate = torch.cat([(prev_gate + bias)[..., :d], gate[..., d:]], dim=1)
+    return (kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1)
+
+
 def used(sel: torch.Tensor, count: torch.Tensor | None) -> torch.Tensor:
     """[B, K] which of sel's entries a row uses."""
     ok = sel >= 0
@@ -100,6 +117,15 @@ class DSV4Backend:
     def attend(self, q, wkeys, wmask, store, sel, count, sinks, scale: float):
         raise NotImplementedError
 
+    def pool_rows(self, kv_ring, gate_ring, slots, pos, kv, gate, bias, ratio: int, overlap: bool):
+        """gated_pool of the window each row closes: positions pos - span + 1
+        .. pos (span = ratio, CSA 2 * ratio), their raw vectors from the
+        sequences' carry rings [slots, cap, width] (position p at p % cap)
+        but pos's own, kv / gate [B, width]; CSA's previous window is empty
+        (gate -inf) for window 0. -> [B, d] (rows that close nothing pool
+        whatever the ring holds)."""
+        raise NotImplementedError
+
     def __repr__(self):
         return f"<attention backend {self.name} ({self.format})>"
 
@@ -109,6 +135,19 @@ class DSV4TorchBackend(DSV4Backend):
     def index_scores(self, q, w, keys, rows, count):
         vis = torch.arange(rows.shape[1], device=rows.device)[None, :] < count[:, None]
         return index_scores_torch(q, w, keys[rows]).masked_fill(~vis, float("-inf"))
+
+    def pool_rows(self, kv_ring, gate_ring, slots, pos, kv, gate, bias, ratio: int, overlap: bool):
+        span, cap = (2 if overlap else 1) * ratio, kv_ring.shape[1]
+        back = (pos[:, None] - span + 1 + torch.arange(span - 1, device=pos.device)) % cap
+        kv = torch.cat([kv_ring[slots[:, None], back].to(kv.dtype), kv[:, None]], dim=1)
+        gate = torch.cat([gate_ring[slots[:, None], back].to(gate.dtype), gate[:, None]], dim=1)
+        prev_kv = prev_gate = None
+        if overlap:
+            first = ((pos + 1) // ratio <= 1)[:, None, None]      # window 0 has no previous one
+            prev_kv = kv[:, :ratio].masked_fill(first, 0)
+            prev_gate = gate[:, :ratio].masked_fill(first, float("-inf"))
+            kv, gate = kv[:, ratio:], gate[:, ratio:]
+        return gated_pool(kv, gate, prev_kv, prev_gate, bias, overlap)
 
     def attend(self, q, wkeys, wmask, store, sel, count, sinks, scale: float):
         if wkeys.dim() == 2:
@@ -125,6 +164,10 @@ class DSV4TritonBackend(DSV4Backend):
     def index_scores(self, q, w, keys, rows, count):
         from kvcache.dsv4_triton import index_scores
         return index_scores(q, w, keys, rows, count)
+
+    def pool_rows(self, kv_ring, gate_ring, slots, pos, kv, gate, bias, ratio: int, overlap: bool):
+        from kvcache.dsv4_triton import pool_rows
+        return pool_rows(kv_ring, gate_ring, slots, pos, kv, gate, bias, ratio, overlap)
 
     def attend(self, q, wkeys, wmask, store, sel, count, sinks, scale: float):
         from kvcache.dsv4_triton import entry_attention

@@ -81,3 +81,29 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, rows: tor
         HP=max(16, _next_pow2(h)), DI=d, BE=block_e, F32=keys.dtype == torch.float32,
         num_warps=4)
     return out
+
+
+def pool_tiles(span: int):
+    """(channels per program, warps) for a window of span rows: no spills for
+    sm_90 / sm_121 (tests/test_dsv4_triton.py)."""
+    return (64, 4) if span <= 16 else (32, 8)
+
+
+def pool_rows(kv_ring: torch.Tensor, gate_ring: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor,
+              kv: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, ratio: int, overlap: bool) -> torch.Tensor:
+    """dsv4_attn.DSV4Backend.pool_rows in one launch: [B, d] in kv's dtype."""
+    B, width = kv.shape
+    d = width // 2 if overlap else width
+    span = (2 if overlap else 1) * ratio
+    assert span == _next_pow2(span) and kv_ring.stride(2) == 1 and gate_ring.stride(2) == 1
+    kv, gate = kv.contiguous(), gate.contiguous()
+    out = torch.empty(B, d, dtype=torch.float32, device=kv.device)
+    block_d, warps = pool_tiles(span)
+    if B:
+        from kvcache.dsv4_triton_kernels import pool_rows_kernel
+        pool_rows_kernel[(B, -(-d // block_d))](
+            kv_ring, gate_ring, slots, pos, kv, gate, bias, out, kv_ring.stride(0), kv_ring.stride(1),
+            gate_ring.stride(0), gate_ring.stride(1), kv.stride(0), gate.stride(0), bias.stride(0), out.stride(0),
+            kv_ring.shape[0], kv_ring.shape[1], d, RATIO=ratio, SPAN=span, OVERLAP=overlap, BD=block_d,
+            num_warps=warps)
+    return out.to(kv.dtype)

@@ -78,3 +78,47 @@ def index_scores_kernel(q_ptr, w_ptr, keys, rows_ptr, count_ptr, out_ptr,
     else:
         out = tl.full([BE], float("-inf"), tl.float32)
     tl.store(out_ptr + b * s_ob + e, out, mask=e < E)
+
+
+@triton.jit
+def pool_rows_kernel(kv_ring, gate_ring, slots_ptr, pos_ptr, kv_ptr, gate_ptr, bias_ptr, out_ptr,
+                     s_rslot, s_rpos, s_gslot, s_gpos, s_kv, s_gate, s_bias, s_out, num_slots, cap, d,
+                     RATIO: tl.constexpr, SPAN: tl.constexpr, OVERLAP: tl.constexpr, BD: tl.constexpr):
+    """Program (row b, BD channels): the gated pooling of the window row b
+    closes (dsv4_attn.DSV4Backend.pool_rows), softmax over its SPAN rows per
+    channel in fp32. With OVERLAP (CSA), row t < RATIO is the previous
+    window's (channel c of the first half of the width, empty for window
+    0), row t >= RATIO this window's (channel d + c); the position bias is
+    row t % RATIO's."""
+    b = tl.program_id(0)
+    c = tl.program_id(1) * BD + tl.arange(0, BD)
+    cm = c < d
+    p = tl.load(pos_ptr + b).to(tl.int64)
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    slot = tl.where(slot < 0, slot + num_slots, slot)            # PAD_SLOT -1: the last slot, as torch indexes
+    t = tl.arange(0, SPAN)
+    q = p - SPAN + 1 + t
+    at = ((q % cap) + cap) % cap                                  # a ring index for every position, even < 0
+    cur = (t == SPAN - 1)[:, None]
+    if OVERLAP:
+        ch = tl.where((t < RATIO)[:, None], c[None, :], d + c[None, :])
+    else:
+        ch = c[None, :] + 0 * t[:, None]
+    m2 = cm[None, :]
+    # The ring's rows in the raw vectors' dtype first, as the reference reads them.
+    kv = tl.where(cur, tl.load(kv_ptr + b * s_kv + ch, mask=cur & m2, other=0.0),
+                  tl.load(kv_ring + slot * s_rslot + at[:, None] * s_rpos + ch, mask=(~cur) & m2,
+                          other=0.0).to(kv_ptr.dtype.element_ty))
+    g = tl.where(cur, tl.load(gate_ptr + b * s_gate + ch, mask=cur & m2, other=0.0),
+                 tl.load(gate_ring + slot * s_gslot + at[:, None] * s_gpos + ch, mask=(~cur) & m2,
+                         other=0.0).to(gate_ptr.dtype.element_ty))
+    g = g.to(tl.float32) + tl.load(bias_ptr + (t % RATIO)[:, None] * s_bias + ch, mask=m2, other=0.0)
+    if OVERLAP:
+        empty = (t < RATIO)[:, None] & ((p + 1) // RATIO <= 1)   # window 0 has no previous one
+        kv = tl.where(empty, 0.0, kv)
+        g = tl.where(empty, float("-inf"), g)
+    w = tl.exp(g - tl.max(g, 0)[None, :])
+    w = w / tl.sum(w, 0)[None, :]
+    # The reference weights in the vectors' dtype and sums there; fp32 here.
+    out = tl.sum(kv.to(tl.float32) * w.to(kv.dtype).to(tl.float32), 0)
+    tl.store(out_ptr + b * s_out + c, out, mask=cm)

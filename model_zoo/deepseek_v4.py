@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvcache.dsv4_attn import index_scores_torch, sink_attention
+from kvcache.dsv4_attn import gated_pool, index_scores_torch, sink_attention
 from kvcache.dsv4_state import DSV4SequenceState
 from kvcache.metadata import AttentionMetadata
 from kvcache.spec import DSV4LayerSpec
@@ -339,12 +339,10 @@ class Compressor(nn.Module):
         """Entries of windows w [nw] from their raw projections kv, gate
         [nw, r, width] and, with overlap, the previous windows' (prev_kv,
         prev_gate; window -1: kv 0, gate -inf)."""
-        gate = gate + self.position_bias
-        if self.overlap:
-            d = self.dim
-            kv = torch.cat([prev_kv[..., :d], kv[..., d:]], dim=1)
-            gate = torch.cat([(prev_gate + self.position_bias)[..., :d], gate[..., d:]], dim=1)
-        pooled = (kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1)
+        return self.finish(gated_pool(kv, gate, prev_kv, prev_gate, self.position_bias, self.overlap), w, inv_freq)
+
+    def finish(self, pooled, w, inv_freq):
+        """Pooled windows w [nw, dim] -> their entries (normed, roped at w's first position)."""
         return apply_rope(self.kv_norm(pooled), w * self.ratio, inv_freq)
 
 
@@ -572,26 +570,19 @@ class Attention(nn.Module):
         (meta.entry_rows; -1: the discard row)."""
         r, slots = comp.ratio, meta.slots
         kv_ring, gate_ring = store.state[f"{part}_kv"], store.state[f"{part}_gate"]
-        cap, span = kv_ring.shape[1], (2 if comp.overlap else 1) * r
         codec = store.codec if part == "comp" else None
         # An eager step where no window closes at this row only moves the carry.
         closing = meta.may_close(r, j)
-        if closing:
-            # The closing window's raw rows: the span - 1 positions before pos from the ring, pos's own as computed.
-            back = (pos[:, None] - span + 1 + torch.arange(span - 1, device=pos.device)) % cap
-            kv = torch.cat([kv_ring[slots[:, None], back].to(raw[0].dtype), raw[0][:, None]], dim=1)
-            gate = torch.cat([gate_ring[slots[:, None], back].to(raw[1].dtype), raw[1][:, None]], dim=1)
+        if closing:     # read before the row's own raw vectors go into the ring
+            pooled = store.backend.pool_rows(kv_ring, gate_ring, slots, pos, raw[0], raw[1], comp.position_bias, r,
+                                             comp.overlap)
+        cap = kv_ring.shape[1]
         kv_ring[slots, pos % cap] = raw[0].to(kv_ring.dtype)
         gate_ring[slots, pos % cap] = raw[1].to(gate_ring.dtype)
         if not closing:
             return
-        w = (pos + 1) // r - 1      # the window ending at pos, when (pos + 1) % r == 0
-        prev_kv = prev_gate = None
-        if comp.overlap:
-            first = (w <= 0)[:, None, None]      # window 0 has no previous one
-            prev_kv, prev_gate = kv[:, :r].masked_fill(first, 0), gate[:, :r].masked_fill(first, float("-inf"))
-            kv, gate = kv[:, r:], gate[:, r:]
-        entry = comp.pool(kv, gate, prev_kv, prev_gate, w.clamp(min=0), self.comp_inv_freq)
+        # the window ending at pos, when (pos + 1) % r == 0 (else what lands in the discard row)
+        entry = comp.finish(pooled, ((pos + 1) // r - 1).clamp(min=0), self.comp_inv_freq)
         dest = meta.entry_rows[r][j::meta.q]
         if codec is None:
             store.entries[part][dest] = entry.to(store.entries[part].dtype)

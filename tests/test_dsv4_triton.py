@@ -114,6 +114,23 @@ def test_prefill_rows_share_a_table(fmt, dtype):
     torch.testing.assert_close(out[fin], ref[fin], rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("overlap,ratio,d", [(True, 4, 16), (False, 16, 32)])
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+def test_pool_rows(overlap, ratio, d, dtype):
+    # The window each row closes, from the carry ring and the row's own raw vectors: CSA (overlap:
+    # the previous window's first half, empty at window 0: pos 3) and HCA; a pad row's slot -1.
+    g = torch.Generator().manual_seed(4)
+    width, cap = (2 if overlap else 1) * d, (2 if overlap else 1) * ratio + 3
+    kv_ring, gate_ring = (torch.randn(6, cap, width, generator=g).to(DEV, dtype) for _ in range(2))
+    slots, pos = torch.tensor([0, 3, -1, 2], device=DEV), torch.tensor([3, 7, 40, 31], device=DEV)
+    kv, gate = (torch.randn(4, width, generator=g).to(DEV, dtype) for _ in range(2))
+    bias = torch.randn(ratio, width, generator=g).to(DEV)
+    args = (kv_ring, gate_ring, slots, pos, kv, gate, bias, ratio, overlap)
+    out, ref = TRITON.pool_rows(*args), TORCH.pool_rows(*args)
+    assert out.dtype == ref.dtype == dtype
+    _close(out, ref, dtype)
+
+
 @pytest.mark.parametrize("qdt,kdt", [(torch.float32, torch.float32), (HALF, HALF), (torch.bfloat16, torch.float16)])
 def test_index_scores(qdt, kdt):
     g = torch.Generator().manual_seed(2)
@@ -146,6 +163,18 @@ def _entry_spec(arch, dt, D, kind, bits, group):
     return spec("kvcache.dsv4_triton_kernels:entry_attn_kernel", arch, const, ptrs, warps, stages, ("sm_scale",))
 
 
+def _pool_spec(arch, span, ratio, overlap):
+    bd, warps = dsv4_triton.pool_tiles(span)
+    const = dict(RATIO=ratio, SPAN=span, OVERLAP=overlap, BD=bd)
+    ptrs = dict(kv_ring="bf16", gate_ring="bf16", slots_ptr="i64", pos_ptr="i64", kv_ptr="bf16", gate_ptr="bf16",
+                bias_ptr="fp32", out_ptr="fp32")
+    return spec("kvcache.dsv4_triton_kernels:pool_rows_kernel", arch, const, ptrs, warps)
+
+
+# V4-Flash's compressors: CSA (ratio 4, overlapping: 8 rows), HCA (ratio 128)
+_POOLS = [(8, 4, True), (128, 128, False)]
+
+
 def _index_spec(arch):
     const = dict(HP=64, DI=128, BE=64, F32=False)
     ptrs = dict(q_ptr="bf16", w_ptr="fp32", keys="bf16", rows_ptr="i64", count_ptr="i64", out_ptr="fp32")
@@ -160,5 +189,6 @@ def test_kernels_compile_for_gpus(arch):
     wide = [c for c in _ENTRIES if c[1] > 256 and c[2] != 3]
     rest = [c for c in _ENTRIES if c not in wide]
     old = tuple(map(int, triton.__version__.split(".")[:2])) < (3, 9)
-    assert_fit(rest + ["index"], [_entry_spec(arch, *c) for c in rest] + [_index_spec(arch)])
+    assert_fit(rest + ["index"] + _POOLS, [_entry_spec(arch, *c) for c in rest] + [_index_spec(arch)]
+               + [_pool_spec(arch, *c) for c in _POOLS])
     assert_fit(wide, [_entry_spec(arch, *c) for c in wide], max_spill=32 if old else 0)
