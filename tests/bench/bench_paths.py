@@ -16,12 +16,14 @@ def log(msg):
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def write_results(stem: str, res: dict, lines: list[str]) -> None:
-    """results/<stem>.json (res) and .md (lines), and the table on stdout."""
+def write_results(stem: str, res: dict, lines: list[str], out: Path | None = None) -> None:
+    """results/<stem>.json (res) and .md (lines), or out.{json,md} when given
+    (a check's or a GPU run's copy), and the table on stdout."""
     import json
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / f"{stem}.json").write_text(json.dumps(res, indent=1))
-    (OUT / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    base = out if out is not None else OUT / stem
+    base.parent.mkdir(parents=True, exist_ok=True)
+    base.with_suffix(".json").write_text(json.dumps(res, indent=1))
+    base.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -25,7 +25,6 @@ triton; no other package). --cpu-check runs every step on the CPU under
 Triton's interpreter at tiny shapes (timings meaningless, nothing written).
 """
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -34,7 +33,7 @@ from types import SimpleNamespace
 import torch
 
 from bench_paths import log, machine, write_results  # puts the repo on sys.path
-import tq_triton_gpu as tg  # noqa: E402  (its timers and the copy-bandwidth probe)
+import tq_triton_gpu as tg  # its timers and the copy-bandwidth probe (after bench_paths: the repo on sys.path)
 
 FLASH = dict(H=64, D=512, W=128, IH=64, ID=128, TOPK=512, CSA=4, HCA=128)
 TINY = dict(H=4, D=32, W=8, IH=8, ID=16, TOPK=8, CSA=4, HCA=16)
@@ -152,13 +151,7 @@ def main() -> int:
     if a.cpu_check:
         print("\n".join(lines))
         return 0
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.with_suffix(".json").write_text(json.dumps(res, indent=1))
-        a.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-        print("\n".join(lines))
-    else:
-        write_results("dsv4_attn_gpu", res, lines)
+    write_results("dsv4_attn_gpu", res, lines, a.out)
     return 0
 
 

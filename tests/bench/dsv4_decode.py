@@ -161,13 +161,7 @@ def main() -> int:
              "Command: `.venv/bin/python tests/bench/dsv4_decode.py" + "".join(
                  f" --{k} {v}" for k, v in (("device", a.device), ("backends", a.backends))
                  if v and v != "cpu") + "`"]
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.with_suffix(".json").write_text(json.dumps(res, indent=1))
-        a.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-        print("\n".join(lines))
-    else:
-        write_results("dsv4_decode" + ("" if a.device == "cpu" else f"_{a.device}"), res, lines)
+    write_results("dsv4_decode" + ("" if a.device == "cpu" else f"_{a.device}"), res, lines, a.out)
     return 0
 
 
