@@ -41,6 +41,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvcache.metadata import AttentionMetadata, GroupMetadata
+from kvcache.pool_plan import cache_objects
 
 log = logging.getLogger("tqserve.engine")
 
@@ -204,7 +205,6 @@ def why_not_capturable(kv_caches, rows_per_seq: int = 1) -> str | None:
     """Why decode steps over these caches (rows_per_seq > 1: verification
     steps, 1 + k rows per sequence) must stay eager (None: they can be
     captured): each layer cache says for itself."""
-    caches = kv_caches if isinstance(kv_caches, list) else [kv_caches]    # DeepSeek-V4's: one pool
-    return next((why for c in caches if c is not None
-                 and (why := c.spans_not_capturable(rows_per_seq) if rows_per_seq > 1 else c.not_capturable)),
+    return next((why for c in cache_objects(kv_caches)
+                 if (why := c.spans_not_capturable(rows_per_seq) if rows_per_seq > 1 else c.not_capturable)),
                 None)

@@ -17,7 +17,8 @@ from engine.cuda_graph import DecodeGraphs, why_not_capturable
 from engine.engine_args import EngineArgs
 from engine.kv_calibration import calibrate, set_key_means
 from kvcache.kv_formats import KVPolicy
-from kvcache.pool_plan import allocate_kv_caches, device_kv_budget, kv_budget, kv_dtype, plan_kv_pool
+from kvcache.pool_plan import (allocate_kv_caches, cache_objects, device_kv_budget, kv_budget, kv_dtype,
+                               plan_kv_pool)
 from model_zoo.models import build_model, create_model, resident_bytes
 from model_zoo.resolve import open_model
 from parallel import distributed
@@ -154,8 +155,7 @@ class Worker:
             log.info("KV formats by layer: %s", cdtype.describe([s for s in specs if not s.per_seq],
                                                                  self.plan.layer_bytes_per_token))
         set_key_means(caches, key_means)
-        names = Counter(n for c in (caches if isinstance(caches, list) else [caches]) if c is not None
-                        for n in c.attention_backends)
+        names = Counter(n for c in cache_objects(caches) for n in c.attention_backends)
         log.info("attention (layers): %s", ", ".join(f"{n} x {k}" for n, k in names.items()))
         if args.max_model_len is not None:
             if args.max_model_len > self.plan.capacity_tokens:

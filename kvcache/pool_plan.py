@@ -211,6 +211,12 @@ def _checkpointed(specs: list, max_rollback: int) -> list:
     return [s.with_rollback(max_rollback) if s.per_seq else s for s in specs]
 
 
+def cache_objects(caches) -> list:
+    """allocate_kv_caches' result as a list of what holds KV: the per-layer
+    caches (layers without one left out), or DeepSeek-V4's one pool."""
+    return [c for c in (caches if isinstance(caches, list) else [caches]) if c is not None]
+
+
 def allocate_kv_caches(specs: list[LayerSpec], plan: KVPlan, dtype: torch.dtype,
                        device: str | torch.device = "cpu"):
     """Per-layer storage list (dense / TurboQuant), or one DSV4PagedCache, on device.
