@@ -120,8 +120,8 @@ class ModelRunner:
               pad_to: int = 0, rows_per_seq: int = 0) -> tuple[StepPlan, list]:
         """The step's integer inputs, packed into the step buffer.
 
-        tables: per KV-cache group, each sequence's block table (lists from
-        the manager; NULL_BLOCK entries -1). The buffer holds input_ids [T],
+        tables: per KV-cache group, each sequence's block table (the
+        manager's arrays; NULL_BLOCK entries -1). The buffer holds input_ids [T],
         positions [T], query_start_loc [B + 1], seq_lens [B], logits rows
         [R], then per group slot_mapping [T] and block_tables [B, W_g].
         Slots of tokens in a NULL block are negative (a hot group's skipped
@@ -206,14 +206,9 @@ class ModelRunner:
         from its per-sequence tables tg (lengths ln), for tokens at pos of
         sequence seq_of_tok."""
         B, bs = len(tg), self.kv.block_size
-        if B == 1:
-            bt[0] = tg[0]
-        else:
-            bt.fill(0)
-            total = int(ln.sum())
-            flat = np.fromiter(chain.from_iterable(tg), np.int64, total)
-            first = np.cumsum(ln) - ln
-            bt[np.repeat(np.arange(B), ln), np.arange(total) - np.repeat(first, ln)] = flat
+        bt.fill(0)
+        for i, t in enumerate(tg):      # the manager's arrays: a copy per row, not per entry
+            bt[i, :len(t)] = t
         r = self.kv.groups[g].ratio
         if self.kv.groups[g].per_seq:
             slots[:] = bt[seq_of_tok, 0]      # a per-sequence state: its one slot
@@ -303,7 +298,7 @@ class ModelRunner:
         # Decodes first, as the attention metadata expects.
         sched = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)
         groups = range(len(self.kv.groups))
-        tables = [[self.kv.block_table(s.req.request_id, g) for s in sched] for g in groups]
+        tables = [[self.kv.block_table_array(s.req.request_id, g) for s in sched] for g in groups]
         plan, sampled = self._pack(sched, tables, *self._graph_shape(sched, tables))
         if isinstance(self.kv_caches, DSV4PagedCache) and not plan.graph_batch and not self._uniform(sched):
             # DeepSeek-V4's pool runs steps of one span length from the

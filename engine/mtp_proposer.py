@@ -18,6 +18,7 @@ verification needs them). Drafts are the argmax: deterministic, so verification 
 them as one-hot. On CUDA the chained passes (one row per sequence) replay
 CUDA graphs captured at startup (ModelRunner.mtp_replay); the first pass,
 whose spans vary, runs eagerly."""
+import numpy as np
 import torch
 
 from engine.request import Request, Status
@@ -29,9 +30,9 @@ class MtpProposer(Proposer):
         self.runner = runner      # its model has an MTP head (the worker checked at load)
         runner.keep_streams = True
 
-    def _tables(self, req: Request) -> list[list[int]]:
+    def _tables(self, req: Request) -> list[np.ndarray]:
         kv = self.runner.kv
-        return [kv.block_table(req.request_id, g) for g in range(len(kv.groups))]
+        return [kv.block_table_array(req.request_id, g) for g in range(len(kv.groups))]
 
     def _run(self, ids: list[int], streams: torch.Tensor, pos: list[int], seqs: list, qsl: list[int]):
         dev = self.runner.device

@@ -18,6 +18,8 @@ chunk passes through are never allocated: their table entries stay NULL.
 """
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kvcache.block_pool import BlockPool
 from kvcache.spec import LayerSpec
 
@@ -48,6 +50,25 @@ class _ReqBlocks:
     hashes: list[int] = field(default_factory=list)   # chained hash of each full block
     num_cached: int = 0                         # full blocks already registered in the pools
     high: int = 0                               # highest num_computed + num_new ever allocated
+    # Per group: table entries in [hot, freed) are NULL_BLOCK, so a step looks
+    # only at the blocks that left the window since the last (O(1) a decode,
+    # not O(context)).
+    freed: list[int] = field(default_factory=list)
+    # Per group: the table as int64, kept in step with `tables` where it
+    # changes, so a step's inputs copy arrays instead of converting lists.
+    arrays: list[np.ndarray] = field(default_factory=list)
+
+    def mirror(self, gi: int, spans) -> None:
+        """Copy table gi's entries in spans [(a, b), ...] into its array."""
+        table = self.tables[gi]
+        arr = self.arrays[gi]
+        if len(arr) < len(table):
+            grown = np.empty(max(2 * len(arr), len(table), 16), np.int64)
+            grown[:len(arr)] = arr
+            arr = self.arrays[gi] = grown
+        for a, b in spans:
+            if a < b:
+                arr[a:b] = table[a:b]
 
 
 class KVCacheManager:
@@ -125,6 +146,9 @@ class KVCacheManager:
         a pool has too few free blocks.
         """
         rb = self.reqs.setdefault(req_id, _ReqBlocks([[] for _ in self.groups]))
+        if not rb.freed:
+            rb.freed = [int(g.hot) for g in self.groups]
+            rb.arrays = [np.empty(0, np.int64) for _ in self.groups]
         bs = self.block_size
         end = num_computed + num_new
         hit_blocks = num_prefix_hit // bs
@@ -135,7 +159,7 @@ class KVCacheManager:
             need_total = self._blocks_needed(g, end)
             adopting = hit_blocks > 0 and not table
             adopt = self._kept(g, num_computed, hit_blocks) if adopting else []
-            live = [b for j, b in enumerate(table) if int(g.hot) <= j < first and b != NULL_BLOCK]
+            live = [b for b in table[rb.freed[gi]:first] if b != NULL_BLOCK]
             start = hit_blocks if adopting else len(table)
             new = sum(1 for j in range(start, need_total) if self._wanted(g, j, first, need_total))
             # Cached blocks sitting unreferenced in the free queue are not free to us.
@@ -147,18 +171,22 @@ class KVCacheManager:
         for gi, first, need_total, adopt in plans:
             g = self.groups[gi]
             pool, table = self.pools[gi], rb.tables[gi]
+            grown_from = len(table)
             if not table and hit_blocks:
                 table.extend([NULL_BLOCK] * hit_blocks)
                 for j in adopt:
                     b = pool.lookup(rb.hashes[j])
                     pool.touch(b)
                     table[j] = b
-            for j in range(int(g.hot), min(first, len(table))):
+            was_freed, gone = rb.freed[gi], min(first, len(table))
+            for j in range(was_freed, gone):
                 if table[j] != NULL_BLOCK:
                     pool.free(table[j])
                     table[j] = NULL_BLOCK
+            rb.freed[gi] = max(was_freed, gone)
             while len(table) < need_total:
                 table.append(pool.allocate() if self._wanted(g, len(table), first, need_total) else NULL_BLOCK)
+            rb.mirror(gi, [(was_freed, gone), (grown_from, len(table))])
         if hit_blocks:
             rb.num_cached = max(rb.num_cached, hit_blocks)
         rb.high = max(rb.high, end)
@@ -188,6 +216,8 @@ class KVCacheManager:
                 b = table.pop()
                 if b != NULL_BLOCK:
                     self.pools[gi].free(b)
+            if rb.freed:
+                rb.freed[gi] = max(int(g.hot), min(rb.freed[gi], len(table)))
 
     def cache_full_blocks(self, req_id: str, token_ids: list[int], num_computed: int) -> None:
         """Register blocks that became full (their KV is written) for reuse."""
@@ -217,6 +247,11 @@ class KVCacheManager:
 
     def block_table(self, req_id: str, group: int) -> list[int]:
         return self.reqs[req_id].tables[group]
+
+    def block_table_array(self, req_id: str, group: int) -> np.ndarray:
+        """block_table as an int64 array (a view, valid until the next allocate)."""
+        rb = self.reqs[req_id]
+        return rb.arrays[group][:len(rb.tables[group])]
 
     @property
     def usage(self) -> float:

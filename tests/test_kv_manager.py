@@ -104,6 +104,8 @@ def test_hot_group_holds_first_and_newest_block_and_shares_block_0():
     assert kv.allocate("b", toks[:13] + [7, 7, 7], hit, 4, num_prefix_hit=hit)
     tb = kv.block_table("b", 1)
     assert tb[0] == kv.block_table("a", 1)[0] and tb[1:3] == [NULL_BLOCK, NULL_BLOCK] and tb[3] != NULL_BLOCK
+    assert kv.block_table_array("b", 1).tolist() == tb and kv.block_table_array("b", 0).tolist() == \
+        kv.block_table("b", 0)                              # adopted entries mirrored too
     kv.free("a")
     kv.free("b")
     assert kv.pools[1].num_free == 6
@@ -112,3 +114,67 @@ def test_hot_group_holds_first_and_newest_block_and_shares_block_0():
     nc.truncate("c", 9)                                     # within the newest block
     with pytest.raises(ValueError, match="already freed"):
         nc.truncate("c", 5)                                 # block 1 has no hot copy
+    # Rolled back to a block boundary past the newest block (drafts that
+    # crossed two blocks, all rejected): the next block is new, and freed
+    # again once decoding leaves it.
+    assert nc.allocate("d", toks, 0, 13)
+    for n in range(13, 20):
+        assert nc.allocate("d", toks, n, 1)
+    nc.truncate("d", 12)
+    for n in range(12, 17):
+        assert nc.allocate("d", toks, n, 1)
+    assert [b != NULL_BLOCK for b in nc.block_table("d", 1)] == [True, False, False, False, True]
+    assert nc.pools[1].num_free == 6 - 2 - 2               # c's two blocks, d's two
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_tables_and_free_counts_through_random_steps(seed):
+    """Random chunks, decodes, rollbacks and frees over full, sliding-window
+    and hot groups (no prefix caching, so no block is shared): after every
+    call each table (and its array) holds the blocks the next query reads,
+    every entry below the window of the last step's first token is NULL (its
+    block went back to the pool), and each pool's free count is its size
+    minus what the tables hold. A step looks only at the blocks that left the window since
+    the last one: a block it skipped would stay in its table here."""
+    import random
+    rng = random.Random(seed)
+    groups = [KVGroup(None, [0]), KVGroup(6, [1]), KVGroup(None, [2], hot=True)]
+    kv = KVCacheManager(groups, [400, 400, 400], 4, enable_caching=False)
+    toks = list(range(300))
+    lens: dict[str, int] = {}
+    start: dict[str, int] = {}             # first position of the request's last step
+    for _ in range(400):
+        rid = rng.choice("abc")
+        n = lens.get(rid, 0)
+        op = rng.random()
+        if rid in lens and op < 0.1:
+            kv.free(rid)
+            del lens[rid], start[rid]
+        elif n and op < 0.3:
+            back = rng.randint(1, min(6, n))
+            try:
+                kv.truncate(rid, n - back)
+                lens[rid] = n - back
+            except ValueError:              # into a block already freed: refused, nothing changed
+                pass
+        else:
+            new = rng.choice([1, 1, 1, 2, 5, 13])
+            if n + new > len(toks):
+                continue
+            assert kv.allocate(rid, toks, n, new)
+            lens[rid], start[rid] = n + new, n
+        for gi, (g, pool) in enumerate(zip(groups, kv.pools)):
+            held = 0
+            for r, m in lens.items():
+                table = kv.block_table(r, gi)
+                assert kv.block_table_array(r, gi).tolist() == table     # what a step's inputs copy
+                gone = kv._window_start_block(g, start[r])
+                assert all(b == NULL_BLOCK for b in table[int(g.hot):gone]), (seed, r, gi, gone, table)
+                # What the next query (position m) reads.
+                need = [0, m // 4] if g.hot else range(kv._window_start_block(g, m), len(table))
+                assert all(table[j] != NULL_BLOCK for j in need if j < len(table)), (seed, r, gi, m, table)
+                held += sum(b != NULL_BLOCK for b in table)
+            assert pool.num_free == pool.num_blocks - held, (seed, gi)
+    for r in list(lens):
+        kv.free(r)
+    assert all(p.num_free == p.num_blocks for p in kv.pools)

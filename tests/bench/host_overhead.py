@@ -1,0 +1,118 @@
+"""The engine's own host time per decode step, by phase, as batch and context
+grow: what a GPU step pays on top of its kernels (a CUDA graph replays the
+model's launches in one call, so the rest of the step is this).
+
+A tiny llama (gpu_engine.py's "tiny-llama" config, dummy weights, fp32) runs
+decode-only steps on the CPU; each phase is timed around the engine's own
+calls: the scheduler's schedule() and update(), the runner's prepare() (the
+step's packed inputs: ids, positions, slot mappings, block tables) and
+forward() (here the tiny model itself; on a GPU one graph replay), the
+sampler, and the rest of LLM.step() (output processing, detokenizing). The
+host time is the step minus forward; a step's host work should not grow with
+the context (its block tables are the only per-step input that does, and
+they are copied as arrays: one copy per sequence).
+
+    .venv/bin/python tests/bench/host_overhead.py [--batch 1,64] [--context 128,2048,8192] [--steps 32]
+
+Writes tests/bench/results/host_overhead.{json,md}.
+"""
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+from bench_paths import log, machine, write_results  # puts the repo on sys.path
+from gpu_engine import random_prompts, write_config
+
+PHASES = ["schedule", "prepare", "forward", "sample", "update"]
+
+
+def timed(obj, name, key, acc):
+    fn = getattr(obj, name)
+
+    def wrapper(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            acc[key] = acc.get(key, 0.0) + time.perf_counter() - t0
+    setattr(obj, name, wrapper)
+
+
+def run(model_dir, batch, context, steps) -> dict:
+    import engine.model_runner as model_runner
+    from engine import LLM, SamplingParams
+    budget = max(8192, context)
+    # Chunked prefills take ~batch * context / budget steps, while the first
+    # sequences already decode: every sequence keeps decoding through the timed steps.
+    out_len = steps + 16 + batch * context // budget
+    llm = LLM(str(model_dir), device="cpu", dtype="float32", load_format="dummy", seed=0, max_num_seqs=batch,
+              max_model_len=context + out_len, max_num_batched_tokens=budget, enable_prefix_caching=False)
+    core = llm.core
+    sp = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+    for p in random_prompts(batch, context, 500, seed=1):
+        llm.add_request(p, sp)
+    sched = core.scheduler
+    while sched.waiting or any(r.num_output_tokens == 0 for r in sched.running):   # the prefills, untimed
+        llm.step()
+    for _ in range(3):                                       # warm decode steps
+        llm.step()
+    acc: dict[str, float] = {}
+    sample = model_runner.sample
+    timed(core.scheduler, "schedule", "schedule", acc)
+    timed(core.scheduler, "update", "update", acc)
+    timed(core.runner, "prepare", "prepare", acc)
+    timed(core.runner, "forward", "forward", acc)
+    timed(model_runner, "sample", "sample", acc)
+    try:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            n = len(llm.step())
+            assert n == batch, f"a step decoded {n} of {batch} sequences"   # decode-only steps, all of them
+        wall = time.perf_counter() - t0
+    finally:
+        model_runner.sample = sample
+        llm.close()
+    ms = {k: 1e3 * v / steps for k, v in acc.items()}
+    step_ms = 1e3 * wall / steps
+    ms["other"] = step_ms - sum(ms[k] for k in PHASES)
+    return {"batch": batch, "context": context, "steps": steps, "step_ms": step_ms,
+            "host_ms": step_ms - ms["forward"], "phases_ms": ms}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", default="1,64")
+    ap.add_argument("--context", default="128,2048,8192")
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--out", default=None, help="write OUT.{json,md} instead of results/host_overhead")
+    args = ap.parse_args()
+    res = {"config": vars(args), "machine": machine(), "runs": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_config(Path(tmp), "tiny-llama")
+        for b in map(int, args.batch.split(",")):
+            for c in map(int, args.context.split(",")):
+                log(f"batch {b}, context {c} ...")
+                r = run(model_dir, b, c, args.steps)
+                log(f"  step {r['step_ms']:.2f} ms, host {r['host_ms']:.2f} ms")
+                res["runs"].append(r)
+    m = res["machine"]
+    lines = [f"Host time per decode step (tiny llama, dummy weights, fp32, CPU; {args.steps} decode steps after 3 warm "
+             f"ones; ms per step). host = step - forward (the tiny model's own time here; on a GPU one graph replay). "
+             f"x first context: host time over the batch's shortest context's. Machine: {m['cpu_line']}; torch "
+             f"{m['torch']}, {m['torch_threads']} threads; commit {m['commit']}.", "",
+             "| batch | context | step | forward | host | x first context | " + " | ".join(PHASES[:2]) + " | "
+             + " | ".join(PHASES[3:]) + " | other |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    first = {}
+    for r in res["runs"]:
+        p = r["phases_ms"]
+        base = first.setdefault(r["batch"], r["host_ms"])
+        lines.append(f"| {r['batch']} | {r['context']} | {r['step_ms']:.2f} | {p['forward']:.2f} | {r['host_ms']:.2f} | "
+                     f"{r['host_ms'] / base:.2f} | " + " | ".join(f"{p[k]:.3f}" for k in PHASES if k != "forward")
+                     + f" | {p['other']:.3f} |")
+    write_results("host_overhead", res, lines, Path(args.out) if args.out else None)
+
+
+if __name__ == "__main__":
+    main()
