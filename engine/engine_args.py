@@ -74,6 +74,9 @@ class EngineArgs:
                                    "nothing read but config.json (benchmark shapes without weights)",
                            choices=list(LOAD_FORMATS))
     enforce_eager: bool = arg(False, "CUDA: never capture CUDA graphs")
+    async_scheduling: bool = arg(False, "schedule and launch each step while the device runs the one before "
+                                        "(hides the host's per-step work; off with speculative decoding or "
+                                        "tensor parallelism)")
     quantization: str | None = arg("auto", "auto: gguf for a .gguf file's quantized weights on the CPU, else "
                                            "none (engine/auto_defaults.py); none: weights dequantized to dtype at "
                                            "load; int4: run the checkpoint's 4-bit weights (GGUF Q4_1) with "
@@ -114,8 +117,9 @@ class EngineArgs:
             raise ValueError(f"unknown load_format {self.load_format!r}; supported: {', '.join(LOAD_FORMATS)}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if not isinstance(self.enforce_eager, bool):
-            raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
+        for name in ("enforce_eager", "async_scheduling"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"unknown quantization {self.quantization!r}; supported: {', '.join(QUANTIZATIONS)}")
         if self.quantization in ("gguf", "fp8") and self.load_format == "dummy":

@@ -12,7 +12,7 @@ from engine.engine_args import EngineArgs
 from engine.errors import InvalidRequest
 from engine.follower import Followers
 from engine.model_runner import ModelRunner
-from engine.request import EngineRequest, Request
+from engine.request import EngineRequest, Request, Status
 from engine.scheduler import Scheduler
 from engine.speculative import make_proposer
 from engine.structured_output import GrammarCompiler, GrammarState, StructuredOutputError
@@ -139,6 +139,12 @@ class EngineCore(Worker):
                      f", off above {self.spec.disable_by_batch_size} running requests"
                      if self.spec.disable_by_batch_size else "")
         self._spec_logged = (time.monotonic(), 0, 0, 0)   # time, drafts, draft tokens, accepted
+        # A step's drafts and a follower's plan need the previous step's tokens on the host.
+        self.async_scheduling = self.args.async_scheduling and self.proposer is None and self.tp == 1
+        if self.args.async_scheduling and not self.async_scheduling:
+            log.info("asynchronous scheduling off: %s", "speculative decoding drafts from each step's tokens"
+                     if self.proposer is not None else "tensor-parallel ranks take each step's ids from the host")
+        self.inflight = None     # (scheduled, launched step) not yet collected
 
     # -- requests -------------------------------------------------------------
     def add_request(self, er: EngineRequest) -> None:
@@ -177,7 +183,7 @@ class EngineCore(Worker):
             self.scheduler.abort(rid)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self.inflight is not None
 
     def check_alive(self) -> None:
         """Raise if a tensor-parallel rank was lost while idle (the heartbeat's finding)."""
@@ -204,14 +210,53 @@ class EngineCore(Worker):
 
     # -- one step -------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
+        if self.async_scheduling:
+            return self._step_ahead()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
-        results = self.runner.execute(sched)
+        return self._outputs(sched, self.runner.execute(sched))
+
+    def _step_ahead(self) -> list[EngineCoreOutput]:
+        """Asynchronous scheduling (vLLM's --async-scheduling): while the
+        device runs a step, the host schedules and launches the next, as if
+        each request that samples had its token already (a placeholder,
+        read on the device by the next step), then waits for the first
+        step's tokens and processes them. A request that the step in flight
+        ends (EOS, stop) has one more step launched, whose token is dropped;
+        one that reaches max_tokens is not scheduled again. When a request
+        with a token in flight samples from its own previous tokens on the
+        host (penalties, min_tokens, a grammar), the next step waits."""
+        if self.inflight is None:
+            sched = self.scheduler.schedule()
+            if not sched.scheduled:
+                return []
+            self.inflight = (sched, self.runner.launch(sched))
+        (sched, handle), self.inflight = self.inflight, None
+        waiting_on = [r for r in handle.sampled if r.status == Status.RUNNING]
+        for r in waiting_on:
+            r.num_placeholders = int(r.num_output_tokens + 1 < r.max_tokens)
+        self.scheduler.update(sched)
+        if not any(r.num_placeholders and r.needs_own_tokens() for r in waiting_on):
+            ahead = self.scheduler.schedule()
+            if ahead.scheduled:
+                self.inflight = (ahead, self.runner.launch(ahead, prev=handle))
+        try:
+            results = self.runner.collect(handle)
+        finally:
+            for r in waiting_on:
+                r.num_placeholders = 0
+        return self._outputs(sched, results, updated=True)
+
+    def _outputs(self, sched, results, updated: bool = False) -> list[EngineCoreOutput]:
+        """A finished step's tokens into its requests and outputs; the
+        scheduler's update (unless done already), finished requests freed."""
         self.stats.steps_total += 1
         outputs, rejected = [], {}
         for s in sched.scheduled:
             req = s.req
+            if req.status == Status.FINISHED:       # ended (or aborted) while its step was in flight
+                continue
             out = None
             if req.request_id in results and req.max_tokens > 0:
                 toks, lps = results[req.request_id]
@@ -240,7 +285,8 @@ class EngineCore(Worker):
                     out.first_scheduled_time = req.first_scheduled_time
                     out.prompt_logprobs = req.prompt_logprobs
                 outputs.append(out)
-        self.scheduler.update(sched, rejected)
+        if not updated:
+            self.scheduler.update(sched, rejected)
         for out in outputs:
             req = self.scheduler.requests[out.request_id]
             if req.finish_reason is not None:

@@ -14,7 +14,7 @@ import torch
 
 from engine.cuda_graph import DecodeGraphs
 from engine.request import Request
-from engine.sampler import DraftRow, batch_token_logprobs, sample
+from engine.sampler import DraftRow, Sampled, batch_token_logprobs, sample, sample_async
 from engine.scheduler import SchedulerOutput, ScheduledRequest
 from kvcache.dsv4_paged import DSV4PagedCache
 from kvcache.kv_manager import KVCacheManager
@@ -99,6 +99,18 @@ class StepPlan:
     prompt_rows: list[tuple[int, int]] = field(default_factory=list)   # hidden rows scoring prompt tokens
     graph_batch: int = 0             # > 0: a decode step padded to this captured size, replayed as a CUDA graph
     graph_rows: int = 0              # the graph's rows per sequence (1, or 1 + k for a verification step)
+    patches: int = 0                 # input ids the previous step samples (asynchronous scheduling; see _send)
+
+
+@dataclass
+class StepHandle:
+    """A launched step (ModelRunner.launch): what collect() needs to end it."""
+    plan: StepPlan
+    sampled: list[Request]           # requests that sample, in logits-row order
+    jobs: list                       # prompt-logprob jobs (request, first position, end)
+    logits: torch.Tensor | None
+    prompt: list[torch.Tensor]
+    out: Sampled | None = None       # without drafts: the tokens, on their way to the host
 
 
 class ModelRunner:
@@ -115,9 +127,11 @@ class ModelRunner:
         self.keep_streams = False      # set for an MTP proposer: each step's streams go to last_step
         self.last_step: StepRecord | None = None
         self.sched: list[ScheduledRequest] = []   # the prepared step's requests, in batch order
+        self.prev_tokens: torch.Tensor | None = None   # the step in flight's sampled tokens (see _send)
 
-    def _pack(self, sched: list[ScheduledRequest], tables: list[list[list[int]]],
-              pad_to: int = 0, rows_per_seq: int = 0) -> tuple[StepPlan, list]:
+    def _pack(self, sched: list[ScheduledRequest], tables: list[list[np.ndarray]],
+              pad_to: int = 0, rows_per_seq: int = 0, prev_rows: dict[str, int] | None = None
+              ) -> tuple[StepPlan, list]:
         """The step's integer inputs, packed into the step buffer.
 
         tables: per KV-cache group, each sequence's block table (the
@@ -135,7 +149,13 @@ class ModelRunner:
         rows each, id 0 at position 0, sequence length 0 and slot -1, which
         read and write nothing (a per-sequence state's pad rows write its pad
         slot, which no sequence reads). Returns the plan and the requests
-        that sample, in row order."""
+        that sample, in row order.
+
+        A request's last token may still be in flight (num_placeholders:
+        asynchronous scheduling): its id is written 0, and the buffer ends
+        with the ids' rows [K] and their rows in the previous step's sampled
+        tokens [K] (prev_rows: request id -> that row), for _send to fill in
+        on the device."""
         B = len(sched)
         n = np.fromiter((s.num_new_tokens for s in sched), np.int64, B)
         start = np.fromiter((s.start for s in sched), np.int64, B)
@@ -143,7 +163,9 @@ class ModelRunner:
         ends = start + n
         # A request samples when this step reaches the end of its known tokens
         # and drafts: one logits row per draft and one after the last.
-        samples = ends == np.fromiter((s.req.num_tokens for s in sched), np.int64, B) + nd
+        samples = ends == np.fromiter((s.req.num_tokens + s.req.num_placeholders for s in sched), np.int64, B) + nd
+        pending = [i for i, s in enumerate(sched) if s.start + s.num_new_tokens > s.req.num_tokens] \
+            if prev_rows is not None else []
         per = np.where(samples, nd + 1, 0)
         T, R = int(n.sum()), int(per.sum())
         P = max(pad_to - B, 0)
@@ -153,7 +175,8 @@ class ModelRunner:
         lens = [np.fromiter(map(len, tg), np.int64, B) for tg in tables]
         widths = [int(x.max()) if B else 0 for x in lens]
         # Layout of the packed buffer.
-        sizes = [Tm, Tm, B + P + 1, B + P, R] + [k for w in widths for k in (Tm, (B + P) * w)]
+        K = len(pending)
+        sizes = [Tm, Tm, B + P + 1, B + P, R] + [k for w in widths for k in (Tm, (B + P) * w)] + [K, K] * bool(K)
         offs = list(accumulate(sizes, initial=0))
         host = self.buf.host(offs[-1])
         part = [host[a:b] for a, b in zip(offs, offs[1:])]
@@ -163,7 +186,8 @@ class ModelRunner:
         np.cumsum(m, out=qsl[1:B + 1])
         seq_lens[:B] = start + m
         tok_ids = np.fromiter(chain.from_iterable(
-            chain(s.req.token_ids[s.start:s.start + s.num_new_tokens - len(s.spec_token_ids)], s.spec_token_ids)
+            chain(s.req.token_ids[s.start:s.start + s.num_new_tokens - len(s.spec_token_ids)], s.spec_token_ids,
+                  (0,) * (s.start + s.num_new_tokens - s.req.num_tokens - len(s.spec_token_ids)))
             for s in sched), np.int64, T)
         seq_of_tok = np.repeat(np.arange(B), n)
         if pad_to:
@@ -177,6 +201,10 @@ class ModelRunner:
             tok_pos = pos[:T]
             np.add(np.arange(T), (start - qsl[:B])[seq_of_tok], out=tok_pos)
             ids[:T] = tok_ids
+        if K:
+            last = np.cumsum(n)[pending] - 1                     # each pending token's index in tok_ids
+            part[-2][:] = real[last] if pad_to else last
+            part[-1][:] = [prev_rows[sched[i].req.request_id] for i in pending]
         first_row = np.cumsum(per) - per
         rows[:] = np.repeat(qsl[:B] + n - per, per) + np.arange(R) - np.repeat(first_row, per)
         for g, (tg, ln, w) in enumerate(zip(tables, lens, widths)):
@@ -197,7 +225,8 @@ class ModelRunner:
 
         plan = StepPlan(host, offs, widths, qsl[:B + 1].tolist(), seq_lens[:B].tolist(),
                         num_decodes=int(np.count_nonzero(n == 1)),      # they lead (prepare sorts them first)
-                        max_query_len=int(n.max()) if B else 0, graph_batch=pad_to, graph_rows=q if pad_to else 0)
+                        max_query_len=int(n.max()) if B else 0, graph_batch=pad_to, graph_rows=q if pad_to else 0,
+                        patches=K)
         return plan, [sched[i].req for i in np.flatnonzero(samples)]
 
     def _fill_group(self, g: int, tg: list[list[int]], ln: np.ndarray, pos: np.ndarray, seq_of_tok: np.ndarray,
@@ -291,15 +320,18 @@ class ModelRunner:
         return isinstance(self.kv_caches, DSV4PagedCache) or \
             self.kv.allocate(req.request_id, req.token_ids, req.num_computed_tokens, n)
 
-    def prepare(self, out: SchedulerOutput) -> tuple[StepPlan, list[Request], list[tuple[Request, int, int]]]:
+    def prepare(self, out: SchedulerOutput, prev: StepHandle | None = None
+                ) -> tuple[StepPlan, list[Request], list[tuple[Request, int, int]]]:
         """The leader's half of a step: the plan every rank runs, the requests
         that sample (in logits-row order) and the prompt-logprob jobs
-        (request, first position, end) in plan.prompt_rows order."""
+        (request, first position, end) in plan.prompt_rows order. prev: the
+        step still in flight whose tokens this one's placeholders are."""
         # Decodes first, as the attention metadata expects.
         sched = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)
         groups = range(len(self.kv.groups))
         tables = [[self.kv.block_table_array(s.req.request_id, g) for s in sched] for g in groups]
-        plan, sampled = self._pack(sched, tables, *self._graph_shape(sched, tables))
+        prev_rows = {r.request_id: i for i, r in enumerate(prev.sampled)} if prev is not None else None
+        plan, sampled = self._pack(sched, tables, *self._graph_shape(sched, tables), prev_rows=prev_rows)
         if isinstance(self.kv_caches, DSV4PagedCache) and not plan.graph_batch and not self._uniform(sched):
             # DeepSeek-V4's pool runs steps of one span length from the
             # packed tables (DSV4Rows); others as per-sequence views of it,
@@ -358,9 +390,17 @@ class ModelRunner:
         plan.buf = host
         return plan
 
+    def _send(self, plan: StepPlan) -> list[torch.Tensor]:
+        """The plan's packed inputs on the device, with the ids of tokens the
+        previous step sampled (its placeholders) read from its output there."""
+        d = self.buf.send(plan.offs)
+        if plan.patches:
+            d[0].index_copy_(0, d[-2], self.prev_tokens.index_select(0, d[-1]))
+        return d
+
     def inputs(self, plan: StepPlan):
         """(input_ids, positions, attention metadata, logits rows) on the device."""
-        d = self.buf.send(plan.offs)
+        d = self._send(plan)
         ids, pos, qsl_t, seq_lens_t, rows = d[:5]
         B = len(plan.seq_lens)
         groups = [GroupMetadata(d[5 + 2 * g], d[6 + 2 * g].view(B, w)) for g, w in enumerate(plan.widths)]
@@ -377,7 +417,7 @@ class ModelRunner:
         the model over the step, the logits of the plan's prompt-logprob rows,
         then of its sampling rows (None when nothing samples)."""
         if plan.graph_batch:
-            d = self.buf.send(plan.offs)
+            d = self._send(plan)
             b = plan.graph_batch
             groups = [GroupMetadata(d[5 + 2 * g], d[6 + 2 * g].view(b, w)) for g, w in enumerate(plan.widths)]
             hidden = self.graphs.run(b, plan.graph_rows, d[0], d[1], d[3], groups)
@@ -403,23 +443,40 @@ class ModelRunner:
         whose step reached the end of their known tokens: one token, or with
         drafts the accepted drafts and the token after them. Fills prompt
         logprobs on the request objects as a side effect."""
-        plan, sampled, jobs = self.prepare(out)
+        return self.collect(self.launch(out))
+
+    def launch(self, out: SchedulerOutput, prev: StepHandle | None = None) -> StepHandle:
+        """A step up to its sampled tokens on the device (no host sync without
+        drafts). prev: the step still in flight, whose tokens this one's
+        placeholders are (read on the device, so prev need not be collected)."""
+        plan, sampled, jobs = self.prepare(out, prev)
+        if plan.patches:
+            self.prev_tokens = prev.out.tokens
         if self.followers is None:
             logits, prompt = self.forward(plan)
         else:
             with self.followers.lock:      # no heartbeat between the plan and its collectives
                 self.followers.send(plan)
                 logits, prompt = self.forward(plan)
+        h = StepHandle(plan, sampled, jobs, logits, prompt)
+        if sampled and not any(r.spec_token_ids for r in sampled):
+            with torch.inference_mode():
+                h.out = sample_async(logits, sampled)
+        return h
+
+    def collect(self, h: StepHandle) -> dict[str, tuple[list[int], list[dict | None]]]:
+        """A launched step's results, as execute() returns them (waits for its tokens)."""
+        sampled, logits = h.sampled, h.logits
         with torch.inference_mode():
-            for (req, a, b), lg in zip(jobs, prompt):
+            for (req, a, b), lg in zip(h.jobs, h.prompt):
                 logp = torch.log_softmax(lg.float(), dim=-1)
                 # One host transfer for the chunk, not one per position.
                 req.prompt_logprobs.extend(batch_token_logprobs(logp, req.token_ids[a + 1:b + 1],
                                                                 req.params.prompt_logprobs))
             if not sampled:
                 return {}
-            if not any(r.spec_token_ids for r in sampled):
-                tokens, lps = sample(logits, sampled)
+            if h.out is not None:
+                tokens, lps = h.out.result()
                 return {r.request_id: ([t], [lp]) for r, t, lp in zip(sampled, tokens, lps)}
             views, drafts = [], []
             for r in sampled:

@@ -57,6 +57,9 @@ class Request:
         self.grammar = None
         # Draft tokens the next step verifies (speculative decoding); never in token_ids.
         self.spec_token_ids: list[int] = []
+        # Tokens sampled by a step still in flight (asynchronous scheduling):
+        # the next step is scheduled as if they were here.
+        self.num_placeholders = 0
         self._prompt_array: np.ndarray | None = None
 
     @property
@@ -71,6 +74,14 @@ class Request:
         del self.token_ids[num_tokens:]
         if self.grammar is not None:
             self.grammar.rollback(self.token_ids, self.num_output_tokens)
+
+    def needs_own_tokens(self) -> bool:
+        """Whether sampling its next token reads its previous tokens on the
+        host (penalties over them, min_tokens' count, a grammar's state): then
+        no step can be launched while one of its tokens is in flight."""
+        p = self.params
+        return (p.repetition_penalty != 1.0 or bool(p.frequency_penalty) or bool(p.presence_penalty)
+                or self.num_output_tokens < p.min_tokens or self.grammar is not None)
 
     def generator_for(self, device: torch.device) -> torch.Generator | None:
         """This request's generator on `device` (None when unseeded), seeded

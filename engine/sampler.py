@@ -12,7 +12,8 @@ llguidance, in the same upload, and -inf at the forbidden tokens.
 
 The step's one host sync is the transfer of the sampled tokens; the
 logprobs, computed for all rows that want them in one batched op, travel in
-the same transfer.
+the same transfer. sample_async stops before that sync (Sampled.result
+waits), so the host can prepare the next step meanwhile.
 
 Seeded requests draw their exponentials from their own generator on the
 logits' device (Request.generator_for), one row each, so a seeded request
@@ -226,6 +227,41 @@ def residual(probs: torch.Tensor, drafts: torch.Tensor, has: torch.Tensor) -> to
     return probs.scatter(1, drafts[:, None], torch.where(has[:, None], 0.0, probs.gather(1, drafts[:, None])))
 
 
+class Sampled:
+    """A batch's sampled tokens on the device (`tokens`) and their trip to
+    the host, started when sampling ends (non-blocking into pinned memory on
+    CUDA) and waited for by result(): until then the host is free, and the
+    next step may read `tokens` on the device (asynchronous scheduling)."""
+
+    def __init__(self, tokens: torch.Tensor, packed: torch.Tensor | None = None, want: list[int] = (),
+                 ks: list[int] = (), kmax: int = 0):
+        self.tokens, self.want, self.ks, self.kmax = tokens, list(want), list(ks), kmax
+        self.packed = packed is not None        # _host_parts' float64 layout, tokens last
+        src = packed if packed is not None else tokens
+        self.event = None
+        if src.device.type == "cuda":
+            self.host = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+            self.host.copy_(src, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = src
+
+    def result(self) -> tuple[list[int], list[dict | None]]:
+        """(token per row, logprobs per row or None): the step's one host sync."""
+        if self.event is not None:
+            self.event.synchronize()
+        B = len(self.tokens)
+        if not self.packed:
+            return self.host.tolist(), [None] * B
+        host = self.host.tolist()
+        out_tokens = [int(x) for x in host[-B:]]
+        lps: list[dict | None] = [None] * B
+        for i, d in zip(self.want, _lp_dicts(host, [out_tokens[i] for i in self.want], self.ks, self.kmax)):
+            lps[i] = d
+        return out_tokens, lps
+
+
 def sample(logits: torch.Tensor, reqs: list, drafts: list[int] | None = None
            ) -> tuple[list[int], list[dict | None]]:
     """logits: [B, V] float32 or bf16 (raw model output, on any device) ->
@@ -234,10 +270,15 @@ def sample(logits: torch.Tensor, reqs: list, drafts: list[int] | None = None
     Penalties apply before the filters; greedy rows take the argmax of the
     penalised logits. drafts: per row the draft token it verifies, or -1
     (see the module docstring); reqs are Requests or DraftRows."""
+    return sample_async(logits, reqs, drafts).result()
+
+
+def sample_async(logits: torch.Tensor, reqs: list, drafts: list[int] | None = None) -> Sampled:
+    """sample() up to the tokens on the device, their host copy under way."""
     B, V = logits.shape
-    if B == 0:
-        return [], []
     device = logits.device
+    if B == 0:
+        return Sampled(torch.empty(0, dtype=torch.long, device=device))
     params = [r.params for r in reqs]
     samp = [i for i, p in enumerate(params) if not p.greedy]
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -311,26 +352,22 @@ def sample(logits: torch.Tensor, reqs: list, drafts: list[int] | None = None
         else:
             tokens = drawn
 
-    lps: list[dict | None] = [None] * B
     if not want:
-        return tokens.tolist(), lps            # the step's one host sync
+        return Sampled(tokens)
     rows = tt.get("want")
     raw = logits if rows is None else logits.index_select(0, rows)
     wtok = tokens if rows is None else tokens.index_select(0, rows)
     ks = [params[i].logprobs for i in want]
     logp = torch.log_softmax(raw.float(), dim=-1)
-    host, kmax = _to_host(logp, wtok, ks, tokens)   # the step's one host sync
-    out_tokens = [int(x) for x in host[-B:]]
-    for i, d in zip(want, _lp_dicts(host, [out_tokens[i] for i in want], ks, kmax)):
-        lps[i] = d
-    return out_tokens, lps
+    packed, kmax = _host_parts(logp, wtok, ks, tokens)   # the logprobs travel with the tokens
+    return Sampled(tokens, packed, want, ks, kmax)
 
 
-def _to_host(logp: torch.Tensor, tokens: torch.Tensor, ks: list[int],
-             extra: torch.Tensor | None = None) -> tuple[list[float], int]:
+def _host_parts(logp: torch.Tensor, tokens: torch.Tensor, ks: list[int],
+                extra: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
     """Chosen-token logprobs ([N]), top-kmax values and ids ([N, kmax]) of logp
-    [N, V] at tokens ([N], on logp's device), then `extra`, in one transfer as
-    float64 (which holds float32 values and token ids exactly)."""
+    [N, V] at tokens ([N], on logp's device), then `extra`, packed for one
+    transfer as float64 (which holds float32 values and token ids exactly)."""
     kmax = min(max(ks, default=0), logp.shape[1])
     parts = [logp.gather(1, tokens[:, None].long()).flatten().double()]
     if kmax:
@@ -338,11 +375,11 @@ def _to_host(logp: torch.Tensor, tokens: torch.Tensor, ks: list[int],
         parts += [vals.flatten().double(), ids.flatten().double()]
     if extra is not None:
         parts.append(extra.double())
-    return torch.cat(parts).tolist(), kmax
+    return torch.cat(parts), kmax
 
 
 def _lp_dicts(host: list[float], tokens: list[int], ks: list[int], kmax: int) -> list[dict[int, float]]:
-    """The dicts {token: lp, then top-k alternatives} from _to_host's list."""
+    """The dicts {token: lp, then top-k alternatives} from _host_parts' values (a list)."""
     N = len(tokens)
     vals, ids = host[N:N + N * kmax], host[N + N * kmax:N + 2 * N * kmax]
     res = []
@@ -371,5 +408,5 @@ def batch_token_logprobs(logp: torch.Tensor, tokens: list[int], ks: int | list[i
         tok = tok.pin_memory().to(logp.device, non_blocking=True)
     else:
         tok = tok.to(logp.device)
-    host, kmax = _to_host(logp, tok, ks)
-    return _lp_dicts(host, list(tokens), ks, kmax)
+    packed, kmax = _host_parts(logp, tok, ks)
+    return _lp_dicts(packed.tolist(), list(tokens), ks, kmax)

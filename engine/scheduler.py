@@ -83,8 +83,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
-            spec = req.spec_token_ids[:budget - n] if n == req.num_tokens - req.num_computed_tokens else []
+            todo = req.num_tokens + req.num_placeholders - req.num_computed_tokens
+            if todo == 0:               # its last token still in flight ends it (max_tokens)
+                i += 1
+                continue
+            n = self._chunk(todo, budget)
+            spec = req.spec_token_ids[:budget - n] if n == todo else []
             while not self.kv.allocate(req.request_id, req.token_ids, req.num_computed_tokens, n + len(spec)):
                 if spec:
                     spec = []
@@ -131,6 +135,8 @@ class Scheduler:
         free the rejected positions' blocks, register full blocks."""
         for s in out.scheduled:
             req = s.req
+            if req.status == Status.FINISHED:       # ended while its step was in flight
+                continue
             req.spec_token_ids = []
             drop = rejected.get(req.request_id, 0) if rejected else 0
             req.num_computed_tokens += s.num_new_tokens - drop

@@ -141,7 +141,8 @@ def test_engine_matches_transformers(tiny_v4, monkeypatch, caplog, chunk, backen
     assert llm.core.kv.num_used_blocks == 0 and llm.core.kv.usage == 0
 
 
-def test_preemption_frees_everything(tiny_v4):
+@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "async-scheduling"])
+def test_preemption_frees_everything(tiny_v4, ahead):
     path, _ = tiny_v4
     ps = prompts(6, 30, 70, seed=3)
     ref_llm = LLM(path, block_size=4, max_num_seqs=4)
@@ -152,7 +153,7 @@ def test_preemption_frees_everything(tiny_v4):
     budget = 4 * plan.state_bytes_per_seq + 4 * sum(plan.block_bytes[:-1]) + 110 * plan.bytes_per_token + \
         plan.pad_bytes
     small = LLM(path, block_size=4, max_num_seqs=4, kv_cache_memory=int(budget), max_model_len=110,
-                max_num_batched_tokens=32)
+                max_num_batched_tokens=32, async_scheduling=ahead)
     assert small.core.plan.capacity_tokens == 110
     out = small.generate(ps, greedy(30))
     assert small.core.get_stats().num_preemptions_total > 0

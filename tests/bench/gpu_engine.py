@@ -14,7 +14,8 @@ fastapi, uvicorn and pydantic are not needed). bf16 throughout. Sections:
    (bf16, the same batch, greedy) in the same run;
 3. the same with kv_cache_dtype=tq4, and how many concurrent 8K-token
    sequences the KV pool holds at the same memory budget, f16 vs tq4;
-4. the Llama-3.2-1B shape at batch 1 with and without CUDA graphs;
+4. the Llama-3.2-1B shape at batch 1 eager, with CUDA graphs, and with graphs
+   and --async-scheduling (the next step scheduled while one runs);
 5. n-gram speculative decoding (k = 4) on the first model at concurrency 1
    and 8, prompts that repeat themselves (random weights: acceptance is
    whatever the dummy model's greedy output makes it; what this measures is
@@ -283,18 +284,21 @@ def main():
         vocab = SHAPES[name]["vocab_size"]
 
         def graphs():
+            # Eager, graphs, then graphs with the next step scheduled while one runs.
             out = {}
-            for eager in (True, False):
-                llm = engine(path, device, enforce_eager=eager, max_num_seqs=8)
+            for key, kw in (("eager", dict(enforce_eager=True)), ("cuda_graphs", {}),
+                            ("cuda_graphs_async", dict(async_scheduling=True))):
+                llm = engine(path, device, max_num_seqs=8, **kw)
                 rate = decode_rate(llm, vocab, args.output_len)
-                out["eager" if eager else "cuda_graphs"] = {"tok_s": rate, "step_ms": 1e3 / rate}
-                if not eager:
+                out[key] = {"tok_s": rate, "step_ms": 1e3 / rate}
+                if key != "eager":
                     g = llm.core.graphs
-                    out["cuda_graphs"]["captured"] = g is not None
-                    out["cuda_graphs"]["replays"] = g.replays if g is not None else 0
+                    out[key]["captured"] = g is not None
+                    out[key]["replays"] = g.replays if g is not None else 0
                 del llm
                 free(device)
             out["step_time_ratio"] = out["cuda_graphs"]["step_ms"] / out["eager"]["step_ms"]
+            out["async_step_time_ratio"] = out["cuda_graphs_async"]["step_ms"] / out["cuda_graphs"]["step_ms"]
             return out
         section(results, f"cuda_graphs_{name}_batch1", graphs)
     if 5 in only:
@@ -387,7 +391,9 @@ def markdown(res) -> str:
         if key.startswith("cuda_graphs_"):
             lines += ["", f"CUDA graphs ({key}): " + (
                 f"eager {val['eager']['step_ms']:.2f} ms/step, graphs {val['cuda_graphs']['step_ms']:.2f} ms/step "
-                f"({val['step_time_ratio']:.2f}x)" if "error" not in val else val["error"])]
+                f"({val['step_time_ratio']:.2f}x), graphs + --async-scheduling "
+                f"{val['cuda_graphs_async']['step_ms']:.2f} ms/step ({val['async_step_time_ratio']:.2f}x of graphs)"
+                if "error" not in val else val["error"])]
     errors = [f"- {m}/{s}: {v['error']}" for m, r in res["models"].items() for s, v in r.items()
               if isinstance(v, dict) and "error" in v]
     if errors:
