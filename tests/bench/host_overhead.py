@@ -7,7 +7,8 @@ decode-only steps on the CPU; each phase is timed around the engine's own
 calls: the scheduler's schedule() and update(), the runner's prepare() (the
 step's packed inputs: ids, positions, slot mappings, block tables) and
 forward() (here the tiny model itself; on a GPU one graph replay), the
-sampler, and the rest of LLM.step() (output processing, detokenizing). The
+sampler, collect() (the tokens to the host: on a GPU the wait for the
+device), and the rest of LLM.step() (output processing, detokenizing). The
 host time is the step minus forward; a step's host work should not grow with
 the context (its block tables are the only per-step input that does, and
 they are copied as arrays: one copy per sequence).
@@ -24,7 +25,7 @@ from pathlib import Path
 from bench_paths import log, machine, write_results  # puts the repo on sys.path
 from gpu_engine import random_prompts, write_config
 
-PHASES = ["schedule", "prepare", "forward", "sample", "update"]
+PHASES = ["schedule", "prepare", "forward", "sample", "collect", "update"]
 
 
 def timed(obj, name, key, acc):
@@ -58,12 +59,13 @@ def run(model_dir, batch, context, steps) -> dict:
     for _ in range(3):                                       # warm decode steps
         llm.step()
     acc: dict[str, float] = {}
-    sample = model_runner.sample
+    sample = model_runner.sample_async
     timed(core.scheduler, "schedule", "schedule", acc)
     timed(core.scheduler, "update", "update", acc)
     timed(core.runner, "prepare", "prepare", acc)
     timed(core.runner, "forward", "forward", acc)
-    timed(model_runner, "sample", "sample", acc)
+    timed(model_runner, "sample_async", "sample", acc)
+    timed(core.runner, "collect", "collect", acc)
     try:
         t0 = time.perf_counter()
         for _ in range(steps):
@@ -71,7 +73,7 @@ def run(model_dir, batch, context, steps) -> dict:
             assert n == batch, f"a step decoded {n} of {batch} sequences"   # decode-only steps, all of them
         wall = time.perf_counter() - t0
     finally:
-        model_runner.sample = sample
+        model_runner.sample_async = sample
         llm.close()
     ms = {k: 1e3 * v / steps for k, v in acc.items()}
     step_ms = 1e3 * wall / steps
@@ -103,7 +105,7 @@ def main():
              f"{m['torch']}, {m['torch_threads']} threads; commit {m['commit']}.", "",
              "| batch | context | step | forward | host | x first context | " + " | ".join(PHASES[:2]) + " | "
              + " | ".join(PHASES[3:]) + " | other |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     first = {}
     for r in res["runs"]:
         p = r["phases_ms"]
