@@ -229,12 +229,12 @@ class ModelRunner:
                         patches=K)
         return plan, [sched[i].req for i in np.flatnonzero(samples)]
 
-    def _fill_group(self, g: int, tg: list[list[int]], ln: np.ndarray, pos: np.ndarray, seq_of_tok: np.ndarray,
+    def _fill_group(self, g: int, tg: list[np.ndarray], ln: np.ndarray, pos: np.ndarray, seq_of_tok: np.ndarray,
                     slots: np.ndarray, bt: np.ndarray) -> None:
         """Group g's block tables [B, W] and slot mapping [T] (filled in place)
         from its per-sequence tables tg (lengths ln), for tokens at pos of
         sequence seq_of_tok."""
-        B, bs = len(tg), self.kv.block_size
+        bs = self.kv.block_size
         bt.fill(0)
         for i, t in enumerate(tg):      # the manager's arrays: a copy per row, not per entry
             bt[i, :len(t)] = t
@@ -254,7 +254,7 @@ class ModelRunner:
             np.add(bt[seq_of_tok, pos // bs] * bs, pos % bs, out=slots)
         np.maximum(bt, 0, out=bt)             # NULL_BLOCK -> 0, masked by position
 
-    def mtp_metadata(self, seqs: list[tuple[int, list[list[int]]]], qsl: list[int]):
+    def mtp_metadata(self, seqs: list[tuple[int, list[np.ndarray]]], qsl: list[int]):
         """Attention metadata of an MTP head's pass: sequence i's tokens
         qsl[i]..qsl[i + 1] at positions from seqs[i][0] (its block tables per
         group: seqs[i][1]); sequences of one token first. DeepSeek-V4's pool
@@ -270,7 +270,7 @@ class ModelRunner:
                                  self.kv_caches, seq_lens_t=torch.from_numpy(seq_lens).to(self.device),
                                  query_start_loc_t=torch.from_numpy(q).to(self.device))
 
-    def _mtp_arrays(self, seqs: list[tuple[int, list[list[int]]]], qsl: list[int], pad_to: int = 0):
+    def _mtp_arrays(self, seqs: list[tuple[int, list[np.ndarray]]], qsl: list[int], pad_to: int = 0):
         """An MTP head pass's sequence lengths [B] and per group (slot
         mapping [T], block tables [B, W]), numpy; pad_to: B padded with pad
         sequences of one row (length 0, slot -1, per-sequence groups' pad
@@ -291,7 +291,7 @@ class ModelRunner:
             groups.append((slots, bt))
         return np.concatenate([start + n, np.zeros(P, np.int64)]), groups
 
-    def mtp_replay(self, ids: list[int], streams: torch.Tensor, starts: list[int], tables: list[list[list[int]]]
+    def mtp_replay(self, ids: list[int], streams: torch.Tensor, starts: list[int], tables: list[list[np.ndarray]]
                    ) -> torch.Tensor | None:
         """A chained MTP head pass (one row per sequence: ids at positions
         starts, the previous pass's streams) replayed as a CUDA graph, or None

@@ -84,6 +84,13 @@ class KVCacheManager:
         self.max_rollback = max_rollback
         self.reqs: dict[str, _ReqBlocks] = {}
 
+    def _blocks(self, req_id: str) -> _ReqBlocks:
+        rb = self.reqs.get(req_id)
+        if rb is None:
+            rb = self.reqs[req_id] = _ReqBlocks([[] for _ in self.groups], freed=[int(g.hot) for g in self.groups],
+                                                arrays=[np.empty(0, np.int64) for _ in self.groups])
+        return rb
+
     # -- prefix cache ---------------------------------------------------------
     def _hashes(self, token_ids: list[int], num_full: int, rb: _ReqBlocks) -> list[int]:
         bs = self.block_size
@@ -120,7 +127,7 @@ class KVCacheManager:
     def find_prefix_hit(self, req_id: str, token_ids: list[int]) -> int:
         """Number of leading tokens whose KV is cached in every group (a
         multiple of block_size, leaving at least one token to compute)."""
-        rb = self.reqs.setdefault(req_id, _ReqBlocks([[] for _ in self.groups]))
+        rb = self._blocks(req_id)
         if not self.enable_caching:
             return 0
         hashes = self._hashes(token_ids, (len(token_ids) - 1) // self.block_size, rb)
@@ -145,10 +152,7 @@ class KVCacheManager:
         blocks found by find_prefix_hit. Returns False, changing nothing, when
         a pool has too few free blocks.
         """
-        rb = self.reqs.setdefault(req_id, _ReqBlocks([[] for _ in self.groups]))
-        if not rb.freed:
-            rb.freed = [int(g.hot) for g in self.groups]
-            rb.arrays = [np.empty(0, np.int64) for _ in self.groups]
+        rb = self._blocks(req_id)
         bs = self.block_size
         end = num_computed + num_new
         hit_blocks = num_prefix_hit // bs
@@ -216,8 +220,7 @@ class KVCacheManager:
                 b = table.pop()
                 if b != NULL_BLOCK:
                     self.pools[gi].free(b)
-            if rb.freed:
-                rb.freed[gi] = max(int(g.hot), min(rb.freed[gi], len(table)))
+            rb.freed[gi] = max(int(g.hot), min(rb.freed[gi], len(table)))
 
     def cache_full_blocks(self, req_id: str, token_ids: list[int], num_computed: int) -> None:
         """Register blocks that became full (their KV is written) for reuse."""

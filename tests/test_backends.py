@@ -8,6 +8,7 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -116,6 +117,9 @@ class _KV:
     def block_table(self, rid, g):
         return self.tables[rid][g]
 
+    def block_table_array(self, rid, g):
+        return np.asarray(self.tables[rid][g], np.int64)
+
 
 def _build(runner, sched):
     """(input_ids, positions, metadata, query_start_loc, logits rows, sampled requests)."""
@@ -155,7 +159,7 @@ def _sched(specs, vocab=1000, per_seq=()):
     out, tables = [], {}
     for rid, known, start, n, tbl in specs:
         req = SimpleNamespace(request_id=rid, token_ids=list(range(7 * len(rid), 7 * len(rid) + known)),
-                              num_tokens=known, prompt_logprobs=None)
+                              num_tokens=known, num_placeholders=0, prompt_logprobs=None)
         out.append(ScheduledRequest(req, n, start))
         tables[rid] = tbl
     return out, _KV(tables, per_seq)

@@ -341,3 +341,33 @@ def test_nonstreaming_disconnect_aborts(server):
     assert metric(after, "tqserve:num_requests_running") == 0
     assert metric(after, "tqserve:kv_cache_usage_perc") == 0
     assert metric(after, "tqserve:generation_tokens_total") - metric(before, "tqserve:generation_tokens_total") < 500
+
+
+def test_async_scheduling_server_answers_the_same(client, tmp_path):
+    """`tqserve serve --async-scheduling`: concurrent greedy chats (one
+    streamed, one ended by a stop string, one by max_tokens) answer exactly
+    as the synchronous server does."""
+    from concurrent.futures import ThreadPoolExecutor
+    asks = [dict(max_tokens=24), dict(max_tokens=40, stop=["."]), dict(max_tokens=5),
+            dict(max_tokens=30, messages=[{"role": "user", "content": "Write a haiku about rain."}]),
+            dict(max_tokens=20, logprobs=True, top_logprobs=2), dict(max_tokens=24, stream=True)]
+
+    def answers(c):
+        def one(kw):
+            if kw.get("stream"):
+                texts, reasons, _ = stream_text(chat(c, **kw))
+                return texts[0], reasons[0], None
+            ch = chat(c, **kw).choices[0]
+            lps = [t.token for t in ch.logprobs.content] if ch.logprobs else None
+            return ch.message.content, ch.finish_reason, lps
+        with ThreadPoolExecutor(len(asks)) as pool:
+            return list(pool.map(one, asks))
+    want = answers(client)
+    srv = ServerProcess(tmp_path / "server.log", *SMALL, "--async-scheduling")
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        got = answers(c)
+    finally:
+        assert srv.terminate() == 0, srv.log()[-3000:]
+    assert got == want
+    assert want[1][1] == "stop" and want[2][1] == "length" and want[4][2]

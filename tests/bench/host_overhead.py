@@ -110,7 +110,8 @@ def main():
     for r in res["runs"]:
         p = r["phases_ms"]
         base = first.setdefault(r["batch"], r["host_ms"])
-        lines.append(f"| {r['batch']} | {r['context']} | {r['step_ms']:.2f} | {p['forward']:.2f} | {r['host_ms']:.2f} | "
+        lines.append(f"| {r['batch']} | {r['context']} | {r['step_ms']:.2f} | {p['forward']:.2f} | "
+                     f"{r['host_ms']:.2f} | "
                      f"{r['host_ms'] / base:.2f} | " + " | ".join(f"{p[k]:.3f}" for k in PHASES if k != "forward")
                      + f" | {p['other']:.3f} |")
     write_results("host_overhead", res, lines, Path(args.out) if args.out else None)
