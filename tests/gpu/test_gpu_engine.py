@@ -6,6 +6,8 @@ device. Needs only torch, transformers and pytest (with safetensors, which
 transformers brings): no gguf, fastapi, uvicorn, pydantic or openai, so it
 runs on a bare GPU machine (tests/gpu/run.sh).
 """
+import dataclasses
+
 import pytest
 import torch
 
@@ -202,6 +204,28 @@ def test_verification_graphs_equal_eager(tmp_path, kv):
     graphs.run = lambda b, q, *a: (shapes.append((b, q)), run(b, q, *a))[1]
     assert toks(llm.generate(ps, greedy(24))) == ref
     assert any(q == 4 for _, q in shapes) and llm.core.get_stats().spec_decode_num_accepted_tokens_total > 0
+
+
+def test_async_scheduling_equals_sync(family):
+    """--async-scheduling on the device: the next step's last ids copied from
+    the step in flight's tokens there (through the graphs; a stop token ending
+    requests while their next step runs, seeded rows); tokens as without."""
+    name, path, _, vocab = family
+    ps = prompts(6, vocab, seed=6)
+    sps = [SamplingParams(temperature=0 if i % 2 else 0.9, seed=None if i % 2 else 10 + i, max_tokens=6 + 3 * i,
+                          ignore_eos=True) for i in range(6)]
+    kw = dict(device="cuda", dtype="float32", max_num_batched_tokens=64, **engine_kw(name))
+    sync = LLM(path, **kw)
+    ref = toks(sync.generate(ps, sps))
+    del sync
+    stops = [dataclasses.replace(sp, stop_token_ids=[t[3]]) if i % 2 else sp for i, (sp, t) in enumerate(zip(sps, ref))]
+    want = LLM(path, **kw).generate(ps, stops)
+    assert [o.outputs[0].finish_reason for o in want[1::2]] == ["stop"] * 3
+    llm = LLM(path, async_scheduling=True, **kw)
+    got = llm.generate(ps, stops)
+    assert toks(got) == toks(want) and [o.outputs[0].finish_reason for o in got] == \
+        [o.outputs[0].finish_reason for o in want]
+    assert llm.core.kv.num_used_blocks == 0 and not llm.core.has_work()
 
 
 def test_seeded_sampling_repeats_alone_and_in_batch(family):
