@@ -226,7 +226,8 @@ class EngineCore(Worker):
         ends (EOS, stop) has one more step launched, whose token is dropped;
         one that reaches max_tokens is not scheduled again. When a request
         with a token in flight samples from its own previous tokens on the
-        host (penalties, min_tokens, a grammar), the next step waits."""
+        host (penalties, a grammar's mask), the next step's
+        forward is launched ahead and its sampling after the tokens arrive."""
         if self.inflight is None:
             sched = self.scheduler.schedule()
             if not sched.scheduled:
@@ -237,16 +238,19 @@ class EngineCore(Worker):
         for r in waiting_on:
             r.num_placeholders = int(r.num_output_tokens + 1 < r.max_tokens)
         self.scheduler.update(sched)
-        if not any(r.num_placeholders and r.needs_own_tokens() for r in waiting_on):
-            ahead = self.scheduler.schedule()
-            if ahead.scheduled:
-                self.inflight = (ahead, self.runner.launch(ahead, prev=handle))
+        deferred = any(r.num_placeholders and r.needs_own_tokens() for r in waiting_on)
+        ahead = self.scheduler.schedule()
+        if ahead.scheduled:
+            self.inflight = (ahead, self.runner.launch(ahead, prev=handle, sample=not deferred))
         try:
             results = self.runner.collect(handle)
         finally:
             for r in waiting_on:
                 r.num_placeholders = 0
-        return self._outputs(sched, results, updated=True)
+        outputs = self._outputs(sched, results, updated=True)
+        if self.inflight is not None:
+            self.runner.sample_step(self.inflight[1])     # a no-op unless deferred
+        return outputs
 
     def _outputs(self, sched, results, updated: bool = False) -> list[EngineCoreOutput]:
         """A finished step's tokens into its requests and outputs; the

@@ -445,13 +445,15 @@ class ModelRunner:
         logprobs on the request objects as a side effect."""
         return self.collect(self.launch(out))
 
-    def launch(self, out: SchedulerOutput, prev: StepHandle | None = None) -> StepHandle:
+    def launch(self, out: SchedulerOutput, prev: StepHandle | None = None, sample: bool = True) -> StepHandle:
         """A step up to its sampled tokens on the device (no host sync without
         drafts). prev: the step still in flight, whose tokens this one's
-        placeholders are (read on the device, so prev need not be collected)."""
+        placeholders are (read on the device, so prev need not be collected).
+        sample=False: the forward only; sample_step() samples it later (after
+        prev's tokens reach the requests on the host)."""
         plan, sampled, jobs = self.prepare(out, prev)
         if plan.patches:
-            self.prev_tokens = prev.out.tokens
+            self.prev_tokens = self.sample_step(prev).tokens
         if self.followers is None:
             logits, prompt = self.forward(plan)
         else:
@@ -459,10 +461,19 @@ class ModelRunner:
                 self.followers.send(plan)
                 logits, prompt = self.forward(plan)
         h = StepHandle(plan, sampled, jobs, logits, prompt)
-        if sampled and not any(r.spec_token_ids for r in sampled):
-            with torch.inference_mode():
-                h.out = sample_async(logits, sampled)
+        if sample:
+            self.sample_step(h)
         return h
+
+    def sample_step(self, h: StepHandle) -> Sampled | None:
+        """Sample a launched step's tokens on the device, once (h.out; None
+        with drafts: collect() verifies them). A request that ended since the
+        step was launched keeps its row, whose token is dropped (a completed
+        grammar's mask allows EOS only)."""
+        if h.out is None and h.sampled and not any(r.spec_token_ids for r in h.sampled):
+            with torch.inference_mode():
+                h.out = sample_async(h.logits, h.sampled)
+        return h.out
 
     def collect(self, h: StepHandle) -> dict[str, tuple[list[int], list[dict | None]]]:
         """A launched step's results, as execute() returns them (waits for its tokens)."""

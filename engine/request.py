@@ -77,11 +77,12 @@ class Request:
 
     def needs_own_tokens(self) -> bool:
         """Whether sampling its next token reads its previous tokens on the
-        host (penalties over them, min_tokens' count, a grammar's state): then
-        no step can be launched while one of its tokens is in flight."""
+        host (penalties over them, a grammar's state): then a step's sampling
+        waits for the tokens of the step before. (min_tokens needs only their
+        count, placeholders included.)"""
         p = self.params
         return (p.repetition_penalty != 1.0 or bool(p.frequency_penalty) or bool(p.presence_penalty)
-                or self.num_output_tokens < p.min_tokens or self.grammar is not None)
+                or self.grammar is not None)
 
     def generator_for(self, device: torch.device) -> torch.Generator | None:
         """This request's generator on `device` (None when unseeded), seeded

@@ -121,7 +121,7 @@ def _plan_penalties(reqs: list[Request], V: int, up: _Upload) -> dict | None:
             bias_rows.append(i)
             bias_ids.append(np.clip(np.fromiter(p.logit_bias.keys(), np.int64, n), 0, V - 1))
             bias_vals.append(np.fromiter(p.logit_bias.values(), np.float32, n))
-        if r.num_output_tokens < p.min_tokens:
+        if r.num_output_tokens + r.num_placeholders < p.min_tokens:     # tokens in flight count
             banned = [t for t in (r.eos_token_ids | r.stop_token_ids) if 0 <= t < V]
             if banned:
                 ban_rows.append(i)

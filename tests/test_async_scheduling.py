@@ -2,7 +2,8 @@
 launched while the one before is in flight, its last tokens read on the
 device. Its tokens, logprobs and finish reasons equal the synchronous
 engine's; the KV pool ends empty; requests that sample from their own
-previous tokens on the host make the next step wait."""
+previous tokens on the host (penalties, min_tokens, grammars) have the next
+step's forward launched ahead and its sampling after the tokens arrive."""
 import pytest
 
 from engine import LLM, SamplingParams
@@ -16,13 +17,14 @@ def tiny_path(tmp_path_factory):
     return str(d)
 
 
-def count_ahead(llm) -> list[int]:
-    """Per launched step, how many input ids came from the step in flight."""
+def count_ahead(llm) -> list[tuple[int, bool]]:
+    """Per launched step: how many input ids came from the step in flight, and
+    whether its sampling waited for that step's tokens."""
     seen, launch = [], llm.core.runner.launch
 
-    def counted(out, prev=None):
-        h = launch(out, prev)
-        seen.append(h.plan.patches)
+    def counted(out, prev=None, sample=True):
+        h = launch(out, prev, sample)
+        seen.append((h.plan.patches, not sample))
         return h
     llm.core.runner.launch = counted
     return seen
@@ -70,7 +72,8 @@ def test_async_equals_sync(tiny_path):
     got, ahead, _ = run(tiny_path, ps, mixed_params(10, stops), async_scheduling=True, **kw)
     assert sum(r[1] == "stop" for r in want) >= 3                  # some end on a stop token
     same(got, want)
-    assert not any(ahead_sync) and sum(p > 0 for p in ahead) > 10  # steps did run ahead
+    assert not any(p for p, _ in ahead_sync) and sum(p > 0 for p, _ in ahead) > 10   # steps did run ahead
+    assert not any(d for _, d in ahead)         # sampled as launched: nothing reads its tokens on the host
 
 
 def test_async_preemption(tiny_path):
@@ -81,30 +84,37 @@ def test_async_preemption(tiny_path):
     llm = LLM(tiny_path, block_size=4, async_scheduling=True, **small)
     ahead = count_ahead(llm)
     out = llm.generate(ps, sp)
-    assert llm.core.get_stats().num_preemptions_total > 0 and any(ahead)
+    assert llm.core.get_stats().num_preemptions_total > 0 and any(p for p, _ in ahead)
     same([(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].logprobs) for o in out], ref)
     assert llm.core.kv.num_used_blocks == 0
 
 
-def test_requests_that_read_their_tokens_wait(tiny_path):
-    """Penalties and min_tokens read a request's previous tokens on
-    the host: with one of them running, no step is launched ahead, and the
-    tokens equal the synchronous engine's."""
+def test_requests_that_read_their_tokens_sample_late(tiny_path):
+    """Penalties and min_tokens read a request's previous tokens on the host:
+    with one of them running, each step's forward still runs ahead, its
+    sampling waits for the tokens in flight, and the tokens equal the
+    synchronous engine's."""
     ps = token_prompts(4, 5, 20, seed=2)
     sps = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.3),
            SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, frequency_penalty=0.5),
            SamplingParams(temperature=0, max_tokens=12, min_tokens=6),
-           SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, presence_penalty=0.5)]
+           SamplingParams(temperature=0.9, seed=4, max_tokens=12, ignore_eos=True, presence_penalty=0.5)]
     want, _, _ = run(tiny_path, ps, sps)
     got, ahead, _ = run(tiny_path, ps, sps, async_scheduling=True)
     same(got, want)
-    assert not any(ahead)
-    # min_tokens alone: steps run ahead once its count is past min_tokens.
-    sp = SamplingParams(temperature=0, max_tokens=12, min_tokens=4, ignore_eos=True)
+    assert len(ahead) == 12 and all(p == 4 and d for p, d in ahead[1:])
+    # min_tokens alone needs only the count of tokens, in flight or not: no
+    # step waits, and the stop-token ban lifts at the right token: the 5th
+    # greedy token, made a stop token, ends the request with min_tokens 4.
+    ref, _, _ = run(tiny_path, ps[:1], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    stop = ref[0][0][4]
+    assert stop not in ref[0][0][:4]
+    sp = SamplingParams(temperature=0, max_tokens=12, min_tokens=4, stop_token_ids=[stop], ignore_eos=True)
     want, _, _ = run(tiny_path, ps[:1], sp)
     got, ahead, _ = run(tiny_path, ps[:1], sp, async_scheduling=True)
+    assert want[0][:2] == (ref[0][0][:5], "stop")
     same(got, want)
-    assert 0 < sum(p > 0 for p in ahead) < 11
+    assert all(p == 1 and not d for p, d in ahead[1:])
 
 
 def test_abort_while_a_step_is_in_flight(tiny_path):
@@ -142,4 +152,4 @@ def test_no_step_past_max_tokens(tiny_path):
     want, ahead_sync, _ = run(tiny_path, token_prompts(1, seed=9), sp)
     got, ahead, _ = run(tiny_path, token_prompts(1, seed=9), sp, async_scheduling=True)
     same(got, want)
-    assert len(ahead) == len(ahead_sync) == 10 and ahead[1:] == [1] * 9
+    assert len(ahead) == len(ahead_sync) == 10 and [p for p, _ in ahead[1:]] == [1] * 9

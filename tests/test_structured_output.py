@@ -154,18 +154,22 @@ def test_batch_neighbours_unaffected(llm):
     assert not llm.core.has_work() and llm.core.kv.num_used_blocks == 0
 
 
-def test_async_scheduling_waits_for_grammars(llm):
-    """With --async-scheduling, a constrained request's next step waits for
-    its token (its mask needs it) and the others' stop strings end them a
-    step late on the device, dropped: texts equal the synchronous engine's."""
+def test_async_scheduling_samples_grammars_late(llm):
+    """With --async-scheduling, a constrained request's next step is launched
+    ahead and sampled once its token arrived (its mask needs it); the
+    others' stop strings end them a step late on the device, dropped: texts
+    equal the synchronous engine's."""
     prompts = ["The capital of France is", "Once upon a time", "Describe a person as JSON.", "Pick one:"]
     params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=40, stop=["."]),
               greedy(100, json=PERSON), greedy(10, choice=["a", "b"])]
     want = [(o.outputs[0].text, o.outputs[0].finish_reason) for o in llm.generate(prompts, params)]
     ahead = LLM("smollm2-135m", async_scheduling=True, **ARGS)
+    late, launch = [], ahead.core.runner.launch
+    ahead.core.runner.launch = lambda out, prev=None, sample=True: late.append(not sample) or launch(out, prev, sample)
     got = [(o.outputs[0].text, o.outputs[0].finish_reason) for o in ahead.generate(prompts, params)]
     assert got == want and want[1][1] == "stop"
+    assert sum(late) >= 10                       # steps ran ahead while grammars were live
     got = [(o.outputs[0].text, o.outputs[0].finish_reason) for o in ahead.generate(prompts[:2], params[:2])]
     assert got == want[:2]
     assert not ahead.core.has_work() and ahead.core.kv.num_used_blocks == 0

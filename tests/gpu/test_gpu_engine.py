@@ -209,11 +209,13 @@ def test_verification_graphs_equal_eager(tmp_path, kv):
 def test_async_scheduling_equals_sync(family):
     """--async-scheduling on the device: the next step's last ids copied from
     the step in flight's tokens there (through the graphs; a stop token ending
-    requests while their next step runs, seeded rows); tokens as without."""
+    requests while their next step runs, seeded rows, penalties: steps sampled
+    after the tokens in flight arrive); tokens as without."""
     name, path, _, vocab = family
     ps = prompts(6, vocab, seed=6)
     sps = [SamplingParams(temperature=0 if i % 2 else 0.9, seed=None if i % 2 else 10 + i, max_tokens=6 + 3 * i,
-                          ignore_eos=True) for i in range(6)]
+                          ignore_eos=True, frequency_penalty=0.5 if i == 2 else 0.0,
+                          repetition_penalty=1.2 if i == 4 else 1.0) for i in range(6)]
     kw = dict(device="cuda", dtype="float32", max_num_batched_tokens=64, **engine_kw(name))
     sync = LLM(path, **kw)
     ref = toks(sync.generate(ps, sps))
