@@ -60,18 +60,31 @@ class Request:
         # Tokens sampled by a step still in flight (asynchronous scheduling):
         # the next step is scheduled as if they were here.
         self.num_placeholders = 0
-        self._prompt_array: np.ndarray | None = None
+        # token_ids as int64 numpy: a buffer whose first _arr_len entries
+        # mirror token_ids (extended by what was appended since it was read).
+        self._arr = np.empty(0, np.int64)
+        self._arr_len = 0
 
     @property
-    def prompt_array(self) -> np.ndarray:
-        """The prompt's ids as int64 numpy, built once (a prompt never changes)."""
-        if self._prompt_array is None:
-            self._prompt_array = np.asarray(self.prompt_token_ids, dtype=np.int64)
-        return self._prompt_array
+    def token_array(self) -> np.ndarray:
+        """token_ids as int64 numpy (a view, valid until the next append or
+        truncate): copies only the tokens appended since the last call, so
+        penalties and n-gram lookups read a long context without converting
+        it each step."""
+        n, k = len(self.token_ids), self._arr_len
+        if n > k:
+            if n > len(self._arr):
+                grown = np.empty(max(n, 2 * len(self._arr), 64), np.int64)
+                grown[:k] = self._arr[:k]
+                self._arr = grown
+            self._arr[k:n] = self.token_ids[k:]
+            self._arr_len = n
+        return self._arr[:n]
 
     def truncate(self, num_tokens: int) -> None:
         """Keep the first num_tokens tokens (the grammar follows)."""
         del self.token_ids[num_tokens:]
+        self._arr_len = min(self._arr_len, num_tokens)
         if self.grammar is not None:
             self.grammar.rollback(self.token_ids, self.num_output_tokens)
 

@@ -92,9 +92,7 @@ class NgramProposer(Proposer):
         self.lo, self.hi = cfg.prompt_lookup_min, cfg.prompt_lookup_max
 
     def propose(self, reqs: list[Request], max_drafts: list[int]) -> list[list[int]]:
-        # The prompt's array is built once per request; only the output is converted each step.
-        return [self.lookup(np.concatenate([r.prompt_array, np.asarray(r.output_token_ids, np.int64)]), k)
-                if k > 0 else [] for r, k in zip(reqs, max_drafts)]
+        return [self.lookup(r.token_array, k) if k > 0 else [] for r, k in zip(reqs, max_drafts)]
 
     def lookup(self, token_ids, k: int) -> list[int]:
         """token_ids: a request's prompt + output (int64 array or list)."""

@@ -182,6 +182,24 @@ def test_stops_limits_and_logprobs_as_without(tiny_dir):
     assert len(toks(llm.generate([ps[0]], greedy(30, **kw)))[0]) == r0.index(stop_id) + 1
 
 
+def test_penalties_see_the_drafts(tiny_dir):
+    """A verification row's penalties count the drafts before it: with an
+    oracle drafting the penalized continuation, every draft is accepted and
+    the tokens are decoding one at a time's (penalties that missed the
+    drafts would pick other tokens there)."""
+    ps = repetitive(3, seed=5)
+    base = LLM(tiny_dir, block_size=4)
+    params = greedy(30, repetition_penalty=1.5, frequency_penalty=0.7, presence_penalty=0.3)
+    ref = toks(base.generate(ps, params))
+    assert ref != toks(base.generate(ps, greedy(30)))
+    cont = {tuple(p): o for p, o in zip(ps, ref)}
+    llm = LLM(tiny_dir, block_size=4, speculative_config={"method": "ngram", "num_speculative_tokens": 5})
+    llm.core.proposer = Fixed(lambda r: cont[tuple(r.prompt_token_ids)][r.num_output_tokens:] + [0, 0])
+    assert toks(llm.generate(ps, params)) == ref
+    drafts, accepted = spec_stats(llm)
+    assert accepted >= 4 * drafts
+
+
 def test_disable_by_batch_size(tiny_dir):
     """No drafts while more requests run than disable_by_batch_size; drafts
     again at or below it."""
@@ -195,6 +213,21 @@ def test_disable_by_batch_size(tiny_dir):
 
 
 # ---------------------------------------------------------------- rollback
+
+def test_token_array_follows_appends_and_rollbacks():
+    """The numpy mirror that penalties and prompt lookup read: extended by
+    appends (past its first buffer), cut by a rollback and extended again."""
+    r = Request(EngineRequest("a", [1, 2, 3], SamplingParams(max_tokens=100)), 200)
+    for t in range(70):
+        r.append(t)
+        if t % 9 == 0:
+            assert r.token_array.tolist() == r.token_ids
+    assert r.token_array.tolist() == r.token_ids
+    r.truncate(10)
+    r.append(99)
+    r.append(98)
+    assert r.token_array.tolist() == r.token_ids == [1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 99, 98]
+
 
 @pytest.mark.parametrize("preset", ["auto", "tq4", "tq3:kv"])
 def test_rollback_leaves_no_trace(tiny_dir, preset):

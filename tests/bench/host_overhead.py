@@ -11,9 +11,13 @@ sampler, collect() (the tokens to the host: on a GPU the wait for the
 device), and the rest of LLM.step() (output processing, detokenizing). The
 host time is the step minus forward; a step's host work should not grow with
 the context (its block tables are the only per-step input that does, and
-they are copied as arrays: one copy per sequence).
+they are copied as arrays: one copy per sequence). With penalties on (every
+request: repetition_penalty 1.1, frequency_penalty 0.1, as chat UIs set
+them), the sampler's inputs do grow with the context (the token ids the
+penalties count, uploaded each step), from token arrays the requests keep.
 
-    .venv/bin/python tests/bench/host_overhead.py [--batch 1,64] [--context 128,2048,8192] [--steps 32]
+    .venv/bin/python tests/bench/host_overhead.py [--batch 1,64] [--context 128,2048,8192] [--penalties off,on]
+        [--steps 32]
 
 Writes tests/bench/results/host_overhead.{json,md}.
 """
@@ -40,7 +44,7 @@ def timed(obj, name, key, acc):
     setattr(obj, name, wrapper)
 
 
-def run(model_dir, batch, context, steps) -> dict:
+def run(model_dir, batch, context, steps, penalties: bool) -> dict:
     import engine.model_runner as model_runner
     from engine import LLM, SamplingParams
     budget = max(8192, context)
@@ -50,7 +54,8 @@ def run(model_dir, batch, context, steps) -> dict:
     llm = LLM(str(model_dir), device="cpu", dtype="float32", load_format="dummy", seed=0, max_num_seqs=batch,
               max_model_len=context + out_len, max_num_batched_tokens=budget, enable_prefix_caching=False)
     core = llm.core
-    sp = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True,
+                        **(dict(repetition_penalty=1.1, frequency_penalty=0.1) if penalties else {}))
     for p in random_prompts(batch, context, 500, seed=1):
         llm.add_request(p, sp)
     sched = core.scheduler
@@ -78,7 +83,7 @@ def run(model_dir, batch, context, steps) -> dict:
     ms = {k: 1e3 * v / steps for k, v in acc.items()}
     step_ms = 1e3 * wall / steps
     ms["other"] = step_ms - sum(ms[k] for k in PHASES)
-    return {"batch": batch, "context": context, "steps": steps, "step_ms": step_ms,
+    return {"batch": batch, "context": context, "penalties": penalties, "steps": steps, "step_ms": step_ms,
             "host_ms": step_ms - ms["forward"], "phases_ms": ms}
 
 
@@ -86,31 +91,35 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", default="1,64")
     ap.add_argument("--context", default="128,2048,8192")
+    ap.add_argument("--penalties", default="off,on")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--out", default=None, help="write OUT.{json,md} instead of results/host_overhead")
     args = ap.parse_args()
     res = {"config": vars(args), "machine": machine(), "runs": []}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_config(Path(tmp), "tiny-llama")
-        for b in map(int, args.batch.split(",")):
-            for c in map(int, args.context.split(",")):
-                log(f"batch {b}, context {c} ...")
-                r = run(model_dir, b, c, args.steps)
-                log(f"  step {r['step_ms']:.2f} ms, host {r['host_ms']:.2f} ms")
-                res["runs"].append(r)
+        for pen in (v == "on" for v in args.penalties.split(",")):
+            for b in map(int, args.batch.split(",")):
+                for c in map(int, args.context.split(",")):
+                    log(f"batch {b}, context {c}, penalties {'on' if pen else 'off'} ...")
+                    r = run(model_dir, b, c, args.steps, pen)
+                    log(f"  step {r['step_ms']:.2f} ms, host {r['host_ms']:.2f} ms")
+                    res["runs"].append(r)
     m = res["machine"]
     lines = [f"Host time per decode step (tiny llama, dummy weights, fp32, CPU; {args.steps} decode steps after 3 warm "
              f"ones; ms per step). host = step - forward (the tiny model's own time here; on a GPU one graph replay). "
-             f"x first context: host time over the batch's shortest context's. Machine: {m['cpu_line']}; torch "
+             f"x first context: host time over the batch's shortest context's (same penalties). penalties: every "
+             f"request with repetition_penalty 1.1 and frequency_penalty 0.1. Machine: {m['cpu_line']}; torch "
              f"{m['torch']}, {m['torch_threads']} threads; commit {m['commit']}.", "",
-             "| batch | context | step | forward | host | x first context | " + " | ".join(PHASES[:2]) + " | "
-             + " | ".join(PHASES[3:]) + " | other |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| penalties | batch | context | step | forward | host | x first context | " + " | ".join(PHASES[:2])
+             + " | " + " | ".join(PHASES[3:]) + " | other |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     first = {}
     for r in res["runs"]:
         p = r["phases_ms"]
-        base = first.setdefault(r["batch"], r["host_ms"])
-        lines.append(f"| {r['batch']} | {r['context']} | {r['step_ms']:.2f} | {p['forward']:.2f} | "
+        base = first.setdefault((r["penalties"], r["batch"]), r["host_ms"])
+        lines.append(f"| {'on' if r['penalties'] else 'off'} | {r['batch']} | {r['context']} | {r['step_ms']:.2f} | "
+                     f"{p['forward']:.2f} | "
                      f"{r['host_ms']:.2f} | "
                      f"{r['host_ms'] / base:.2f} | " + " | ".join(f"{p[k]:.3f}" for k in PHASES if k != "forward")
                      + f" | {p['other']:.3f} |")
