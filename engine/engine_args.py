@@ -75,8 +75,7 @@ class EngineArgs:
                            choices=list(LOAD_FORMATS))
     enforce_eager: bool = arg(False, "CUDA: never capture CUDA graphs")
     async_scheduling: bool = arg(False, "schedule and launch each step while the device runs the one before "
-                                        "(hides the host's per-step work; off with speculative decoding or "
-                                        "tensor parallelism)")
+                                        "(hides the host's per-step work; off with speculative decoding)")
     quantization: str | None = arg("auto", "auto: gguf for a .gguf file's quantized weights on the CPU, else "
                                            "none (engine/auto_defaults.py); none: weights dequantized to dtype at "
                                            "load; int4: run the checkpoint's 4-bit weights (GGUF Q4_1) with "

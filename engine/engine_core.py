@@ -115,7 +115,8 @@ class EngineCore(Worker):
         self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.max_num_batched_tokens,
                                    args.long_prefill_token_threshold)
         self.runner = ModelRunner(self.model, self.kv, caches,
-                                  followers=Followers(self.args.distributed_timeout) if self.tp > 1 else None,
+                                  followers=Followers(self.args.distributed_timeout, self.device)
+                                  if self.tp > 1 else None,
                                   graphs=self.graphs, head_graphs=self.head_graphs)
         self._grammars: GrammarCompiler | None = None    # at prepare_grammars or the first constrained request
         self.stats = EngineStats()
@@ -139,11 +140,11 @@ class EngineCore(Worker):
                      f", off above {self.spec.disable_by_batch_size} running requests"
                      if self.spec.disable_by_batch_size else "")
         self._spec_logged = (time.monotonic(), 0, 0, 0)   # time, drafts, draft tokens, accepted
-        # A step's drafts and a follower's plan need the previous step's tokens on the host.
-        self.async_scheduling = self.args.async_scheduling and self.proposer is None and self.tp == 1
+        # A step's drafts need the previous step's tokens on the host.
+        self.async_scheduling = self.args.async_scheduling and self.proposer is None
         if self.args.async_scheduling and not self.async_scheduling:
-            log.info("asynchronous scheduling off: %s", "speculative decoding drafts from each step's tokens"
-                     if self.proposer is not None else "tensor-parallel ranks take each step's ids from the host")
+            log.info("asynchronous scheduling off: speculative decoding drafts from each step's tokens")
+        self.runner.share_tokens = self.async_scheduling and self.tp > 1
         self.inflight = None     # (scheduled, launched step) not yet collected
 
     # -- requests -------------------------------------------------------------

@@ -4,7 +4,10 @@ Rank 0 (the engine core) schedules and samples; the other ranks only run the
 model. Every step the leader broadcasts the step's plan (model_runner.StepPlan:
 token ids, positions, block tables, logits rows; sampling stays on rank 0)
 over the TP group, and every rank runs the same forward, whose collectives
-pair up. While idle the leader broadcasts a heartbeat every quarter of the
+pair up. Under asynchronous scheduling a step's ids may still be sampling on
+rank 0's device when its plan goes out: the leader shares each step's
+sampled tokens in one all-reduce after it (Followers.share), and each
+follower's next step reads them on its own device. While idle the leader broadcasts a heartbeat every quarter of the
 distributed timeout, so a follower that hears nothing for the whole timeout
 knows the leader is gone or hung and exits non-zero; at shutdown it sends STOP.
 
@@ -21,7 +24,9 @@ import time
 from engine.core_process import die_with_parent
 from engine.engine_args import EngineArgs
 from parallel import distributed
-from parallel.state import broadcast_object, ping
+import torch
+
+from parallel.state import all_reduce, broadcast_object, ping
 
 log = logging.getLogger("tqserve.engine")
 
@@ -32,15 +37,18 @@ class Followers:
     """The leader's side: one broadcast per step plan, heartbeats while idle.
 
     `lock` is held for a whole step (plan, then the forward's collectives),
-    so a heartbeat from the timer thread never lands between them."""
+    so a heartbeat from the timer thread never lands between them; nor
+    between a plan that promises its sampled tokens and their share()."""
 
-    def __init__(self, timeout_s: float):
+    def __init__(self, timeout_s: float, device: torch.device):
         distributed.startup_done()
         self.lock = threading.Lock()
         self.interval = timeout_s / 4
         self.last = time.monotonic()
         self._stop = threading.Event()
         self.error: BaseException | None = None
+        self.device = device
+        self.owed = 0                  # tokens a sent plan promised, not shared yet
         self._thread = threading.Thread(target=self._beat, name="tqserve-tp-heartbeat", daemon=True)
         self._thread.start()
 
@@ -49,10 +57,22 @@ class Followers:
         broadcast_object(msg)
         self.last = time.monotonic()
 
+    def send_plan(self, plan) -> None:
+        """Broadcast a step's plan (call with lock held)."""
+        self.send(plan)
+        self.owed = plan.shared_tokens
+
+    def share(self, tokens: torch.Tensor) -> None:
+        """The tokens the last plan promised, to every rank (an all-reduce to
+        which the followers add zeros; on the device, no host sync)."""
+        with self.lock:
+            all_reduce(tokens.clone())
+            self.owed = 0
+
     def _beat(self) -> None:
         while not self._stop.wait(self.interval / 4):
             with self.lock:
-                if self._stop.is_set() or time.monotonic() - self.last < self.interval:
+                if self._stop.is_set() or self.owed or time.monotonic() - self.last < self.interval:
                     continue
                 try:
                     # A round trip, not just a send: a follower that hangs
@@ -75,6 +95,8 @@ class Followers:
         with self.lock:
             if self.error is None:
                 try:
+                    if self.owed:     # a step ended without its tokens (an error): the followers wait for them
+                        all_reduce(torch.zeros(self.owed, dtype=torch.int64, device=self.device))
                     self.send(STOP)
                 except Exception:
                     pass
@@ -98,7 +120,7 @@ def run_follower(args: EngineArgs, rank: int) -> None:
             continue
         if msg == STOP:
             break
-        runner.forward(runner.stage(msg))
+        runner.follow(msg)
         steps += 1
     log.info("rank %d: the leader stopped after %d steps", rank, steps)
     distributed.shutdown_distributed()

@@ -20,6 +20,7 @@ from kvcache.dsv4_paged import DSV4PagedCache
 from kvcache.kv_manager import KVCacheManager
 from kvcache.linear_state import PAD_SLOT
 from kvcache.metadata import AttentionMetadata, GroupMetadata
+from parallel.state import all_reduce
 
 
 class _StepBuffer:
@@ -100,6 +101,7 @@ class StepPlan:
     graph_batch: int = 0             # > 0: a decode step padded to this captured size, replayed as a CUDA graph
     graph_rows: int = 0              # the graph's rows per sequence (1, or 1 + k for a verification step)
     patches: int = 0                 # input ids the previous step samples (asynchronous scheduling; see _send)
+    shared_tokens: int = 0           # > 0: the leader shares this many sampled tokens after the step (see follow)
 
 
 @dataclass
@@ -128,6 +130,7 @@ class ModelRunner:
         self.last_step: StepRecord | None = None
         self.sched: list[ScheduledRequest] = []   # the prepared step's requests, in batch order
         self.prev_tokens: torch.Tensor | None = None   # the step in flight's sampled tokens (see _send)
+        self.share_tokens = False      # asynchronous scheduling under TP: followers need each step's tokens
 
     def _pack(self, sched: list[ScheduledRequest], tables: list[list[np.ndarray]],
               pad_to: int = 0, rows_per_seq: int = 0, prev_rows: dict[str, int] | None = None
@@ -454,11 +457,13 @@ class ModelRunner:
         plan, sampled, jobs = self.prepare(out, prev)
         if plan.patches:
             self.prev_tokens = self.sample_step(prev).tokens
+        if self.share_tokens:
+            plan.shared_tokens = len(sampled)
         if self.followers is None:
             logits, prompt = self.forward(plan)
         else:
             with self.followers.lock:      # no heartbeat between the plan and its collectives
-                self.followers.send(plan)
+                self.followers.send_plan(plan)
                 logits, prompt = self.forward(plan)
         h = StepHandle(plan, sampled, jobs, logits, prompt)
         if sample:
@@ -473,7 +478,17 @@ class ModelRunner:
         if h.out is None and h.sampled and not any(r.spec_token_ids for r in h.sampled):
             with torch.inference_mode():
                 h.out = sample_async(h.logits, h.sampled)
+            if h.plan.shared_tokens:
+                self.followers.share(h.out.tokens)
         return h.out
+
+    def follow(self, plan: StepPlan) -> None:
+        """A follower rank's step: the leader's plan through the forward; then,
+        when the leader shares the step's sampled tokens, they become what the
+        next step's placeholders read on this rank's device (prev_tokens)."""
+        self.forward(self.stage(plan))
+        if plan.shared_tokens:
+            self.prev_tokens = all_reduce(torch.zeros(plan.shared_tokens, dtype=torch.int64, device=self.device))
 
     def collect(self, h: StepHandle) -> dict[str, tuple[list[int], list[dict | None]]]:
         """A launched step's results, as execute() returns them (waits for its tokens)."""

@@ -4,10 +4,16 @@ device. Its tokens, logprobs and finish reasons equal the synchronous
 engine's; the KV pool ends empty; requests that sample from their own
 previous tokens on the host (penalties, min_tokens, grammars) have the next
 step's forward launched ahead and its sampling after the tokens arrive."""
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from engine import LLM, SamplingParams
-from tiny_models import save_tiny_llama, token_prompts
+from tiny_models import save_tiny_llama, save_tiny_qwen3, token_prompts
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +141,29 @@ def test_abort_while_a_step_is_in_flight(tiny_path):
     assert not llm.core.has_work() and llm.core.kv.num_used_blocks == 0
     assert [got[r] for r in ids[1:]] == [w[0] for w in want]
     assert len(got.get(ids[0], [])) < 30
+
+
+def test_async_under_tensor_parallelism(tmp_path):
+    """Two ranks (tiny Qwen3, KV heads split): the leader shares each step's
+    sampled tokens with the follower, whose next step reads them on its
+    device. Tokens and finish reasons equal the synchronous two ranks', with
+    greedy, seeded, penalty (sampled late), stop-token and min_tokens rows
+    and a queue; steps ran ahead."""
+    save_tiny_qwen3(tmp_path)
+
+    def run_ranks(*flags):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        out = subprocess.run([sys.executable, str(Path(__file__).parent / "tp_engine_run.py"), str(tmp_path),
+                              str(port), *flags], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    stop = str(run_ranks()["outputs"][0][0][4])       # the first prompt's 5th greedy token
+    want, got = run_ranks("--stop", stop), run_ranks("--async-scheduling", "--stop", stop)
+    assert not want["async"] and got["async"] and got["used_blocks"] == 0
+    assert got["outputs"] == want["outputs"] and want["outputs"][3][1] == "stop"
+    assert sum(p > 0 for p, _ in got["steps"]) > 8 and any(d for _, d in got["steps"])
 
 
 def test_off_with_speculative_decoding(tiny_path, caplog):

@@ -1,0 +1,55 @@
+"""The offline engine over two tensor-parallel ranks (this process rank 0, its
+follower spawned), run as its own process: a torch.distributed group must not
+outlive its test inside the pytest process (tests/test_async_scheduling.py).
+
+    python tests/tp_engine_run.py MODEL_DIR PORT [--async-scheduling] [--stop ID]
+
+Generates for a fixed set of prompts and sampling parameters (greedy, seeded,
+penalties; the first prompt again, greedy with min_tokens and stop token ID)
+and prints one JSON line: per request its
+token ids and finish reason, and per launched step how many of its ids came
+from the step in flight and whether its sampling waited for that step."""
+import argparse
+import json
+
+from engine import LLM, SamplingParams
+from tiny_models import token_prompts
+
+
+def params(stop: int | None) -> list[SamplingParams]:
+    return [SamplingParams(temperature=0, max_tokens=14, ignore_eos=True),
+            SamplingParams(temperature=0.8, seed=7, max_tokens=11, ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.3,
+                           frequency_penalty=0.4),
+            SamplingParams(temperature=0, max_tokens=14, min_tokens=2, ignore_eos=True,
+                           stop_token_ids=[stop] if stop is not None else None),
+            SamplingParams(temperature=0.9, seed=3, max_tokens=9, ignore_eos=True, presence_penalty=0.5)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("port", type=int)
+    ap.add_argument("--async-scheduling", action="store_true")
+    ap.add_argument("--stop", type=int)
+    a = ap.parse_args()
+    llm = LLM(a.model, tensor_parallel_size=2, master_port=a.port, block_size=4, kv_cache_memory=4 << 20,
+              max_num_seqs=3, async_scheduling=a.async_scheduling)
+    steps, launch = [], llm.core.runner.launch
+
+    def counted(out, prev=None, sample=True):
+        h = launch(out, prev, sample)
+        steps.append((h.plan.patches, not sample))
+        return h
+    llm.core.runner.launch = counted
+    prompts = token_prompts(5, 5, 30, seed=11)
+    prompts[3] = prompts[0]
+    outs = llm.generate(prompts, params(a.stop))
+    res = {"outputs": [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs], "steps": steps,
+           "async": llm.core.async_scheduling, "used_blocks": llm.core.kv.num_used_blocks}
+    llm.close()
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
