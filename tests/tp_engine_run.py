@@ -13,6 +13,7 @@ import argparse
 import json
 
 from engine import LLM, SamplingParams
+from test_async_scheduling import count_ahead
 from tiny_models import token_prompts
 
 
@@ -35,13 +36,7 @@ def main() -> None:
     a = ap.parse_args()
     llm = LLM(a.model, tensor_parallel_size=2, master_port=a.port, block_size=4, kv_cache_memory=4 << 20,
               max_num_seqs=3, async_scheduling=a.async_scheduling)
-    steps, launch = [], llm.core.runner.launch
-
-    def counted(out, prev=None, sample=True):
-        h = launch(out, prev, sample)
-        steps.append((h.plan.patches, not sample))
-        return h
-    llm.core.runner.launch = counted
+    steps = count_ahead(llm)
     prompts = token_prompts(5, 5, 30, seed=11)
     prompts[3] = prompts[0]
     outs = llm.generate(prompts, params(a.stop))
