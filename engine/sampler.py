@@ -93,15 +93,27 @@ class DraftRow:
 
 
 def _flat(rows: list[int], ids: list[np.ndarray], V: int) -> np.ndarray:
-    """row * V + id for each id of each row."""
-    if not ids:
-        return np.zeros(0, np.int64)
-    return np.concatenate(ids) + np.repeat(np.asarray(rows, np.int64) * V, [len(a) for a in ids])
+    """row * V + id for each id of each row, filled row by row (np.repeat
+    with per-row counts costs ~3x more at 64 rows of 6K ids)."""
+    out = np.empty(sum(len(a) for a in ids), np.int64)
+    a = 0
+    for r, x in zip(rows, ids):
+        np.add(x, r * V, out=out[a:a + len(x)])
+        a += len(x)
+    return out
+
+
+def _per_row(rows: list[int], vals: list, B: int, fill, dtype) -> np.ndarray:
+    out = np.full(B, fill, dtype)
+    out[rows] = vals
+    return out
 
 
 def _plan_penalties(reqs: list[Request], V: int, up: _Upload) -> dict | None:
     """Host side of the penalties: what each request asks for, as arrays
-    added to `up`. None when no request asks for any."""
+    added to `up`. None when no request asks for any. Per token only its
+    flat position (row * V + id) travels; values go per row, read on the
+    device at position // V."""
     rep_rows, rep_ids, rep_vals, cnt_rows, cnt_ids, cnt_fp, cnt_pp = [], [], [], [], [], [], []
     bias_rows, bias_ids, bias_vals, ban_rows, ban_ids = [], [], [], [], []
     for i, r in enumerate(reqs):
@@ -125,18 +137,16 @@ def _plan_penalties(reqs: list[Request], V: int, up: _Upload) -> dict | None:
             if banned:
                 ban_rows.append(i)
                 ban_ids.append(np.asarray(banned, np.int64))
-    plan = {}
+    B, plan = len(reqs), {}
     if rep_rows:
-        lens = [len(a) for a in rep_ids]
         plan["rep"] = (up.add(_flat(rep_rows, rep_ids, V), np.int64),
-                       up.add(np.repeat(np.asarray(rep_vals, np.float32), lens), np.float32))
+                       up.add(_per_row(rep_rows, rep_vals, B, 1.0, np.float32), np.float32))
     if cnt_rows:
-        # Counts go to a compact [len(cnt_rows), V] scratch: positions there and in the batch.
-        lens = [len(a) for a in cnt_ids]
+        # Counts go to a compact [len(cnt_rows), V] scratch: each row's place there.
         plan["cnt"] = (up.add(_flat(cnt_rows, cnt_ids, V), np.int64),
-                       up.add(_flat(range(len(cnt_rows)), cnt_ids, V), np.int64),
-                       up.add(np.repeat(np.asarray(cnt_fp, np.float32), lens), np.float32),
-                       up.add(np.repeat(np.asarray(cnt_pp, np.float32), lens), np.float32),
+                       up.add(_per_row(cnt_rows, range(len(cnt_rows)), B, 0, np.int64), np.int64),
+                       up.add(_per_row(cnt_rows, cnt_fp, B, 0.0, np.float32), np.float32),
+                       up.add(_per_row(cnt_rows, cnt_pp, B, 0.0, np.float32), np.float32),
                        len(cnt_rows))
     if bias_rows:
         plan["bias"] = (up.add(_flat(bias_rows, bias_ids, V), np.int64),
@@ -157,15 +167,18 @@ def _apply_penalties(logits: torch.Tensor, plan: dict, t: list[torch.Tensor]) ->
     flat = logits.view(-1)
     if "rep" in plan:
         pos, rp = (t[k] for k in plan["rep"])
+        rp = rp.index_select(0, pos // V)
         sel = flat.index_select(0, pos)
         flat.index_copy_(0, pos, torch.where(sel > 0, sel / rp, sel * rp))
     if "cnt" in plan:
-        pos, cpos, fp, pp = (t[k] for k in plan["cnt"][:4])
+        pos, place, fp, pp = (t[k] for k in plan["cnt"][:4])
+        row = pos // V
+        cpos = place.index_select(0, row) * V + pos % V
         counts = torch.zeros(plan["cnt"][4] * V, dtype=torch.float32, device=logits.device)
         counts.index_add_(0, cpos, torch.ones(cpos.shape, dtype=torch.float32, device=logits.device))
         c = counts.index_select(0, cpos)
         sel = flat.index_select(0, pos)
-        flat.index_copy_(0, pos, sel - (fp * c + pp * (c > 0).to(torch.float32)))
+        flat.index_copy_(0, pos, sel - (fp.index_select(0, row) * c + pp.index_select(0, row) * (c > 0).float()))
     if "bias" in plan:
         pos, vals = (t[k] for k in plan["bias"])
         flat.index_add_(0, pos, vals)

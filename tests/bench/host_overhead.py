@@ -15,6 +15,9 @@ they are copied as arrays: one copy per sequence). With penalties on (every
 request: repetition_penalty 1.1, frequency_penalty 0.1, as chat UIs set
 them), the sampler's inputs do grow with the context (the token ids the
 penalties count, uploaded each step), from token arrays the requests keep.
+A second table times that host part alone (the sampler's _plan_penalties,
+what a GPU step pays whatever the model) for long prompts and long outputs,
+which the decode steps above cannot reach on a CPU.
 
     .venv/bin/python tests/bench/host_overhead.py [--batch 1,64] [--context 128,2048,8192] [--penalties off,on]
         [--steps 32]
@@ -25,6 +28,8 @@ import argparse
 import tempfile
 import time
 from pathlib import Path
+
+import numpy as np
 
 from bench_paths import log, machine, write_results  # puts the repo on sys.path
 from gpu_engine import random_prompts, write_config
@@ -87,6 +92,33 @@ def run(model_dir, batch, context, steps, penalties: bool) -> dict:
             "host_ms": step_ms - ms["forward"], "phases_ms": ms}
 
 
+PLAN_CASES = [(1, 8192, 48), (64, 2048, 48), (64, 8192, 48), (64, 2048, 4096)]   # batch, prompt, output tokens
+
+
+def penalties_plan(batch, prompt, output, vocab=32000) -> dict:
+    """The sampler's host work for penalties (repetition + frequency) over
+    `batch` requests of `prompt` + `output` tokens: best of 5 x 10 calls."""
+    import torch
+    from engine.request import EngineRequest, Request
+    from engine.sampler import _plan_penalties, _Upload
+    from engine.sampling_params import SamplingParams
+    rng = np.random.default_rng(0)
+    reqs = []
+    for i in range(batch):
+        sp = SamplingParams(temperature=0, repetition_penalty=1.1, frequency_penalty=0.1, max_tokens=output + 8)
+        r = Request(EngineRequest(str(i), rng.integers(0, vocab, prompt).tolist(), sp), prompt + output + 8)
+        for t in rng.integers(0, vocab, output).tolist():
+            r.append(t)
+        reqs.append(r)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(10):
+            _plan_penalties(reqs, vocab, _Upload(torch.device("cpu")))
+        best = min(best, (time.perf_counter() - t0) / 10)
+    return {"batch": batch, "prompt": prompt, "output": output, "plan_ms": 1e3 * best}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", default="1,64")
@@ -95,7 +127,7 @@ def main():
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--out", default=None, help="write OUT.{json,md} instead of results/host_overhead")
     args = ap.parse_args()
-    res = {"config": vars(args), "machine": machine(), "runs": []}
+    res = {"config": vars(args), "machine": machine(), "runs": [], "penalties_plan": []}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_config(Path(tmp), "tiny-llama")
         for pen in (v == "on" for v in args.penalties.split(",")):
@@ -105,6 +137,9 @@ def main():
                     r = run(model_dir, b, c, args.steps, pen)
                     log(f"  step {r['step_ms']:.2f} ms, host {r['host_ms']:.2f} ms")
                     res["runs"].append(r)
+        for case in PLAN_CASES:
+            res["penalties_plan"].append(penalties_plan(*case))
+            log(f"penalties' host plan {case}: {res['penalties_plan'][-1]['plan_ms']:.3f} ms")
     m = res["machine"]
     lines = [f"Host time per decode step (tiny llama, dummy weights, fp32, CPU; {args.steps} decode steps after 3 warm "
              f"ones; ms per step). host = step - forward (the tiny model's own time here; on a GPU one graph replay). "
@@ -123,6 +158,10 @@ def main():
                      f"{r['host_ms']:.2f} | "
                      f"{r['host_ms'] / base:.2f} | " + " | ".join(f"{p[k]:.3f}" for k in PHASES if k != "forward")
                      + f" | {p['other']:.3f} |")
+    lines += ["", "The penalties' host work alone (sampler._plan_penalties: repetition_penalty 1.1 and frequency_penalty "
+              "0.1 on every request, vocabulary 32,000, best of 5 x 10 calls, ms per step):", "",
+              "| batch | prompt tokens | output tokens | host ms |", "|---|---|---|---|"]
+    lines += [f"| {p['batch']} | {p['prompt']} | {p['output']} | {p['plan_ms']:.3f} |" for p in res["penalties_plan"]]
     write_results("host_overhead", res, lines, Path(args.out) if args.out else None)
 
 
