@@ -145,6 +145,9 @@ class EngineCore(Worker):
         if self.args.async_scheduling and not self.async_scheduling:
             log.info("asynchronous scheduling off: speculative decoding drafts from each step's tokens")
         self.runner.share_tokens = self.async_scheduling and self.tp > 1
+        if self.async_scheduling:
+            log.info("asynchronous scheduling: each step is launched while the one before runs%s",
+                     "; its sampled tokens shared with the other ranks on the device" if self.tp > 1 else "")
         self.inflight = None     # (scheduled, launched step) not yet collected
 
     # -- requests -------------------------------------------------------------

@@ -7,7 +7,8 @@ tiny DeepSeek-V4:
   (b) two "nodes" (tiny Qwen3, tiny DeepSeek-V4): network namespaces joined
       by a veth pair, each with its own address; the leader in one serves
       HTTP, `tqserve serve --headless --node-rank 1` in the other, rendezvous
-      and collectives over the link.
+      and collectives over the link (DeepSeek-V4 with --async-scheduling: the
+      leader shares each step's sampled tokens over it).
 
 Faults (two nodes): the follower killed mid-stream ends the open streams with
 an error event and the leader with a non-zero exit within 30 s; the leader
@@ -150,10 +151,10 @@ class Pair:
     """A leader (node A: HTTP on its own 127.0.0.1) and a headless follower
     (node B), rendezvous at A's address on the veth link."""
 
-    def __init__(self, a, b, model: str, tmp_path, tag: str):
+    def __init__(self, a, b, model: str, tmp_path, tag: str, *flags: str):
         port = str(free_port())
         common = ["--model", model, "--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", a.addr,
-                  "--master-port", port, "--distributed-timeout", "10", *ENGINE]
+                  "--master-port", port, "--distributed-timeout", "10", *ENGINE, *flags]
         serve = [sys.executable, "-m", "server.cli", "serve"]
         self.leader_log, self.follower_log = tmp_path / f"{tag}-leader.log", tmp_path / f"{tag}-follower.log"
         self.leader = a.popen([*serve, "--host", "127.0.0.1", "--port", "0", "--node-rank", "0", *common],
@@ -206,10 +207,12 @@ def test_two_nodes_over_a_link_match_one_rank(models, references, nodes, tmp_pat
     a, b = nodes
     # Gemma3 over the link passed too (one run, 2026-12-01); CI time keeps it to
     # the one-node test: the link's path does not depend on the model.
-    for name in ["qwen3", "dsv4"]:
-        pair = Pair(a, b, models[name], tmp_path, name)
+    # DeepSeek-V4 runs with --async-scheduling: each step's tokens shared over the link.
+    for name, flags in [("qwen3", []), ("dsv4", ["--async-scheduling"])]:
+        pair = Pair(a, b, models[name], tmp_path, name, *flags)
         try:
             check_against_reference(name, pair.client(PROMPTS[name], N), references[name])
+            assert ("sampled tokens shared with the other ranks" in pair.leader_log.read_text()) == bool(flags)
         finally:
             pair.leader.terminate()
             rc_leader, _ = wait_exit(pair.leader, 60)
