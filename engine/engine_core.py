@@ -230,8 +230,8 @@ class EngineCore(Worker):
         ends (EOS, stop) has one more step launched, whose token is dropped;
         one that reaches max_tokens is not scheduled again. When a request
         with a token in flight samples from its own previous tokens on the
-        host (penalties, a grammar's mask), the next step's
-        forward is launched ahead and its sampling after the tokens arrive."""
+        host (penalties, a grammar's mask), the next step's forward is
+        launched ahead all the same and its sampling after the tokens arrive."""
         if self.inflight is None:
             sched = self.scheduler.schedule()
             if not sched.scheduled:

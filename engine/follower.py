@@ -7,9 +7,10 @@ over the TP group, and every rank runs the same forward, whose collectives
 pair up. Under asynchronous scheduling a step's ids may still be sampling on
 rank 0's device when its plan goes out: the leader shares each step's
 sampled tokens in one all-reduce after it (Followers.share), and each
-follower's next step reads them on its own device. While idle the leader broadcasts a heartbeat every quarter of the
-distributed timeout, so a follower that hears nothing for the whole timeout
-knows the leader is gone or hung and exits non-zero; at shutdown it sends STOP.
+follower's next step reads them on its own device. While idle the leader
+broadcasts a heartbeat every quarter of the distributed timeout, so a
+follower that hears nothing for the whole timeout knows the leader is gone
+or hung and exits non-zero; at shutdown it sends STOP.
 
 One node: the leader's process starts the node's other ranks (start_local_ranks).
 Other nodes: `tqserve serve --headless --node-rank R ...` runs that node's
@@ -21,11 +22,11 @@ import sys
 import threading
 import time
 
+import torch
+
 from engine.core_process import die_with_parent
 from engine.engine_args import EngineArgs
 from parallel import distributed
-import torch
-
 from parallel.state import all_reduce, broadcast_object, ping
 
 log = logging.getLogger("tqserve.engine")

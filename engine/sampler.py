@@ -103,7 +103,8 @@ def _flat(rows: list[int], ids: list[np.ndarray], V: int) -> np.ndarray:
     return out
 
 
-def _per_row(rows: list[int], vals: list, B: int, fill, dtype) -> np.ndarray:
+def _per_row(rows: list[int], vals, B: int, fill, dtype) -> np.ndarray:
+    """[B] with vals at rows, fill elsewhere."""
     out = np.full(B, fill, dtype)
     out[rows] = vals
     return out
