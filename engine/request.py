@@ -64,6 +64,7 @@ class Request:
         # mirror token_ids (extended by what was appended since it was read).
         self._arr = np.empty(0, np.int64)
         self._arr_len = 0
+        self._prompt_distinct: np.ndarray | None = None
 
     @property
     def token_array(self) -> np.ndarray:
@@ -80,6 +81,20 @@ class Request:
             self._arr[k:n] = self.token_ids[k:]
             self._arr_len = n
         return self._arr[:n]
+
+    @property
+    def output_array(self) -> np.ndarray:
+        """The output's ids as int64 numpy (a view of token_array)."""
+        return self.token_array[self.num_prompt_tokens:]
+
+    @property
+    def prompt_distinct(self) -> np.ndarray:
+        """The prompt's distinct ids, once: what a repetition penalty touches
+        in it (text repeats itself: 8K tokens of English hold ~1.8K distinct
+        ids, 32K ~3.8K, with SmolLM2's tokenizer)."""
+        if self._prompt_distinct is None:
+            self._prompt_distinct = np.unique(self.token_array[:self.num_prompt_tokens])
+        return self._prompt_distinct
 
     def truncate(self, num_tokens: int) -> None:
         """Keep the first num_tokens tokens (the grammar follows)."""

@@ -79,8 +79,8 @@ class DraftRow:
         self.num_output_tokens = req.num_output_tokens + len(drafts)
 
     @property
-    def token_array(self) -> np.ndarray:
-        return np.concatenate([self.req.token_array, np.asarray(self.drafts, np.int64)])
+    def output_array(self) -> np.ndarray:
+        return np.concatenate([self.req.output_array, np.asarray(self.drafts, np.int64)])
 
     @property
     def grammar(self):
@@ -88,7 +88,7 @@ class DraftRow:
         g = self.req.grammar
         return None if g is None else g.ahead(self.drafts)
 
-    def __getattr__(self, name):          # num_prompt_tokens, eos / stop ids, generator_for
+    def __getattr__(self, name):          # prompt_distinct, eos / stop ids, generator_for
         return getattr(self.req, name)
 
 
@@ -120,14 +120,15 @@ def _plan_penalties(reqs: list[Request], V: int, up: _Upload) -> dict | None:
     for i, r in enumerate(reqs):
         p = r.params
         if p.repetition_penalty != 1.0:
-            rep_rows.append(i)
-            rep_vals.append(p.repetition_penalty)
-            rep_ids.append(r.token_array)
+            # The prompt's distinct ids, then the output's (a position listed twice is harmless).
+            rep_rows += (i, i)
+            rep_vals += (p.repetition_penalty,) * 2
+            rep_ids += (r.prompt_distinct, r.output_array)
         if (p.frequency_penalty or p.presence_penalty) and r.num_output_tokens:
             cnt_rows.append(i)
             cnt_fp.append(p.frequency_penalty)
             cnt_pp.append(p.presence_penalty)
-            cnt_ids.append(r.token_array[r.num_prompt_tokens:])
+            cnt_ids.append(r.output_array)
         if p.logit_bias:
             n = len(p.logit_bias)
             bias_rows.append(i)

@@ -97,7 +97,9 @@ def ref_sample_one(row: torch.Tensor, r: Request, gen: torch.Generator | None):
 
 def make_req(i, n_out=0, prompt_len=12, **kw) -> Request:
     g = torch.Generator().manual_seed(1000 + i)
-    prompt = torch.randint(0, V, (prompt_len,), generator=g).tolist()
+    prompt = torch.randint(0, V, (prompt_len,), generator=g)
+    prompt[1::2] = torch.randint(0, 40, (len(prompt[1::2]),), generator=g)   # some ids whose penalty changes winners
+    prompt = prompt.tolist()
     r = Request(EngineRequest(f"r{i}", prompt, SamplingParams(max_tokens=None, **kw), [EOS]), 4096)
     out = torch.randint(0, 40, (n_out,), generator=g).tolist()   # small range: repeats
     r.token_ids.extend(out)

@@ -17,7 +17,10 @@ them), the sampler's inputs do grow with the context (the token ids the
 penalties count, uploaded each step), from token arrays the requests keep.
 A second table times that host part alone (the sampler's _plan_penalties,
 what a GPU step pays whatever the model) for long prompts and long outputs,
-which the decode steps above cannot reach on a CPU.
+which the decode steps above cannot reach on a CPU: prompts of random ids
+(every id nearly distinct) and of English text (tinyshakespeare through
+SmolLM2's tokenizer: a repetition penalty touches each distinct prompt id
+once).
 
     .venv/bin/python tests/bench/host_overhead.py [--batch 1,64] [--context 128,2048,8192] [--penalties off,on]
         [--steps 32]
@@ -31,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench_paths import log, machine, write_results  # puts the repo on sys.path
+from bench_paths import DATA, log, machine, write_results  # puts the repo on sys.path
 from gpu_engine import random_prompts, write_config
 
 PHASES = ["schedule", "prepare", "forward", "sample", "collect", "update"]
@@ -92,12 +95,22 @@ def run(model_dir, batch, context, steps, penalties: bool) -> dict:
             "host_ms": step_ms - ms["forward"], "phases_ms": ms}
 
 
-PLAN_CASES = [(1, 8192, 48), (64, 2048, 48), (64, 8192, 48), (64, 2048, 4096)]   # batch, prompt, output tokens
+# batch, prompt tokens, output tokens, prompt ids ("random" or "text")
+PLAN_CASES = [(1, 8192, 48, "random"), (64, 2048, 48, "random"), (64, 8192, 48, "random"),
+              (64, 2048, 4096, "random"), (64, 8192, 48, "text"), (64, 32768, 48, "text")]
 
 
-def penalties_plan(batch, prompt, output, vocab=32000) -> dict:
+def text_ids() -> list[int]:
+    """tinyshakespeare through SmolLM2's tokenizer (~300K ids)."""
+    from engine import LLM
+    with LLM("smollm2-135m", kv_cache_memory=16 << 20, max_model_len=256) as llm:
+        return llm.tokenizer.encode(DATA.read_text())
+
+
+def penalties_plan(batch, prompt, output, source, text, vocab=49152) -> dict:
     """The sampler's host work for penalties (repetition + frequency) over
-    `batch` requests of `prompt` + `output` tokens: best of 5 x 10 calls."""
+    `batch` requests of `prompt` + `output` tokens (text prompts: windows of
+    `text` at different offsets): best of 5 x 10 calls."""
     import torch
     from engine.request import EngineRequest, Request
     from engine.sampler import _plan_penalties, _Upload
@@ -106,7 +119,9 @@ def penalties_plan(batch, prompt, output, vocab=32000) -> dict:
     reqs = []
     for i in range(batch):
         sp = SamplingParams(temperature=0, repetition_penalty=1.1, frequency_penalty=0.1, max_tokens=output + 8)
-        r = Request(EngineRequest(str(i), rng.integers(0, vocab, prompt).tolist(), sp), prompt + output + 8)
+        at = i * (len(text) - prompt) // batch
+        ids = text[at:at + prompt] if source == "text" else rng.integers(0, vocab, prompt).tolist()
+        r = Request(EngineRequest(str(i), ids, sp), prompt + output + 8)
         for t in rng.integers(0, vocab, output).tolist():
             r.append(t)
         reqs.append(r)
@@ -116,7 +131,9 @@ def penalties_plan(batch, prompt, output, vocab=32000) -> dict:
         for _ in range(10):
             _plan_penalties(reqs, vocab, _Upload(torch.device("cpu")))
         best = min(best, (time.perf_counter() - t0) / 10)
-    return {"batch": batch, "prompt": prompt, "output": output, "plan_ms": 1e3 * best}
+    return {"batch": batch, "prompt": prompt, "output": output, "source": source,
+            "distinct_prompt_ids": int(np.mean([len(np.unique(r.token_ids[:prompt])) for r in reqs])),
+            "plan_ms": 1e3 * best}
 
 
 def main():
@@ -137,8 +154,9 @@ def main():
                     r = run(model_dir, b, c, args.steps, pen)
                     log(f"  step {r['step_ms']:.2f} ms, host {r['host_ms']:.2f} ms")
                     res["runs"].append(r)
+        text = text_ids()
         for case in PLAN_CASES:
-            res["penalties_plan"].append(penalties_plan(*case))
+            res["penalties_plan"].append(penalties_plan(*case, text))
             log(f"penalties' host plan {case}: {res['penalties_plan'][-1]['plan_ms']:.3f} ms")
     m = res["machine"]
     lines = [f"Host time per decode step (tiny llama, dummy weights, fp32, CPU; {args.steps} decode steps after 3 warm "
@@ -159,9 +177,12 @@ def main():
                      f"{r['host_ms'] / base:.2f} | " + " | ".join(f"{p[k]:.3f}" for k in PHASES if k != "forward")
                      + f" | {p['other']:.3f} |")
     lines += ["", "The penalties' host work alone (sampler._plan_penalties: repetition_penalty 1.1 and frequency_penalty "
-              "0.1 on every request, vocabulary 32,000, best of 5 x 10 calls, ms per step):", "",
-              "| batch | prompt tokens | output tokens | host ms |", "|---|---|---|---|"]
-    lines += [f"| {p['batch']} | {p['prompt']} | {p['output']} | {p['plan_ms']:.3f} |" for p in res["penalties_plan"]]
+              "0.1 on every request, vocabulary 49,152, best of 5 x 10 calls, ms per step; text: tinyshakespeare "
+              "through SmolLM2's tokenizer):", "",
+              "| batch | prompt tokens | prompt ids | distinct per prompt | output tokens | host ms |",
+              "|---|---|---|---|---|---|"]
+    lines += [f"| {p['batch']} | {p['prompt']} | {p['source']} | {p['distinct_prompt_ids']} | {p['output']} | "
+              f"{p['plan_ms']:.3f} |" for p in res["penalties_plan"]]
     write_results("host_overhead", res, lines, Path(args.out) if args.out else None)
 
 
