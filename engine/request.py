@@ -90,7 +90,7 @@ class Request:
     @property
     def prompt_distinct(self) -> np.ndarray:
         """The prompt's distinct ids, once: what a repetition penalty touches
-        in it (text repeats itself: 8K tokens of English hold ~1.8K distinct
+        in it (text repeats itself: 8K tokens of English hold ~1.7K distinct
         ids, 32K ~3.8K, with SmolLM2's tokenizer)."""
         if self._prompt_distinct is None:
             self._prompt_distinct = np.unique(self.token_array[:self.num_prompt_tokens])
