@@ -2,8 +2,8 @@
 launched while the one before is in flight, its last tokens read on the
 device. Its tokens, logprobs and finish reasons equal the synchronous
 engine's; the KV pool ends empty; requests that sample from their own
-previous tokens on the host (penalties, min_tokens, grammars) have the next
-step's forward launched ahead and its sampling after the tokens arrive."""
+previous tokens on the host (penalties, grammars) have the next step's
+forward launched ahead and its sampling after the tokens arrive."""
 import json
 import socket
 import subprocess
@@ -96,10 +96,10 @@ def test_async_preemption(tiny_path):
 
 
 def test_requests_that_read_their_tokens_sample_late(tiny_path):
-    """Penalties and min_tokens read a request's previous tokens on the host:
-    with one of them running, each step's forward still runs ahead, its
-    sampling waits for the tokens in flight, and the tokens equal the
-    synchronous engine's."""
+    """Penalties read a request's previous tokens on the host: with one of
+    them running, each step's forward still runs ahead, its sampling waits
+    for the tokens in flight, and the tokens equal the synchronous engine's
+    (a min_tokens row among them)."""
     ps = token_prompts(4, 5, 20, seed=2)
     sps = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.3),
            SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, frequency_penalty=0.5),

@@ -6,9 +6,9 @@ outlive its test inside the pytest process (tests/test_async_scheduling.py).
 
 Generates for a fixed set of prompts and sampling parameters (greedy, seeded,
 penalties; the first prompt again, greedy with min_tokens and stop token ID)
-and prints one JSON line: per request its
-token ids and finish reason, and per launched step how many of its ids came
-from the step in flight and whether its sampling waited for that step."""
+and prints one JSON line: per request its token ids and finish reason, and
+per launched step how many of its ids came from the step in flight and
+whether its sampling waited for that step."""
 import argparse
 import json
 
