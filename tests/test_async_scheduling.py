@@ -5,7 +5,6 @@ engine's; the KV pool ends empty; requests that sample from their own
 previous tokens on the host (penalties, grammars) have the next step's
 forward launched ahead and its sampling after the tokens arrive."""
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, SamplingParams
+from test_server_process import free_port
 from tiny_models import save_tiny_llama, save_tiny_qwen3, token_prompts
 
 
@@ -152,11 +152,8 @@ def test_async_under_tensor_parallelism(tmp_path):
     save_tiny_qwen3(tmp_path)
 
     def run_ranks(*flags):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
         out = subprocess.run([sys.executable, str(Path(__file__).parent / "tp_engine_run.py"), str(tmp_path),
-                              str(port), *flags], capture_output=True, text=True, timeout=300)
+                              str(free_port()), *flags], capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-3000:]
         return json.loads(out.stdout.strip().splitlines()[-1])
     stop = str(run_ranks()["outputs"][0][0][4])       # the first prompt's 5th greedy token

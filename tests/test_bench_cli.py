@@ -1,21 +1,14 @@
 """`tqserve bench serve` (server/bench.py): a real run against a real server,
 its results file, and its answers to bad input."""
 import json
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from test_server_process import REPO, SMALL, ServerProcess
+from test_server_process import REPO, SMALL, ServerProcess, free_port
 
 BENCH = [sys.executable, "-m", "server.cli", "bench", "serve"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]          # closed again: nothing listens there
 
 
 def test_bench_serve_help():
@@ -30,7 +23,7 @@ def test_bench_serve_help():
 
 
 def test_bench_serve_bad_input_is_one_line_error(tmp_path):
-    url = f"http://127.0.0.1:{_free_port()}"
+    url = f"http://127.0.0.1:{free_port()}"
     t0 = time.time()
     r = subprocess.run(BENCH + ["--base-url", url, "--num-prompts", "2", "--result-dir", str(tmp_path)],
                        cwd=REPO, capture_output=True, text=True, timeout=60)

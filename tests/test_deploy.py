@@ -11,7 +11,6 @@ import platform
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from test_server_process import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
@@ -413,12 +413,6 @@ def test_ctl_env_file_reader(tmp_path):
 
 # ---------------------------------------------------------------------------
 # tqservectl with a real CPU server
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 PR_SET_CHILD_SUBREAPER = 36
 
 

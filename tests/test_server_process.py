@@ -3,6 +3,7 @@ of the CLI's own parsing."""
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -15,6 +16,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 # Small settings: the test machine is a shared 2-core CPU.
 SMALL = ["--max-model-len", "1024", "--kv-cache-memory", "192MiB", "--max-num-batched-tokens", "512"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on (closed again)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class ServerProcess:

@@ -21,7 +21,6 @@ inside the leader's namespace.
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -30,7 +29,7 @@ import pytest
 import transformers
 from netns import netns_unavailable, two_nodes
 from test_deepseek_v4 import CONFIG as DSV4, hf_config, randomise
-from test_server_process import REPO, ServerProcess
+from test_server_process import REPO, ServerProcess, free_port
 from tiny_models import save_tiny_qwen3, token_prompts
 
 from engine import LLM, SamplingParams
@@ -72,12 +71,6 @@ def references(models):
 
 
 KV_SPLIT = {"gemma3": 1, "qwen3": 2, "dsv4": 1}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def parse_client(stdout: str) -> list[dict]:
