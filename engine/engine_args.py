@@ -59,6 +59,10 @@ class EngineArgs:
                                              "(weights + activation peak + KV cache)")
     block_size: int = arg(16, "tokens per KV block")
     enable_prefix_caching: bool = arg(True, "reuse the KV blocks of prompts' shared prefixes")
+    mamba_block_size: int | None = arg(
+        None, "models with per-sequence state (linear attention, DeepSeek-V4's window and compressors): tokens "
+              "between the state snapshots a prefix-cache hit resumes from (vLLM's name); default: 512 rounded up "
+              "to the KV blocks' span")
     kv_cache_dtype: str = arg("auto", "auto (model dtype) | f32 | f16 | bf16 | tq4 | tq3 | tq2 | k8v4 | k4v3 | "
                                       "k4v2 | k3v3 | ... (kvcache/kv_formats.py)")
     kv_cache_dtype_k: str | None = arg(None, "K format override: f16 | q8 | tq5 | tq4 | tq3 | tq2")

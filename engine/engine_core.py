@@ -105,13 +105,19 @@ class EngineCore(Worker):
     # -- startup phases (after the Worker's) -----------------------------------
     def _init_scheduler(self, caches) -> None:
         args = self.args
-        caching = args.enable_prefix_caching and self.plan.prefix_caching
+        plan = self.plan
+        caching = args.enable_prefix_caching and plan.prefix_caching
         if args.enable_prefix_caching and not caching:
             log.info("prefix caching off: this model's cache holds per-sequence state (DeepSeek-V4's sliding "
-                     "ring and compressor carry, linear-attention layers' recurrent state) that is not "
-                     "block-addressable")
-        self.kv = KVCacheManager(self.plan.groups, self.plan.num_blocks, args.block_size, caching,
-                                 max_rollback=self.plan.max_rollback)
+                     "ring and compressor carry, linear-attention layers' recurrent state) and %s",
+                     "its MTP head's state lags the model's" if self._mtp_drafts else
+                     "the KV budget leaves no room for snapshots of it")
+        elif plan.num_snapshots:
+            log.info("prefix caching: per-sequence state kept every %d tokens in up to %d snapshots (%.1f MiB); "
+                     "hits resume there", plan.snapshot_interval, plan.num_snapshots, plan.snapshot_bytes / 2**20)
+        self.kv = KVCacheManager(plan.groups, plan.num_blocks, args.block_size, caching,
+                                 max_rollback=plan.max_rollback, num_snapshots=plan.num_snapshots,
+                                 snapshot_interval=plan.snapshot_interval)
         self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.max_num_batched_tokens,
                                    args.long_prefill_token_threshold)
         self.runner = ModelRunner(self.model, self.kv, caches,

@@ -17,9 +17,10 @@ from engine.request import Request
 from engine.sampler import DraftRow, Sampled, batch_token_logprobs, sample, sample_async
 from engine.scheduler import SchedulerOutput, ScheduledRequest
 from kvcache.dsv4_paged import DSV4PagedCache
-from kvcache.kv_manager import KVCacheManager
+from kvcache.kv_manager import KVCacheManager, StateCopies
 from kvcache.linear_state import PAD_SLOT
 from kvcache.metadata import AttentionMetadata, GroupMetadata
+from kvcache.pool_plan import cache_objects
 from parallel.state import all_reduce
 
 
@@ -102,6 +103,7 @@ class StepPlan:
     graph_rows: int = 0              # the graph's rows per sequence (1, or 1 + k for a verification step)
     patches: int = 0                 # input ids the previous step samples (asynchronous scheduling; see _send)
     shared_tokens: int = 0           # > 0: the leader shares this many sampled tokens after the step (see follow)
+    copies: tuple[int, int] = (0, 0)   # state slot copies (restores, snapshots) packed after the groups (_copy)
 
 
 @dataclass
@@ -131,16 +133,18 @@ class ModelRunner:
         self.sched: list[ScheduledRequest] = []   # the prepared step's requests, in batch order
         self.prev_tokens: torch.Tensor | None = None   # the step in flight's sampled tokens (see _send)
         self.share_tokens = False      # asynchronous scheduling under TP: followers need each step's tokens
+        self.slot_caches = [c for c in cache_objects(kv_caches) if c.has_slots]   # per-sequence state
 
     def _pack(self, sched: list[ScheduledRequest], tables: list[list[np.ndarray]],
-              pad_to: int = 0, rows_per_seq: int = 0, prev_rows: dict[str, int] | None = None
-              ) -> tuple[StepPlan, list]:
+              pad_to: int = 0, rows_per_seq: int = 0, prev_rows: dict[str, int] | None = None,
+              copies: StateCopies | None = None) -> tuple[StepPlan, list]:
         """The step's integer inputs, packed into the step buffer.
 
         tables: per KV-cache group, each sequence's block table (the
         manager's arrays; NULL_BLOCK entries -1). The buffer holds input_ids [T],
         positions [T], query_start_loc [B + 1], seq_lens [B], logits rows
-        [R], then per group slot_mapping [T] and block_tables [B, W_g].
+        [R], then per group slot_mapping [T] and block_tables [B, W_g], then
+        the state copies' sources and destinations (restores, then snapshots).
         Slots of tokens in a NULL block are negative (a hot group's skipped
         blocks: not stored); block-table entries are clamped to 0.
 
@@ -179,7 +183,10 @@ class ModelRunner:
         widths = [int(x.max()) if B else 0 for x in lens]
         # Layout of the packed buffer.
         K = len(pending)
-        sizes = [Tm, Tm, B + P + 1, B + P, R] + [k for w in widths for k in (Tm, (B + P) * w)] + [K, K] * bool(K)
+        copies = copies or StateCopies()
+        cr, cs = len(copies.restores), len(copies.snapshots)
+        sizes = [Tm, Tm, B + P + 1, B + P, R] + [k for w in widths for k in (Tm, (B + P) * w)] + \
+            [cr, cr, cs, cs] + [K, K] * bool(K)
         offs = list(accumulate(sizes, initial=0))
         host = self.buf.host(offs[-1])
         part = [host[a:b] for a, b in zip(offs, offs[1:])]
@@ -225,11 +232,15 @@ class ModelRunner:
             pos[B * q:] = 0
             qsl[B + 1:] = B * q + np.arange(1, P + 1) * q
             seq_lens[B:] = 0
+        c = 5 + 2 * len(tables)
+        for i, pairs in ((c, copies.restores), (c + 2, copies.snapshots)):
+            if pairs:
+                part[i][:], part[i + 1][:] = zip(*pairs)
 
         plan = StepPlan(host, offs, widths, qsl[:B + 1].tolist(), seq_lens[:B].tolist(),
                         num_decodes=int(np.count_nonzero(n == 1)),      # they lead (prepare sorts them first)
                         max_query_len=int(n.max()) if B else 0, graph_batch=pad_to, graph_rows=q if pad_to else 0,
-                        patches=K)
+                        patches=K, copies=(cr, cs))
         return plan, [sched[i].req for i in np.flatnonzero(samples)]
 
     def _fill_group(self, g: int, tg: list[np.ndarray], ln: np.ndarray, pos: np.ndarray, seq_of_tok: np.ndarray,
@@ -334,7 +345,8 @@ class ModelRunner:
         groups = range(len(self.kv.groups))
         tables = [[self.kv.block_table_array(s.req.request_id, g) for s in sched] for g in groups]
         prev_rows = {r.request_id: i for i, r in enumerate(prev.sampled)} if prev is not None else None
-        plan, sampled = self._pack(sched, tables, *self._graph_shape(sched, tables), prev_rows=prev_rows)
+        plan, sampled = self._pack(sched, tables, *self._graph_shape(sched, tables), prev_rows=prev_rows,
+                                   copies=self.kv.take_state_copies())
         if isinstance(self.kv_caches, DSV4PagedCache) and not plan.graph_batch and not self._uniform(sched):
             # DeepSeek-V4's pool runs steps of one span length from the
             # packed tables (DSV4Rows); others as per-sequence views of it,
@@ -401,9 +413,17 @@ class ModelRunner:
             d[0].index_copy_(0, d[-2], self.prev_tokens.index_select(0, d[-1]))
         return d
 
-    def inputs(self, plan: StepPlan):
-        """(input_ids, positions, attention metadata, logits rows) on the device."""
-        d = self._send(plan)
+    def _copy(self, plan: StepPlan, d: list[torch.Tensor], snapshots: bool) -> None:
+        """The plan's state slot copies: restores before the forward, snapshots after it."""
+        if plan.copies[snapshots]:
+            c = 5 + 2 * len(plan.widths) + 2 * snapshots
+            for cache in self.slot_caches:
+                cache.copy_slots(d[c], d[c + 1])
+
+    def inputs(self, plan: StepPlan, d: list[torch.Tensor] | None = None):
+        """(input_ids, positions, attention metadata, logits rows) on the device
+        (d: the plan's inputs already sent)."""
+        d = self._send(plan) if d is None else d
         ids, pos, qsl_t, seq_lens_t, rows = d[:5]
         B = len(plan.seq_lens)
         groups = [GroupMetadata(d[5 + 2 * g], d[6 + 2 * g].view(B, w)) for g, w in enumerate(plan.widths)]
@@ -419,11 +439,13 @@ class ModelRunner:
         """What every rank runs (its collectives in the same order on all):
         the model over the step, the logits of the plan's prompt-logprob rows,
         then of its sampling rows (None when nothing samples)."""
+        d = self._send(plan)
+        self._copy(plan, d, snapshots=False)
         if plan.graph_batch:
-            d = self._send(plan)
             b = plan.graph_batch
             groups = [GroupMetadata(d[5 + 2 * g], d[6 + 2 * g].view(b, w)) for g, w in enumerate(plan.widths)]
             hidden = self.graphs.run(b, plan.graph_rows, d[0], d[1], d[3], groups)
+            self._copy(plan, d, snapshots=True)
             if self.keep_streams:
                 # The graph's output, valid until the next replay: the proposer
                 # reads it after this step (plan.qsl: the padded rows' layout).
@@ -431,13 +453,14 @@ class ModelRunner:
                 hidden = self.model.collapse(hidden)
             rows = d[4]
             return (self.model.compute_logits(hidden[rows]) if len(rows) else None), []
-        input_ids, positions, meta, rows = self.inputs(plan)
+        input_ids, positions, meta, rows = self.inputs(plan, d)
         if self.keep_streams:
             streams = self.model.forward_streams(input_ids, positions, meta)
             self.last_step = StepRecord(self.sched, plan.qsl, streams)
             hidden = self.model.collapse(streams)
         else:
             hidden = self.model(input_ids, positions, meta)
+        self._copy(plan, d, snapshots=True)
         prompt = [self.model.compute_logits(hidden[a:b]) for a, b in plan.prompt_rows]
         return (self.model.compute_logits(hidden[rows]) if len(rows) else None), prompt
 

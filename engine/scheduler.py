@@ -60,10 +60,32 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _chunk(self, n: int, budget: int) -> int:
+    def _chunk(self, start: int, n: int, budget: int, shared: int = 0) -> int:
+        """Tokens of a request's next n to run from start. With state
+        snapshots (kv.snapshot_interval) a chunk that passes a snapshot point
+        ends on the last one it passes, so that its end state is kept, or at
+        `shared` (the end of a prefix other requests' blocks share, on the
+        snapshot grid) when it passes that."""
         if self.long_prefill_token_threshold:
             n = min(n, self.long_prefill_token_threshold)
-        return min(n, budget)
+        n = min(n, budget)
+        S = self.kv.snapshot_interval
+        if S and n > 1:
+            end = shared if start < shared < start + n else (start + n) // S * S
+            if end > start:
+                n = end - start
+        return n
+
+    def _snapshot(self, s: ScheduledRequest) -> None:
+        """Keep the state at the last snapshot point the step reaches: its end,
+        or in a verification step any of its positions (the state keeps each
+        of them for a rollback; the snapshot counts once that position's
+        token is accepted, kv_manager)."""
+        S = self.kv.snapshot_interval
+        end = s.start + s.num_new_tokens
+        m = end // S * S if S else 0
+        if m > s.start and end - m <= len(s.spec_token_ids):
+            self.kv.snapshot(s.req.request_id, m)
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
@@ -87,7 +109,7 @@ class Scheduler:
             if todo == 0:               # its last token still in flight ends it (max_tokens)
                 i += 1
                 continue
-            n = self._chunk(todo, budget)
+            n = self._chunk(req.num_computed_tokens, todo, budget)
             spec = req.spec_token_ids[:budget - n] if n == todo else []
             while not self.kv.allocate(req.request_id, req.token_ids, req.num_computed_tokens, n + len(spec)):
                 if spec:
@@ -102,6 +124,7 @@ class Scheduler:
                 break
             req.spec_token_ids = spec
             out.scheduled.append(ScheduledRequest(req, n + len(spec), req.num_computed_tokens, spec))
+            self._snapshot(out.scheduled[-1])
             budget -= n + len(spec)
             i += 1
         # 2. Waiting requests, FCFS, never by preempting others.
@@ -112,7 +135,7 @@ class Scheduler:
                 if req.num_computed_tokens == 0:
                     if req.params.prompt_logprobs is None:
                         hit = self.kv.find_prefix_hit(req.request_id, req.token_ids)
-                n = self._chunk(req.num_tokens - hit, budget)
+                n = self._chunk(hit, req.num_tokens - hit, budget, self.kv.shared_prefix(req.request_id))
                 if not self.kv.allocate(req.request_id, req.token_ids, hit, n, num_prefix_hit=hit):
                     break
                 self.waiting.popleft()
@@ -126,6 +149,7 @@ class Scheduler:
                 req.status = Status.RUNNING
                 self.running.append(req)
                 out.scheduled.append(ScheduledRequest(req, n, hit))
+                self._snapshot(out.scheduled[-1])
                 budget -= n
         return out
 

@@ -31,8 +31,12 @@ cache (rejected drafts) is only passing a smaller length to the next
 mtp_batch, within max_rollback of the highest position it ever wrote; the
 stale slots past that length are overwritten before anything reads them.
 
-Prefix caching is off for V4: window and carry are per-sequence state, not
-block-addressable (a hit would need them snapshotted at block boundaries).
+Prefix caching: entry blocks are cached like any group's (block k of ratio
+r under the hash of token block (k + 1) * r - 1); window and carry are
+per-sequence state, so a hit resumes from a snapshot of the whole slot
+(num_snapshots more slots after the sequences'; kvcache/kv_manager.py),
+taken every snapshot_interval tokens and restored by copy_slots. Without
+an MTP head only: the head's ring lags the model's by a position.
 
 The model reads all of this through the same interface as the per-sequence
 kvcache.dsv4_state classes (Ring / entries .n, .append, .get), so
@@ -53,9 +57,9 @@ import torch
 from kvcache.backends import backend_for
 from kvcache.dsv4_state import DSV4Batch, Ring
 from kvcache.kv_formats import KVPolicy
-from kvcache.kv_manager import KVGroup
+from kvcache.kv_manager import KVGroup, snapshot_grid
 from kvcache.metadata import AttentionMetadata
-from kvcache.pool_plan import KVPlan
+from kvcache.pool_plan import KVPlan, snapshot_count
 from kvcache.spec import DSV4LayerSpec, LayerSpec
 from kvcache.turboquant import Codec
 
@@ -245,17 +249,20 @@ class DSV4Rows:
 class DSV4PagedCache:
     """All layers' storage; `batch` builds the model's metadata for one step."""
 
+    has_slots = True              # per-sequence slots: copy_slots
+
     def __init__(self, specs: list[DSV4LayerSpec], groups: list[KVGroup], num_blocks: list[int],
                  block_size: int, max_rollback: int, dtype, device=None,
-                 mtp_specs: list[DSV4LayerSpec] | None = None, capacity: int = 0):
+                 mtp_specs: list[DSV4LayerSpec] | None = None, capacity: int = 0, num_snapshots: int = 0):
         """mtp_specs: the MTP head's mtp_cache_spec(), kept per slot beside the
         main layers; capacity: the longest context a sequence may reach (the
-        plan's), which bounds what a CUDA graph's step reads."""
+        plan's), which bounds what a CUDA graph's step reads; num_snapshots:
+        slots after the sequences' for prefix caching's state snapshots."""
         self.specs, self.groups, self.block_size, self.device = specs, groups, block_size, device
         self.max_rollback, self.capacity = max_rollback, capacity
         self.state_group = len(groups) - 1
         self.group_of_ratio = {g.ratio: gi for gi, g in enumerate(groups) if not g.per_seq}
-        num_slots = num_blocks[self.state_group]
+        num_slots = num_blocks[self.state_group] + num_snapshots
         self.layers = [DSV4LayerStorage(s, num_slots, num_blocks[self.group_of_ratio[s.ratio]] if s.ratio else 0,
                                         block_size, max_rollback, dtype, device, len(specs)) for s in specs]
         self.mtp_specs = list(mtp_specs or [])
@@ -268,6 +275,12 @@ class DSV4PagedCache:
         discard row apart, as the plan reserves them)."""
         return sum(t[:-1].numel() * t.element_size() for layer in self.layers + self.mtp_layers
                    for t in (*layer.state.values(), *layer.entries.values()))
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Slots dst become copies of slots src (every layer's rings)."""
+        for layer in self.layers + self.mtp_layers:
+            for t in layer.state.values():
+                t.index_copy_(0, dst, t.index_select(0, src))
 
     # Steps whose sequences all have q rows, q within the rings' rollback room
     # (decodes, verification steps), run batched from device tensors
@@ -419,7 +432,8 @@ def _per_token(block_bytes: int, tokens: int) -> float:
 
 def plan_dsv4_pool(specs: list[DSV4LayerSpec], budget_bytes: int, block_size: int, dtype: torch.dtype,
                    max_num_seqs: int, max_model_len: int, max_rollback: int = 0,
-                   mtp_specs: list[DSV4LayerSpec] | None = None) -> DSV4Plan:
+                   mtp_specs: list[DSV4LayerSpec] | None = None, snapshots: bool = False,
+                   snapshot_tokens: int | None = None) -> DSV4Plan:
     """Slots for max_num_seqs sequences; the rest to entry groups sized for a
     common context capacity C (+ one partly filled block per running sequence
     in each group, so that concurrency never costs more than C tokens' worth).
@@ -450,6 +464,9 @@ def plan_dsv4_pool(specs: list[DSV4LayerSpec], budget_bytes: int, block_size: in
     slack = sum(max_num_seqs * b for b in block_bytes[:-1])
     pad = state_bytes + sum(p.entry_block_nbytes(1) for p in probe)    # pad slot, discard rows
     rest = budget_bytes - max_num_seqs * state_bytes - slack - pad
+    interval = snapshot_grid(groups, block_size, snapshot_tokens) if snapshots else 0
+    snapshots = snapshot_count(budget_bytes, state_bytes, max_num_seqs, rest) if interval else 0
+    rest -= snapshots * state_bytes
     if entry_groups:
         capacity = min(int(rest / per_token), max_model_len) if rest > 0 else 0
         if capacity < 1:
@@ -469,4 +486,6 @@ def plan_dsv4_pool(specs: list[DSV4LayerSpec], budget_bytes: int, block_size: in
                      for s in specs},
                     capacity=capacity, state_bytes_per_seq=state_bytes, kind_bytes_per_token=kinds,
                     state_bytes_by_part=state_by_part, max_rollback=max_rollback,
-                    f16_bytes_per_token=f16_per_token, mtp_specs=mtp_specs or None, pad_bytes=pad)
+                    f16_bytes_per_token=f16_per_token, mtp_specs=mtp_specs or None, pad_bytes=pad,
+                    prefix_caching=snapshots > 0, num_snapshots=snapshots,
+                    snapshot_interval=interval * bool(snapshots))

@@ -10,6 +10,17 @@ a group with ratio r holds one row per r tokens (compressed entries), so its
 block covers block_size * r tokens; a per_seq group gives each sequence one
 fixed-size slot (a 'block' of its own pool) for state that does not grow.
 
+Prefix caching registers full blocks under chained hashes of their tokens (a
+group with ratio r: block k under the hash of token block (k + 1) * r - 1).
+Per-sequence state sums the whole prefix, so a hit needs it as it was at the
+hit's end: every `snapshot_interval` tokens a step that ends there copies each
+per_seq group's slot into a snapshot (ids after the live slots in the same
+tensors, their own LRU pool), registered under the hash of the block that
+ends there once its tokens are known; a hit resumes only where a snapshot
+exists, restored into the new sequence's slot before its first step. The
+copies are queued here and done by the runner in the step's forward
+(`take_state_copies`), so they are ordered with the step on the device.
+
 The hot group (TurboQuant's int8 copies of a few tokens, kvcache/tq_cache.py)
 holds only a sequence's first block (the attention sinks) and the block of
 its newest token; during a step also the block its first new token falls in
@@ -17,6 +28,7 @@ its newest token; during a step also the block its first new token falls in
 chunk passes through are never allocated: their table entries stay NULL.
 """
 from dataclasses import dataclass, field
+from math import lcm
 
 import numpy as np
 
@@ -44,6 +56,23 @@ def group_layers(specs: list[LayerSpec]) -> list[KVGroup]:
     return sorted(groups.values(), key=lambda g: (g.per_seq, g.sliding_window is not None, g.sliding_window or 0))
 
 
+# Tokens between per-sequence state snapshots by default (rounded up to the
+# blocks' grid): vLLM's hybrid models land near this (Qwen3.5: 528).
+DEFAULT_SNAPSHOT_TOKENS = 512
+
+
+def snapshot_grid(groups: list[KVGroup], block_size: int, tokens: int | None) -> int:
+    """Tokens between state snapshots: `tokens` (a multiple of the span every
+    group's blocks end on), or by default the first such multiple >= 512."""
+    span = block_size * lcm(*(g.ratio for g in groups if not g.per_seq))
+    if tokens is None:
+        return -(-DEFAULT_SNAPSHOT_TOKENS // span) * span
+    if tokens <= 0 or tokens % span:
+        raise ValueError(f"mamba_block_size {tokens}: state snapshots must fall where every KV group's blocks end, "
+                         f"a positive multiple of {span} tokens here")
+    return tokens
+
+
 @dataclass
 class _ReqBlocks:
     tables: list[list[int]]                     # per group
@@ -57,6 +86,9 @@ class _ReqBlocks:
     # Per group: the table as int64, kept in step with `tables` where it
     # changes, so a step's inputs copy arrays instead of converting lists.
     arrays: list[np.ndarray] = field(default_factory=list)
+    # State snapshots taken and not yet registered: (tokens, group, snapshot id).
+    snaps: list[tuple[int, int, int]] = field(default_factory=list)
+    shared: int = 0          # tokens whose blocks find_prefix_hit found cached (state aside)
 
     def mirror(self, gi: int, spans) -> None:
         """Copy table gi's entries in spans [(a, b), ...] into its array."""
@@ -71,18 +103,42 @@ class _ReqBlocks:
                 arr[a:b] = table[a:b]
 
 
+@dataclass
+class StateCopies:
+    """Slot copies a step does on the device: restores (snapshot -> a hit's new
+    slot) before its forward, snapshots (slot -> snapshot) after it."""
+    restores: list[tuple[int, int]] = field(default_factory=list)    # (src, dst)
+    snapshots: list[tuple[int, int]] = field(default_factory=list)
+    held: list[tuple[int, int]] = field(default_factory=list)    # the restores' (group, snapshot id)
+
+
 class KVCacheManager:
     def __init__(self, groups: list[KVGroup], num_blocks: list[int], block_size: int,
-                 enable_caching: bool = True, max_rollback: int | None = None):
+                 enable_caching: bool = True, max_rollback: int | None = None,
+                 num_snapshots: int = 0, snapshot_interval: int = 0):
         """max_rollback: how far truncate() may go back from the highest position
         ever allocated (ring-buffered state keeps only that many extra positions);
-        None for position-addressed storage."""
+        None for position-addressed storage. num_snapshots, snapshot_interval:
+        per per_seq group, the state snapshots prefix caching resumes from
+        (ids num_blocks[g]..; see the module docstring) and the tokens between
+        them (a multiple of every group's block span)."""
         self.groups = groups
         self.block_size = block_size
         self.pools = [BlockPool(n, enable_caching) for n in num_blocks]
         self.enable_caching = enable_caching
         self.max_rollback = max_rollback
         self.reqs: dict[str, _ReqBlocks] = {}
+        self.snapshot_interval = snapshot_interval if num_snapshots and enable_caching else 0
+        if enable_caching and not self.snapshot_interval and any(g.per_seq for g in groups):
+            raise ValueError("prefix caching over per-sequence state needs state snapshots")
+        self.snapshots = {gi: BlockPool(num_snapshots) for gi, g in enumerate(groups) if g.per_seq} \
+            if self.snapshot_interval else {}
+        self.snapshot_base = {gi: num_blocks[gi] for gi in self.snapshots}
+        self.copies = StateCopies()
+        # A hit ends where every group's blocks end, and with snapshots on their grid:
+        # a multiple of this many token blocks.
+        self.hit_unit = (snapshot_grid(groups, block_size, self.snapshot_interval) if self.snapshot_interval
+                         else block_size * lcm(*(g.ratio for g in groups if not g.per_seq))) // block_size
 
     def _blocks(self, req_id: str) -> _ReqBlocks:
         rb = self.reqs.get(req_id)
@@ -125,23 +181,47 @@ class KVCacheManager:
         return not g.hot or j in (0, first, need_total - 1)
 
     def find_prefix_hit(self, req_id: str, token_ids: list[int]) -> int:
-        """Number of leading tokens whose KV is cached in every group (a
-        multiple of block_size, leaving at least one token to compute)."""
+        """Number of leading tokens whose KV (and state) is cached in every
+        group (a multiple of hit_unit blocks, leaving at least one token to
+        compute)."""
         rb = self._blocks(req_id)
         if not self.enable_caching:
             return 0
+        u = self.hit_unit
         hashes = self._hashes(token_ids, (len(token_ids) - 1) // self.block_size, rb)
-        n = 0
-        while n < len(hashes) and self.pools[0].lookup(hashes[n]) is not None:
-            n += 1
-        # Window groups need only the blocks inside the window of the hit end
-        # (and the first blocks they keep).
-        while n > 0 and not all(
-                self.pools[gi].lookup(hashes[j]) is not None
-                for gi, g in enumerate(self.groups)
-                for j in self._kept(g, n * self.block_size, n)):
-            n -= 1
+        n = len(hashes) // u * u
+        # Groups that keep every block: their run of cached blocks bounds the hit.
+        rest = []
+        for gi, g in enumerate(self.groups):
+            if g.per_seq or g.hot or g.sliding_window is not None:
+                rest.append(gi)
+                continue
+            r, pool, k = g.ratio, self.pools[gi], 0
+            while k < n // r and pool.lookup(hashes[(k + 1) * r - 1]) is not None:
+                k += 1
+            n = min(n, k * r // u * u)
+        rb.shared = n * self.block_size
+        # The others need only what a query at the hit's end reads (the window,
+        # the first blocks they keep, the state there).
+        while n > 0 and not all(self._hit_ok(gi, hashes, n) for gi in rest):
+            n -= u
         return n * self.block_size
+
+    def shared_prefix(self, req_id: str) -> int:
+        """Tokens (on the hit grid) whose blocks the last find_prefix_hit found
+        cached, state snapshots aside: where another request's prompt and this
+        one part. The scheduler ends a chunk there, so that the state there is
+        kept too (vLLM's shared-prefix checkpoint) and the next request that
+        shares the prefix hits all of it."""
+        return self.reqs[req_id].shared if req_id in self.reqs else 0
+
+    def _hit_ok(self, gi: int, hashes: list[int], n: int) -> bool:
+        """Whether group gi holds what a hit of n token blocks needs."""
+        g = self.groups[gi]
+        if g.per_seq:
+            return self.snapshots[gi].lookup(hashes[n - 1]) is not None
+        return all(self.pools[gi].lookup(hashes[(j + 1) * g.ratio - 1]) is not None
+                   for j in self._kept(g, n * self.block_size, n // g.ratio))
 
     # -- allocation -----------------------------------------------------------
     def allocate(self, req_id: str, token_ids: list[int], num_computed: int, num_new: int,
@@ -161,13 +241,14 @@ class KVCacheManager:
             pool, table = self.pools[gi], rb.tables[gi]
             first = self._window_start_block(g, num_computed)
             need_total = self._blocks_needed(g, end)
-            adopting = hit_blocks > 0 and not table
-            adopt = self._kept(g, num_computed, hit_blocks) if adopting else []
+            # A per-sequence group adopts no block: its new slot gets the snapshot's state.
+            adopting = hit_blocks > 0 and not table and not g.per_seq
+            adopt = self._kept(g, num_computed, hit_blocks // g.ratio) if adopting else []
             live = [b for b in table[rb.freed[gi]:first] if b != NULL_BLOCK]
-            start = hit_blocks if adopting else len(table)
+            start = hit_blocks // g.ratio if adopting else len(table)
             new = sum(1 for j in range(start, need_total) if self._wanted(g, j, first, need_total))
             # Cached blocks sitting unreferenced in the free queue are not free to us.
-            adopt_from_free = sum(1 for j in adopt if pool.ref_cnt[pool.lookup(rb.hashes[j])] == 0)
+            adopt_from_free = sum(1 for j in adopt if pool.ref_cnt[pool.lookup(self._hash_of(rb, g, j))] == 0)
             avail = pool.num_free - adopt_from_free + sum(1 for b in live if pool.ref_cnt[b] == 1)
             if max(new, 0) > avail:
                 return False
@@ -176,12 +257,13 @@ class KVCacheManager:
             g = self.groups[gi]
             pool, table = self.pools[gi], rb.tables[gi]
             grown_from = len(table)
-            if not table and hit_blocks:
-                table.extend([NULL_BLOCK] * hit_blocks)
+            if hit_blocks and not table and not g.per_seq:
+                table.extend([NULL_BLOCK] * (hit_blocks // g.ratio))
                 for j in adopt:
-                    b = pool.lookup(rb.hashes[j])
+                    b = pool.lookup(self._hash_of(rb, g, j))
                     pool.touch(b)
                     table[j] = b
+            restore = hit_blocks and g.per_seq and not table
             was_freed, gone = rb.freed[gi], min(first, len(table))
             for j in range(was_freed, gone):
                 if table[j] != NULL_BLOCK:
@@ -190,6 +272,12 @@ class KVCacheManager:
             rb.freed[gi] = max(was_freed, gone)
             while len(table) < need_total:
                 table.append(pool.allocate() if self._wanted(g, len(table), first, need_total) else NULL_BLOCK)
+            if restore:
+                snaps = self.snapshots[gi]
+                snap = snaps.lookup(rb.hashes[hit_blocks - 1])     # find_prefix_hit found it just now
+                snaps.touch(snap)         # held until the runner queues the copy (take_state_copies)
+                self.copies.restores.append((self.snapshot_base[gi] + snap, table[0]))
+                self.copies.held.append((gi, snap))
             rb.mirror(gi, [(was_freed, gone), (grown_from, len(table))])
         if hit_blocks:
             rb.num_cached = max(rb.num_cached, hit_blocks)
@@ -211,6 +299,9 @@ class KVCacheManager:
         if self.max_rollback is not None and num_tokens < rb.high - self.max_rollback:
             raise ValueError(f"cannot roll back to {num_tokens} tokens: state keeps only "
                              f"{self.max_rollback} positions before {rb.high}")
+        for snap in [x for x in rb.snaps if x[0] > num_tokens]:   # of a rejected position: never registered
+            rb.snaps.remove(snap)
+            self.snapshots[snap[1]].free(snap[2])
         for gi, g in enumerate(self.groups):
             table = rb.tables[gi]
             keep = self._blocks_needed(g, num_tokens)
@@ -222,26 +313,65 @@ class KVCacheManager:
                     self.pools[gi].free(b)
             rb.freed[gi] = max(int(g.hot), min(rb.freed[gi], len(table)))
 
+    @staticmethod
+    def _hash_of(rb: _ReqBlocks, g: KVGroup, j: int) -> int:
+        """The hash block j of group g is registered under: that of the last token block it covers."""
+        return rb.hashes[(j + 1) * g.ratio - 1]
+
     def cache_full_blocks(self, req_id: str, token_ids: list[int], num_computed: int) -> None:
-        """Register blocks that became full (their KV is written) for reuse."""
+        """Register blocks that became full (their KV is written) and
+        snapshots whose tokens are now computed, for reuse."""
         if not self.enable_caching:
             return
         rb = self.reqs[req_id]
         num_full = num_computed // self.block_size
-        if num_full <= rb.num_cached:
-            return
-        hashes = self._hashes(token_ids, num_full, rb)
-        for gi in range(len(self.groups)):
-            table = rb.tables[gi]
-            for j in range(rb.num_cached, num_full):
-                if table[j] != NULL_BLOCK:
-                    self.pools[gi].cache(table[j], hashes[j])
-        rb.num_cached = num_full
+        if num_full > rb.num_cached:
+            self._hashes(token_ids, num_full, rb)
+            for gi, g in enumerate(self.groups):
+                if g.per_seq:
+                    continue
+                table, r = rb.tables[gi], g.ratio
+                for j in range(rb.num_cached // r, num_full // r):
+                    if table[j] != NULL_BLOCK:
+                        self.pools[gi].cache(table[j], self._hash_of(rb, g, j))
+            rb.num_cached = num_full
+        while rb.snaps and rb.snaps[0][0] <= num_computed:
+            n, gi, snap = rb.snaps.pop(0)
+            pool = self.snapshots[gi]
+            if pool.lookup(rb.hashes[n // self.block_size - 1]) is None:
+                pool.cache(snap, rb.hashes[n // self.block_size - 1])
+            pool.free(snap)
+
+    def snapshot(self, req_id: str, end: int) -> None:
+        """Keep each per-sequence group's state at `end` tokens (on the
+        snapshot grid) as the step being scheduled leaves it: its last
+        position, or one of the last positions whose states the slot keeps for
+        a rollback. The copy is queued for the step; cache_full_blocks
+        registers it once `end` tokens are computed, truncate drops it if
+        they are not. Skipped when every snapshot is in use."""
+        rb = self.reqs[req_id]
+        for gi, pool in self.snapshots.items():
+            if pool.num_free:
+                snap = pool.allocate()
+                rb.snaps.append((end, gi, snap))
+                self.copies.snapshots.append((rb.tables[gi][0], self.snapshot_base[gi] + snap))
+
+    def take_state_copies(self) -> StateCopies:
+        """The slot copies queued since the last call, for the step being
+        prepared (the runner does them in its forward, every rank alike).
+        The restores' snapshots are released: nothing can take them before
+        the step that copies them is on the device."""
+        c, self.copies = self.copies, StateCopies()
+        for gi, snap in c.held:
+            self.snapshots[gi].free(snap)
+        return c
 
     def free(self, req_id: str) -> None:
         rb = self.reqs.pop(req_id, None)
         if rb is None:
             return
+        for _, gi, snap in rb.snaps:      # taken, never registered: its tokens were not all computed
+            self.snapshots[gi].free(snap)
         for gi, table in enumerate(rb.tables):
             # Free the tail first so that the prefix stays cached longest.
             for b in reversed(table):
@@ -266,5 +396,5 @@ class KVCacheManager:
         return sum(p.num_blocks - p.num_free for p in self.pools)
 
     def reset_prefix_cache(self) -> None:
-        for p in self.pools:
+        for p in (*self.pools, *self.snapshots.values()):
             p.reset_prefix_cache()

@@ -20,6 +20,7 @@ class LayerCache:
     sliding_window: int | None
     format_kind: str = ""
     extra_groups: tuple = ()
+    has_slots = False         # paged blocks only, no per-sequence slots to copy
     _backend: AttentionBackend | None = None
 
     @property

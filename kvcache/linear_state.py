@@ -17,8 +17,10 @@ indexes), belongs to no sequence: a CUDA graph's pad rows point there, so
 their state writes land in it and not in a running sequence's slot. nbytes
 counts the sequences' slots; the pool plan reserves the pad slot apart.
 
-The state is not block-addressable (it sums the whole prefix), so a model
-with such layers runs without prefix caching (KVPlan.prefix_caching)."""
+The state is not block-addressable (it sums the whole prefix): prefix
+caching resumes from snapshots of whole slots (num_snapshots more slots
+after the sequences', before the pad slot; kvcache/kv_manager.py), which
+copy_slots takes and restores."""
 import torch
 
 from kvcache.spec import LinearAttentionSpec
@@ -27,14 +29,16 @@ PAD_SLOT = -1
 
 
 class LinearStateCache:
+    has_slots = True              # per-sequence slots: copy_slots
+
     def __init__(self, spec: LinearAttentionSpec, num_slots: int, group_id: int,
                  device: str | torch.device = "cpu"):
         self.spec, self.group_id = spec, group_id
         self.checkpoints = P = spec.checkpoints
-        self.num_slots = num_slots
-        self.conv = torch.zeros(num_slots + 1, P, spec.conv_dim, spec.conv_kernel - 1, dtype=torch.float32,
-                                device=device)
-        self.recurrent = torch.zeros(num_slots + 1, P, spec.num_heads, spec.k_head_dim, spec.v_head_dim,
+        self.num_slots = num_slots           # the sequences' and the snapshots'
+        n = num_slots + 1
+        self.conv = torch.zeros(n, P, spec.conv_dim, spec.conv_kernel - 1, dtype=torch.float32, device=device)
+        self.recurrent = torch.zeros(n, P, spec.num_heads, spec.k_head_dim, spec.v_head_dim,
                                      dtype=torch.float32, device=device)
 
     # Its layer's decode is torch ops over the slots the block tables name,
@@ -53,6 +57,11 @@ class LinearStateCache:
     @property
     def nbytes(self) -> int:
         return sum(t[:self.num_slots].numel() * t.element_size() for t in (self.conv, self.recurrent))
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Slots dst become copies of slots src (all checkpoints)."""
+        for t in (self.conv, self.recurrent):
+            t.index_copy_(0, dst, t.index_select(0, src))
 
     def slots(self, meta) -> torch.Tensor:
         """[B] slot of each sequence of the step."""

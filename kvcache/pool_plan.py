@@ -6,7 +6,7 @@ import torch
 
 from kvcache.dense_cache import DenseLayerCache
 from kvcache.kv_formats import KVPolicy, is_preset
-from kvcache.kv_manager import KVGroup, group_layers
+from kvcache.kv_manager import KVGroup, group_layers, snapshot_grid
 from kvcache.linear_state import LinearStateCache
 from kvcache.spec import DSV4LayerSpec, LayerSpec
 
@@ -97,6 +97,8 @@ class KVPlan:
     max_rollback: int | None = None   # tokens a sequence can be truncated by (None: any)
     f16_bytes_per_token: float = 0    # what bytes_per_token would be in 16-bit storage (measured)
     mtp_specs: list = field(default_factory=list)   # an MTP head's layers, planned with the model's
+    num_snapshots: int = 0            # per-sequence state snapshots (slots after the sequences'), prefix caching's
+    snapshot_interval: int = 0        # tokens between a sequence's snapshots
 
     @property
     def capacity_tokens(self) -> int:
@@ -136,19 +138,40 @@ class KVPlan:
 
     @property
     def total_bytes(self) -> int:
-        return sum(n * b for n, b in zip(self.num_blocks, self.block_bytes))
+        return sum((n + self.num_snapshots * g.per_seq) * b
+                   for g, n, b in zip(self.groups, self.num_blocks, self.block_bytes))
+
+    @property
+    def snapshot_bytes(self) -> int:
+        return sum(self.num_snapshots * b for g, b in zip(self.groups, self.block_bytes) if g.per_seq)
+
+
+# Prefix caching over per-sequence state keeps snapshots of whole slots: at
+# most this share of the KV budget, and this many per running sequence.
+SNAPSHOT_SHARE = 0.25
+SNAPSHOTS_PER_SEQ = 4
+
+
+def snapshot_count(budget_bytes: int, slot_bytes: int, max_num_seqs: int, room: int) -> int:
+    """State snapshots a plan keeps, within `room` bytes."""
+    return int(max(0, min(SNAPSHOTS_PER_SEQ * max_num_seqs, SNAPSHOT_SHARE * budget_bytes // slot_bytes,
+                          room // slot_bytes)))
 
 
 def plan_kv_pool(specs: list[LayerSpec], budget_bytes: int, block_size: int, dtype: torch.dtype,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int = 1 << 30,
-                 max_rollback: int = 0, mtp_specs: list[DSV4LayerSpec] | None = None) -> KVPlan:
+                 max_rollback: int = 0, mtp_specs: list[DSV4LayerSpec] | None = None,
+                 snapshots: bool = False, snapshot_tokens: int | None = None) -> KVPlan:
     """mtp_specs: the MTP head's cache: DeepSeek-V4's in each sequence's state
     slot; otherwise the head's layers join the pool like the model's own
-    (the plan keeps them, so that what is allocated is what was planned)."""
+    (the plan keeps them, so that what is allocated is what was planned).
+    snapshots: keep snapshots of per-sequence state every snapshot_tokens
+    (kv_manager.snapshot_grid), so that prefix caching works for models
+    that have such state."""
     if specs and isinstance(specs[0], DSV4LayerSpec):
         from kvcache.dsv4_paged import plan_dsv4_pool   # (it builds on this module)
         return plan_dsv4_pool(specs, budget_bytes, block_size, dtype, max_num_seqs, max_model_len, max_rollback,
-                              mtp_specs)
+                              mtp_specs, snapshots, snapshot_tokens)
     mtp_specs = list(mtp_specs or [])
     specs = _checkpointed(specs + mtp_specs, max_rollback)
     groups = group_layers(specs)
@@ -186,6 +209,9 @@ def plan_kv_pool(specs: list[LayerSpec], budget_bytes: int, block_size: int, dty
                 -(-max_num_batched_tokens // block_size)
             num_blocks[gi] = max(1, min(need, equal_share_blocks))
         rest -= num_blocks[gi] * block_bytes[gi]
+    interval = snapshot_grid(groups, block_size, snapshot_tokens) if snapshots and any(
+        g.per_seq for g in groups) else 0
+    snapshots = 0
     for gi, g in enumerate(groups):
         if g.per_seq:
             # A slot for each running sequence, as long as the rest holds one sequence
@@ -194,16 +220,20 @@ def plan_kv_pool(specs: list[LayerSpec], budget_bytes: int, block_size: int, dty
             one_seq = -(-max_model_len // block_size) * block_bytes[0]
             num_blocks[gi] = int(max(1, min(max_num_seqs, (rest - one_seq) // block_bytes[gi] - 1)))
             rest -= (num_blocks[gi] + 1) * block_bytes[gi]
+            if interval:
+                snapshots = snapshot_count(budget_bytes, block_bytes[gi], max_num_seqs, rest - one_seq)
+                rest -= snapshots * block_bytes[gi]
     num_blocks[0] = int(rest // block_bytes[0])
     if num_blocks[0] < 1:
         raise ValueError(f"KV cache budget {budget_bytes} bytes is too small for one block "
                          f"({block_bytes[0]} bytes)")
+    per_seq = any(g.per_seq for g in groups)
     return KVPlan(groups, num_blocks, block_bytes, block_size,
                   {i: layer_block[i] // block_size for i in by_idx if not by_idx[i].per_seq},
-                  prefix_caching=not any(g.per_seq for g in groups),
-                  max_rollback=max_rollback if any(g.per_seq for g in groups) else None,
+                  prefix_caching=not per_seq or snapshots > 0,
+                  max_rollback=max_rollback if per_seq else None,
                   f16_bytes_per_token=sum(f16_block[i] for i in groups[0].layer_ids) / block_size,
-                  mtp_specs=mtp_specs)
+                  mtp_specs=mtp_specs, num_snapshots=snapshots, snapshot_interval=interval * bool(snapshots))
 
 
 def _checkpointed(specs: list, max_rollback: int) -> list:
@@ -225,7 +255,7 @@ def allocate_kv_caches(specs: list[LayerSpec], plan: KVPlan, dtype: torch.dtype,
     if specs and isinstance(specs[0], DSV4LayerSpec):
         from kvcache.dsv4_paged import DSV4PagedCache
         return DSV4PagedCache(specs, plan.groups, plan.num_blocks, plan.block_size, plan.max_rollback, dtype,
-                              device, plan.mtp_specs, capacity=plan.capacity)
+                              device, plan.mtp_specs, capacity=plan.capacity, num_snapshots=plan.num_snapshots)
     specs = _checkpointed(specs + plan.mtp_specs, plan.max_rollback or 0)
     caches = [None] * (max(s.layer_idx for s in specs) + 1)
     by_idx = {s.layer_idx: s for s in specs}
@@ -236,7 +266,9 @@ def allocate_kv_caches(specs: list[LayerSpec], plan: KVPlan, dtype: torch.dtype,
             continue
         for i in g.layer_ids:
             hot = i in hot_layers
-            caches[i] = make_layer_cache(by_idx[i], plan.num_blocks[gi], plan.block_size, dtype, gi,
+            # A per-sequence group's snapshots are more slots after the sequences'.
+            caches[i] = make_layer_cache(by_idx[i], plan.num_blocks[gi] + plan.num_snapshots * g.per_seq,
+                                         plan.block_size, dtype, gi,
                                          len(caches), plan.num_blocks[hot_gid] if hot else 0,
                                          hot_gid if hot else None, device)
     return caches

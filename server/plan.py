@@ -187,6 +187,12 @@ class Plan:
         return max(0, int(free // self.seq_bytes(L))) if free > 0 else 0
 
 
+# kvcache/pool_plan.py's SNAPSHOT_SHARE / SNAPSHOTS_PER_SEQ (not imported: `tqserve --help` stays fast).
+SNAPSHOT_NOTE = ("prefix caching keeps snapshots of the per-sequence state (4 per running sequence, at most 25% "
+                 "of the KV memory), which the table below leaves out: with it on (the default) count up to a "
+                 "quarter fewer sequences, or serve with --no-enable-prefix-caching")
+
+
 def _add(d: dict, k: str, v: float) -> None:
     d[k] = d.get(k, 0.0) + v
 
@@ -253,6 +259,7 @@ def plan_deepseek_v4(name: str, cfg: dict, tp: int, kv: str, rollback: int,
     p.notes.append(f"layers: {counts[SWA]} sliding, {counts[CSA]} CSA (m={m}), {counts[HCA]} HCA (m'={mh})"
                    f"{', + 1 MTP (sliding)' if c.get('num_nextn_predict_layers', 0) else ''}; "
                    f"window {W}, D={D}, indexer d={Di}")
+    p.notes.append(SNAPSHOT_NOTE)
     return p
 
 
@@ -345,6 +352,7 @@ def plan_hybrid(name: str, cfg: dict, tp: int, kv: str) -> Plan:
     p.per_sequence = p.once = state
     p.notes.append(f"layers: {full} full attention, {linear} linear attention (Gated DeltaNet); "
                    f"{nkv} KV heads x {hd}")
+    p.notes.append(SNAPSHOT_NOTE)
     return p
 
 

@@ -17,7 +17,7 @@ from engine.scheduler import ScheduledRequest, SchedulerOutput
 from kvcache import backends
 from kvcache.backends import AttentionBackend, backend_for, backend_names, get_backend, register_backend
 from kvcache.dense_cache import DenseLayerCache
-from kvcache.kv_manager import NULL_BLOCK, KVGroup
+from kvcache.kv_manager import NULL_BLOCK, KVGroup, StateCopies
 from kvcache.metadata import AttentionMetadata, GroupMetadata
 from kvcache.turboquant import tq
 from tq_paged import paged_cache
@@ -119,6 +119,9 @@ class _KV:
 
     def block_table_array(self, rid, g):
         return np.asarray(self.tables[rid][g], np.int64)
+
+    def take_state_copies(self):
+        return StateCopies()
 
 
 def _build(runner, sched):

@@ -122,7 +122,8 @@ def test_engine_matches_transformers(tiny_v4, monkeypatch, caplog, chunk, backen
     with caplog.at_level("INFO", logger="tqserve.engine"):
         llm = LLM(path, block_size=4, **kw)
     assert f"attention (layers): sliding-window-torch x 1, {backend} x 3" in caplog.text
-    assert not llm.core.kv.enable_caching            # off for V4, by design (kvcache/dsv4_paged.py)
+    # prefix caching resumes from state snapshots every 512 tokens (tests/test_state_prefix_cache.py): none here
+    assert llm.core.kv.enable_caching and llm.core.kv.snapshot_interval == 512
     steps = record_steps(llm)
     paths = count_paths(llm)
     ps = prompts(4, 20, 90, seed=2)   # 20..90 tokens: CSA and HCA entries, several blocks
@@ -180,7 +181,8 @@ def test_rollback_through_the_pool(tiny_v4, kv_dtype):
     path, _ = tiny_v4
     P, k = prompts(1, 60, 61, seed=4)[0], 6
     sp = greedy(12, logprobs=20)
-    llm = LLM(path, block_size=4, max_rollback_tokens=k, kv_cache_dtype=kv_dtype)
+    # No prefix caching: the wrong tokens are not drafts, so their blocks would be registered.
+    llm = LLM(path, block_size=4, max_rollback_tokens=k, kv_cache_dtype=kv_dtype, enable_prefix_caching=False)
     core = llm.core
     core.add_request(EngineRequest("straight", P, sp))
     want, want_lp = run_core(core, "straight")

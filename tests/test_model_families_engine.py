@@ -78,8 +78,9 @@ def test_preemption_keeps_tokens(family):
     # 400 tokens of context for 8 sequences of up to 100, and each one's fixed state
     # (linear-attention layers, plus their pad slot; the rest still holds one 120-token
     # sequence: a slot for each)
+    # (Without prefix caching for a model with such state: its snapshots would take a share of this budget.)
     small = llm(path, kv_cache_memory=400 * plan.bytes_per_token + 9 * plan.state_bytes_per_seq,
-                max_model_len=120, max_num_seqs=8)
+                max_model_len=120, max_num_seqs=8, enable_prefix_caching=not plan.state_bytes_per_seq)
     assert small.core.plan.capacity_tokens == 400
     assert toks(small.generate(ps, greedy(40))) == ref
     assert small.core.get_stats().num_preemptions_total > 0

@@ -163,8 +163,10 @@ def test_plan_state_and_kv_bytes_match_the_pool(tmp_path):
     p = plan.make_plan(str(tmp_path), tp=1, kv_cache_dtype="f16")
     assert p.per_sequence == llm.core.plan.state_bytes_per_seq > 0
     assert p.kv_per_token == llm.core.plan.bytes_per_token
-    assert not llm.core.plan.prefix_caching
     assert llm.core.plan.num_blocks[1] == 4                    # a state slot for each of max_num_seqs
+    # and prefix caching's snapshots of it: 4 per sequence, more slots of the same tensors
+    assert llm.core.plan.prefix_caching and llm.core.plan.num_snapshots == 16
+    assert all(c.recurrent.shape[0] == 4 + 16 + 1 for c in llm.core.runner.slot_caches)
 
 
 def test_speculative_rollback_resumes_from_the_state_checkpoints(tmp_path):

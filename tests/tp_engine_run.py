@@ -2,13 +2,16 @@
 follower spawned), run as its own process: a torch.distributed group must not
 outlive its test inside the pytest process (tests/test_async_scheduling.py).
 
-    python tests/tp_engine_run.py MODEL_DIR PORT [--async-scheduling] [--stop ID]
+    python tests/tp_engine_run.py MODEL_DIR PORT [--async-scheduling] [--stop ID] [--shared-prefix]
+                                  [--no-prefix-caching]
 
 Generates for a fixed set of prompts and sampling parameters (greedy, seeded,
 penalties; the first prompt again, greedy with min_tokens and stop token ID)
 and prints one JSON line: per request its token ids and finish reason, and
 per launched step how many of its ids came from the step in flight and
-whether its sampling waited for that step."""
+whether its sampling waited for that step. --shared-prefix: the prompts
+share a 41-token prefix and run as [0], [1], [2, 3, 4], so that the last
+three hit it (state snapshots every 8 tokens: a hybrid model's prefix cache)."""
 import argparse
 import json
 
@@ -33,15 +36,26 @@ def main() -> None:
     ap.add_argument("port", type=int)
     ap.add_argument("--async-scheduling", action="store_true")
     ap.add_argument("--stop", type=int)
+    ap.add_argument("--shared-prefix", action="store_true")
+    ap.add_argument("--no-prefix-caching", action="store_true")
     a = ap.parse_args()
     llm = LLM(a.model, tensor_parallel_size=2, master_port=a.port, block_size=4, kv_cache_memory=4 << 20,
-              max_num_seqs=3, async_scheduling=a.async_scheduling)
+              max_num_seqs=3, async_scheduling=a.async_scheduling, mamba_block_size=8,
+              enable_prefix_caching=not a.no_prefix_caching)
     steps = count_ahead(llm)
     prompts = token_prompts(5, 5, 30, seed=11)
     prompts[3] = prompts[0]
-    outs = llm.generate(prompts, params(a.stop))
+    sp = params(a.stop)
+    if a.shared_prefix:
+        system = token_prompts(1, 41, 42, seed=12)[0]
+        prompts = [system + p for p in prompts]
+        outs = [o for batch in ([0], [1], [2, 3, 4]) for o in llm.generate([prompts[i] for i in batch],
+                                                                          [sp[i] for i in batch])]
+    else:
+        outs = llm.generate(prompts, sp)
     res = {"outputs": [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs], "steps": steps,
-           "async": llm.core.async_scheduling, "used_blocks": llm.core.kv.num_used_blocks}
+           "async": llm.core.async_scheduling, "used_blocks": llm.core.kv.num_used_blocks,
+           "hits": [o.num_cached_tokens for o in outs]}
     llm.close()
     print(json.dumps(res))
 
