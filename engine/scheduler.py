@@ -80,12 +80,16 @@ class Scheduler:
         """Keep the state at the last snapshot point the step reaches: its end,
         or in a verification step any of its positions (the state keeps each
         of them for a rollback; the snapshot counts once that position's
-        token is accepted, kv_manager)."""
+        token is accepted, kv_manager). Where the prompt parted from others'
+        and the prompt's last point (a retry's hit) are kept past the
+        request's later snapshots; the others are superseded by them."""
         S = self.kv.snapshot_interval
         end = s.start + s.num_new_tokens
         m = end // S * S if S else 0
         if m > s.start and end - m <= len(s.spec_token_ids):
-            self.kv.snapshot(s.req.request_id, m)
+            rid = s.req.request_id
+            kept = m in (self.kv.shared_prefix(rid), (s.req.num_prompt_tokens - 1) // S * S)
+            self.kv.snapshot(rid, m, kept=kept)
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)

@@ -52,6 +52,11 @@ class BlockPool:
         if self.ref_cnt[block] == 0:
             self.free_queue[block] = None
 
+    def demote(self, block: int) -> None:
+        """An unreferenced block goes first in line for eviction."""
+        if self.ref_cnt[block] == 0:
+            self.free_queue.move_to_end(block, last=False)
+
     def cache(self, block: int, h: int) -> None:
         if not self.enable_caching or self.block_hash[block] is not None:
             return

@@ -86,8 +86,10 @@ class _ReqBlocks:
     # Per group: the table as int64, kept in step with `tables` where it
     # changes, so a step's inputs copy arrays instead of converting lists.
     arrays: list[np.ndarray] = field(default_factory=list)
-    # State snapshots taken and not yet registered: (tokens, group, snapshot id).
-    snaps: list[tuple[int, int, int]] = field(default_factory=list)
+    # State snapshots taken and not yet registered: (tokens, group, snapshot id, kept).
+    snaps: list[tuple[int, int, int, bool]] = field(default_factory=list)
+    # The last one registered that a newer one supersedes: (group, snapshot id, hash).
+    superseded: tuple[int, int, int] | None = None
     shared: int = 0          # tokens whose blocks find_prefix_hit found cached (state aside)
 
     def mirror(self, gi: int, spans) -> None:
@@ -336,24 +338,32 @@ class KVCacheManager:
                         self.pools[gi].cache(table[j], self._hash_of(rb, g, j))
             rb.num_cached = num_full
         while rb.snaps and rb.snaps[0][0] <= num_computed:
-            n, gi, snap = rb.snaps.pop(0)
-            pool = self.snapshots[gi]
-            if pool.lookup(rb.hashes[n // self.block_size - 1]) is None:
-                pool.cache(snap, rb.hashes[n // self.block_size - 1])
+            n, gi, snap, kept = rb.snaps.pop(0)
+            pool, h = self.snapshots[gi], rb.hashes[n // self.block_size - 1]
+            if pool.lookup(h) is None:
+                pool.cache(snap, h)
             pool.free(snap)
+            # The request's previous snapshot (a chunk's or a decode's end on the
+            # way here) goes first in line for eviction: its latest (a next turn's
+            # hit) and the kept ones (where its prompt parted from others', its
+            # prompt's last point: a retry's hit) outlive it.
+            old, rb.superseded = rb.superseded, None if kept else (gi, snap, h)
+            if old is not None and self.snapshots[old[0]].lookup(old[2]) == old[1]:
+                self.snapshots[old[0]].demote(old[1])
 
-    def snapshot(self, req_id: str, end: int) -> None:
+    def snapshot(self, req_id: str, end: int, kept: bool = False) -> None:
         """Keep each per-sequence group's state at `end` tokens (on the
         snapshot grid) as the step being scheduled leaves it: its last
         position, or one of the last positions whose states the slot keeps for
         a rollback. The copy is queued for the step; cache_full_blocks
         registers it once `end` tokens are computed, truncate drops it if
-        they are not. Skipped when every snapshot is in use."""
+        they are not. Skipped when every snapshot is in use. kept: not
+        superseded by the request's later snapshots (see cache_full_blocks)."""
         rb = self.reqs[req_id]
         for gi, pool in self.snapshots.items():
             if pool.num_free:
                 snap = pool.allocate()
-                rb.snaps.append((end, gi, snap))
+                rb.snaps.append((end, gi, snap, kept))
                 self.copies.snapshots.append((rb.tables[gi][0], self.snapshot_base[gi] + snap))
 
     def take_state_copies(self) -> StateCopies:
@@ -370,7 +380,7 @@ class KVCacheManager:
         rb = self.reqs.pop(req_id, None)
         if rb is None:
             return
-        for _, gi, snap in rb.snaps:      # taken, never registered: its tokens were not all computed
+        for _, gi, snap, _ in rb.snaps:   # taken, never registered: its tokens were not all computed
             self.snapshots[gi].free(snap)
         for gi, table in enumerate(rb.tables):
             # Free the tail first so that the prefix stays cached longest.

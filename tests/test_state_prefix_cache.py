@@ -98,6 +98,28 @@ def test_a_rejected_positions_snapshot_is_dropped():
     assert kv.snapshots[1].lookup(kv.reqs["a"].hashes[1]) + kv.snapshot_base[1] == second
 
 
+def test_a_requests_superseded_snapshots_go_first():
+    """A long prompt's chunk ends each leave a snapshot: once a later one of
+    the same request is registered, the earlier go first in line for
+    eviction, except where its prompt parted from another's (kept): under
+    pressure the latest (a next turn's) and the kept one survive."""
+    kv = hybrid_manager(snapshots=4)
+    a = list(range(100, 134))                          # 34 tokens: grid points 8, 16, 24, 32
+    assert kv.allocate("a", a, 0, 8)
+    kv.snapshot("a", 8, kept=True)                     # where a parted from an earlier prompt
+    kv.take_state_copies()
+    kv.cache_full_blocks("a", a, 8)
+    for start in (8, 16, 24):
+        run_chunk(kv, "a", a, start, 8)
+    kv.free("a")
+    run_chunk(kv, "b", [7] * 12, 0, 8)                 # another request's snapshots evict two
+    run_chunk(kv, "c", [9] * 12, 0, 8)
+    assert kv.find_prefix_hit("q", a + [1]) == 32
+    hashes = kv.reqs["q"].hashes
+    alive = [n for n in (8, 16, 24, 32) if kv.snapshots[1].lookup(hashes[n // BS - 1]) is not None]
+    assert alive == [8, 32]
+
+
 def test_least_recently_used_snapshots_go_first():
     kv = hybrid_manager(snapshots=2)
     prompts = [[i] * 12 for i in range(3, 6)]
