@@ -17,7 +17,7 @@ from kvcache.pool_plan import SNAPSHOT_SHARE, SNAPSHOTS_PER_SEQ
 from server.plan import SNAPSHOT_NOTE
 from test_server_process import free_port
 from test_spec_decode import partly_right
-from tiny_models import save_tiny_deepseek_v4, save_tiny_qwen3_next, token_prompts
+from tiny_models import conversation, save_tiny_deepseek_v4, save_tiny_qwen3_next, token_prompts
 
 BS = 4
 
@@ -188,12 +188,6 @@ def assert_same(a, b, tol=2e-5):
         assert x.outputs[0].token_ids == y.outputs[0].token_ids
         worst = max(abs(lx[t] - ly[t]) for lx, ly in zip(x.outputs[0].logprobs, y.outputs[0].logprobs) for t in lx)
         assert worst < tol, worst
-
-
-def conversation(vocab, seed, users=(9, 16)):
-    """A 41-token system prompt and three prompts that add `users` tokens to it."""
-    system = [t % vocab for t in token_prompts(1, 41, 42, seed=seed)[0]]
-    return system, [system + [t % vocab for t in u] for u in token_prompts(3, *users, seed=seed + 1)]
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "deepseek_v4"])

@@ -82,6 +82,12 @@ def token_prompts(n, lo=5, hi=60, seed=0):
     return [[rng.randrange(3, 256) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
 
 
+def conversation(vocab, seed, users=(9, 16)):
+    """A 41-token system prompt and three prompts that add `users` tokens to it."""
+    system = [t % vocab for t in token_prompts(1, 41, 42, seed=seed)[0]]
+    return system, [system + [t % vocab for t in u] for u in token_prompts(3, *users, seed=seed + 1)]
+
+
 def save_tiny_qwen3_5(path, moe=False):
     """A 6-layer Qwen3.5 (split DeltaNet projections, mrope for text), dense or
     with a shared-expert MoE in every layer, shaped as save_tiny_qwen3_next."""

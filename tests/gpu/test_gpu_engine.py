@@ -245,23 +245,58 @@ def test_preemption_and_prefix_hits_on_device_pool(family):
     name, path, _, vocab = family
     ps = prompts(6, vocab, lo=40, hi=60, seed=4)
     ref = toks(LLM(path, device="cuda", dtype="float32", **engine_kw(name)).generate(ps, greedy(20)))
-    small = LLM(path, device="cuda", dtype="float32", max_model_len=128,
-                kv_cache_memory=_tight_budget(path, name), **engine_kw(name))
+    # (V4 without prefix caching here: its state snapshots would take a share of this tight budget.)
+    small = LLM(path, device="cuda", dtype="float32", max_model_len=128, kv_cache_memory=_tight_budget(path, name),
+                max_num_seqs=6, enable_prefix_caching=name != V4, **engine_kw(name))
     assert toks(small.generate(ps, greedy(20))) == ref
     assert small.core.scheduler.stats.num_preemptions > 0
     assert small.core.kv.num_used_blocks == 0
-    if name != V4:        # V4 keeps per-sequence state: prefix caching is off by design
-        shared = ps[0][:40]
-        llm = LLM(path, device="cuda", dtype="float32", **engine_kw(name))
-        a = toks(llm.generate([shared + [5, 6]], greedy(8)))
-        b = toks(llm.generate([shared + [5, 6]], greedy(8)))
-        assert a == b and llm.core.scheduler.stats.prefix_cache_hits >= 32
+    # V4 resumes from snapshots of its per-sequence state on a grid (32 tokens: its blocks' span at block size 2)
+    kw = dict(block_size=2, mamba_block_size=32) if name == V4 else engine_kw(name)
+    shared = ps[0][:40]
+    llm = LLM(path, device="cuda", dtype="float32", **kw)
+    a = toks(llm.generate([shared + [5, 6]], greedy(8)))
+    b = toks(llm.generate([shared + [5, 6]], greedy(8)))
+    assert a == b and llm.core.scheduler.stats.prefix_cache_hits >= 32
+
+
+def test_state_prefix_hits_with_graphs_equal_no_caching(tmp_path):
+    """Qwen3-Next on the device: hits restore state snapshots (copies in the
+    step's packed inputs, around the graph replays), shared system prompt and
+    a follow-up turn, asynchronous scheduling: tokens equal no caching."""
+    from tiny_models import conversation, save_tiny_qwen3_next
+    save_tiny_qwen3_next(tmp_path)
+    system, ps = conversation(256, seed=3)
+    kw = dict(device="cuda", dtype="float32", block_size=4, mamba_block_size=8, max_num_seqs=4)
+    ref = toks(LLM(str(tmp_path), enable_prefix_caching=False, **kw).generate(ps, greedy(16)))
+    llm = LLM(str(tmp_path), async_scheduling=True, **kw)
+    outs = [llm.generate([p], greedy(16))[0] for p in ps]
+    assert toks(outs) == ref and [o.num_cached_tokens for o in outs] == [0, 0, 40]
+    assert llm.core.graphs is not None and llm.core.graphs.replays > 0
+    follow = ps[2] + ref[2] + [5, 6, 7]
+    f = llm.generate([follow], greedy(16))[0]
+    assert f.num_cached_tokens > 40
+    assert toks([f]) == toks(LLM(str(tmp_path), enable_prefix_caching=False, **kw).generate([follow], greedy(16)))
 
 
 def _tight_budget(path, name):
-    probe = LLM(path, device="cuda", dtype="float32", **engine_kw(name))
-    plan = probe.core.plan
-    return int(140 * plan.bytes_per_token + getattr(plan, "state_bytes_per_seq", 0) * 6 + sum(plan.block_bytes))
+    """The smallest KV budget whose plan holds a 128-token sequence (max_model_len),
+    for the test's 6 sequences of up to 80 tokens: they preempt each other."""
+    from kvcache.pool_plan import plan_kv_pool
+    probe = LLM(path, device="cuda", dtype="float32", max_num_seqs=6, **engine_kw(name))
+    specs, a = probe.core.model.kv_cache_spec(), probe.core.args
+
+    def fits(budget):
+        try:
+            return plan_kv_pool(specs, budget, a.block_size, torch.float32, 6, a.max_num_batched_tokens,
+                                max_model_len=128, max_rollback=a.max_rollback_tokens).capacity_tokens >= 128
+        except ValueError:      # not even one block
+            return False
+    lo, hi = 1, 1 << 30
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid + 1, hi)
+    return lo
 
 
 @pytest.mark.parametrize("preset", ["f16", "k8v4", "tq4", "tq3"])
