@@ -70,6 +70,9 @@ class _StepBuffer:
         return [d[x:y] for x, y in zip(offs, offs[1:])]
 
 
+NO_COPIES = StateCopies()
+
+
 def _model_device(model: torch.nn.Module) -> torch.device:
     p = next(iter(model.parameters()), None)
     return p.device if p is not None else torch.device("cpu")
@@ -183,7 +186,7 @@ class ModelRunner:
         widths = [int(x.max()) if B else 0 for x in lens]
         # Layout of the packed buffer.
         K = len(pending)
-        copies = copies or StateCopies()
+        copies = copies or NO_COPIES
         cr, cs = len(copies.restores), len(copies.snapshots)
         sizes = [Tm, Tm, B + P + 1, B + P, R] + [k for w in widths for k in (Tm, (B + P) * w)] + \
             [cr, cr, cs, cs] + [K, K] * bool(K)

@@ -371,9 +371,11 @@ class KVCacheManager:
         prepared (the runner does them in its forward, every rank alike).
         The restores' snapshots are released: nothing can take them before
         the step that copies them is on the device."""
-        c, self.copies = self.copies, StateCopies()
-        for gi, snap in c.held:
-            self.snapshots[gi].free(snap)
+        c = self.copies
+        if c.restores or c.snapshots:      # (most steps have none: nothing to allocate)
+            self.copies = StateCopies()
+            for gi, snap in c.held:
+                self.snapshots[gi].free(snap)
         return c
 
     def free(self, req_id: str) -> None:
