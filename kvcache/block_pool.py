@@ -17,7 +17,10 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.ref_cnt = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
-        self.cached: dict[int, int] = {}     # hash -> block id
+        # hash -> the blocks holding it (insertion-ordered): two requests that
+        # computed the same prefix each leave one, and either serves a hit
+        # after the other is evicted.
+        self.cached: dict[int, dict[int, None]] = {}
         # Unreferenced blocks, least recently freed first: allocation takes
         # from the front, so cached blocks freed last are evicted last.
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
@@ -34,7 +37,9 @@ class BlockPool:
         block, _ = self.free_queue.popitem(last=False)
         h = self.block_hash[block]
         if h is not None:
-            if self.cached.get(h) == block:
+            held = self.cached[h]
+            del held[block]
+            if not held:
                 del self.cached[h]
             self.block_hash[block] = None
         self.ref_cnt[block] = 1
@@ -61,10 +66,11 @@ class BlockPool:
         if not self.enable_caching or self.block_hash[block] is not None:
             return
         self.block_hash[block] = h
-        self.cached.setdefault(h, block)
+        self.cached.setdefault(h, {})[block] = None
 
     def lookup(self, h: int) -> int | None:
-        return self.cached.get(h) if self.enable_caching else None
+        held = self.cached.get(h) if self.enable_caching else None
+        return next(iter(held)) if held else None
 
     def reset_prefix_cache(self) -> None:
         self.cached.clear()

@@ -348,7 +348,7 @@ class KVCacheManager:
             # hit) and the kept ones (where its prompt parted from others', its
             # prompt's last point: a retry's hit) outlive it.
             old, rb.superseded = rb.superseded, None if kept else (gi, snap, h)
-            if old is not None and self.snapshots[old[0]].lookup(old[2]) == old[1]:
+            if old is not None and self.snapshots[old[0]].block_hash[old[1]] == old[2]:
                 self.snapshots[old[0]].demote(old[1])
 
     def snapshot(self, req_id: str, end: int, kept: bool = False) -> None:

@@ -23,6 +23,22 @@ def test_pool_refcount_and_lru():
     assert pool.ref_cnt[a] == 1 and pool.num_free == 0
 
 
+def test_a_hash_held_by_two_blocks_outlives_either():
+    """Two requests that computed the same prefix (the second had no hit: e.g. no
+    state snapshot yet) each register a block under its hash; evicting the
+    first leaves the second findable."""
+    pool = BlockPool(3)
+    a, b = pool.allocate(), pool.allocate()
+    pool.cache(a, 7)
+    pool.cache(b, 7)
+    pool.free(a)
+    pool.free(b)
+    assert pool.lookup(7) == a
+    assert pool.allocate() == 2 and pool.allocate() == a      # a evicted (freed first)
+    assert pool.lookup(7) == b and pool.block_hash[a] is None
+    assert pool.allocate() == b and pool.lookup(7) is None
+
+
 def manager(num_blocks=16, window=None, caching=True):
     specs = [LayerSpec(0, 1, 8), LayerSpec(1, 1, 8, window)] if window else [LayerSpec(0, 1, 8)]
     groups = group_layers(specs)

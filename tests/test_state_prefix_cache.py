@@ -190,13 +190,14 @@ def assert_same(a, b, tol=2e-5):
         assert worst < tol, worst
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "deepseek_v4"])
-def test_hits_resume_from_the_state_and_change_nothing(family, tiny_qwen3_next, tiny_v4):
+@pytest.mark.parametrize("family,kv", [("qwen3_next", "auto"), ("qwen3_next", "tq4"), ("deepseek_v4", "auto")])
+def test_hits_resume_from_the_state_and_change_nothing(family, kv, tiny_qwen3_next, tiny_v4):
     """Three prompts share a 41-token system prompt: the second one's first
     chunk ends where its blocks stop matching the first's (40 on the grid),
     so the third hits 40 tokens; a follow-up turn (the third's prompt, its
     output and more) hits where its last decode crossed the grid. Tokens and
-    logprobs equal the engine without prefix caching."""
+    logprobs equal the engine without prefix caching (tq4: TurboQuant codes and
+    the hot group's first and newest blocks adopted beside the state)."""
     # The first prompt's last grid point lies past the system prompt's (users' lengths).
     if family == "qwen3_next":
         path, grid, args = tiny_qwen3_next, 8, dict(dtype="float32", quantization="none", block_size=BS)
@@ -204,7 +205,7 @@ def test_hits_resume_from_the_state_and_change_nothing(family, tiny_qwen3_next, 
     else:   # blocks of 2 entries at ratios 4 and 16: every group's blocks end every 32 tokens
         path, grid, args = tiny_v4, 32, dict(block_size=2)
         system, prompts = conversation(128, seed=5, users=(24, 31))
-    args.update(max_num_seqs=2, mamba_block_size=grid)
+    args.update(max_num_seqs=2, mamba_block_size=grid, kv_cache_dtype=kv)
     cached = LLM(path, **args)
     plain = LLM(path, enable_prefix_caching=False, **args)
     outs, hits = one_by_one(cached, prompts)
