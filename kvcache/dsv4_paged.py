@@ -465,8 +465,8 @@ def plan_dsv4_pool(specs: list[DSV4LayerSpec], budget_bytes: int, block_size: in
     pad = state_bytes + sum(p.entry_block_nbytes(1) for p in probe)    # pad slot, discard rows
     rest = budget_bytes - max_num_seqs * state_bytes - slack - pad
     interval = snapshot_grid(groups, block_size, snapshot_tokens) if snapshots else 0
-    snapshots = snapshot_count(budget_bytes, state_bytes, max_num_seqs, rest) if interval else 0
-    rest -= snapshots * state_bytes
+    num_snapshots = snapshot_count(budget_bytes, state_bytes, max_num_seqs, rest) if interval else 0
+    rest -= num_snapshots * state_bytes
     if entry_groups:
         capacity = min(int(rest / per_token), max_model_len) if rest > 0 else 0
         if capacity < 1:
@@ -487,5 +487,5 @@ def plan_dsv4_pool(specs: list[DSV4LayerSpec], budget_bytes: int, block_size: in
                     capacity=capacity, state_bytes_per_seq=state_bytes, kind_bytes_per_token=kinds,
                     state_bytes_by_part=state_by_part, max_rollback=max_rollback,
                     f16_bytes_per_token=f16_per_token, mtp_specs=mtp_specs or None, pad_bytes=pad,
-                    prefix_caching=snapshots > 0, num_snapshots=snapshots,
-                    snapshot_interval=interval * bool(snapshots))
+                    prefix_caching=num_snapshots > 0, num_snapshots=num_snapshots,
+                    snapshot_interval=interval if num_snapshots else 0)

@@ -209,9 +209,9 @@ def plan_kv_pool(specs: list[LayerSpec], budget_bytes: int, block_size: int, dty
                 -(-max_num_batched_tokens // block_size)
             num_blocks[gi] = max(1, min(need, equal_share_blocks))
         rest -= num_blocks[gi] * block_bytes[gi]
-    interval = snapshot_grid(groups, block_size, snapshot_tokens) if snapshots and any(
-        g.per_seq for g in groups) else 0
-    snapshots = 0
+    per_seq = any(g.per_seq for g in groups)
+    interval = snapshot_grid(groups, block_size, snapshot_tokens) if snapshots and per_seq else 0
+    num_snapshots = 0
     for gi, g in enumerate(groups):
         if g.per_seq:
             # A slot for each running sequence, as long as the rest holds one sequence
@@ -221,19 +221,19 @@ def plan_kv_pool(specs: list[LayerSpec], budget_bytes: int, block_size: int, dty
             num_blocks[gi] = int(max(1, min(max_num_seqs, (rest - one_seq) // block_bytes[gi] - 1)))
             rest -= (num_blocks[gi] + 1) * block_bytes[gi]
             if interval:
-                snapshots = snapshot_count(budget_bytes, block_bytes[gi], max_num_seqs, rest - one_seq)
-                rest -= snapshots * block_bytes[gi]
+                num_snapshots = snapshot_count(budget_bytes, block_bytes[gi], max_num_seqs, rest - one_seq)
+                rest -= num_snapshots * block_bytes[gi]
     num_blocks[0] = int(rest // block_bytes[0])
     if num_blocks[0] < 1:
         raise ValueError(f"KV cache budget {budget_bytes} bytes is too small for one block "
                          f"({block_bytes[0]} bytes)")
-    per_seq = any(g.per_seq for g in groups)
     return KVPlan(groups, num_blocks, block_bytes, block_size,
                   {i: layer_block[i] // block_size for i in by_idx if not by_idx[i].per_seq},
-                  prefix_caching=not per_seq or snapshots > 0,
+                  prefix_caching=not per_seq or num_snapshots > 0,
                   max_rollback=max_rollback if per_seq else None,
                   f16_bytes_per_token=sum(f16_block[i] for i in groups[0].layer_ids) / block_size,
-                  mtp_specs=mtp_specs, num_snapshots=snapshots, snapshot_interval=interval * bool(snapshots))
+                  mtp_specs=mtp_specs, num_snapshots=num_snapshots,
+                  snapshot_interval=interval if num_snapshots else 0)
 
 
 def _checkpointed(specs: list, max_rollback: int) -> list:

@@ -176,7 +176,7 @@ def tiny_v4(tmp_path_factory):
 def one_by_one(llm, prompts, sp=GREEDY):
     """Run the prompts one after another: (outputs, each request's cached tokens)."""
     outs, hits = [], []
-    for i, p in enumerate(prompts):
+    for p in prompts:
         o = llm.generate([p], sp)[0]
         outs.append(o)
         hits.append(o.num_cached_tokens)
@@ -229,8 +229,8 @@ def test_batched_async_and_preempted(tiny_qwen3_next):
     system, _ = conversation(256, seed=9)
     prompts = [system[:n] + u for n, u in zip([41, 30, 17, 41] * 3, token_prompts(12, 3, 20, seed=4))]
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
-    ref = LLM(path := tiny_qwen3_next, enable_prefix_caching=False, **args).generate(prompts, sp)
-    llm = LLM(path, async_scheduling=True, kv_cache_memory=450_000, max_model_len=128, **args)
+    ref = LLM(tiny_qwen3_next, enable_prefix_caching=False, **args).generate(prompts, sp)
+    llm = LLM(tiny_qwen3_next, async_scheduling=True, kv_cache_memory=450_000, max_model_len=128, **args)
     assert llm.core.plan.num_snapshots == 3
     out = llm.generate(prompts, sp)
     assert_same(ref, out, tol=1e-4)     # batch shapes differ from the reference's: fp32 rounding
