@@ -58,6 +58,7 @@ from kvcache.backends import backend_for
 from kvcache.dsv4_state import DSV4Batch, Ring
 from kvcache.kv_formats import KVPolicy
 from kvcache.kv_manager import KVGroup, snapshot_grid
+from kvcache.linear_state import copy_rows
 from kvcache.metadata import AttentionMetadata
 from kvcache.pool_plan import KVPlan, snapshot_count
 from kvcache.spec import DSV4LayerSpec, LayerSpec
@@ -278,9 +279,7 @@ class DSV4PagedCache:
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Slots dst become copies of slots src (every layer's rings)."""
-        for layer in self.layers + self.mtp_layers:
-            for t in layer.state.values():
-                t.index_copy_(0, dst, t.index_select(0, src))
+        copy_rows((t for layer in self.layers + self.mtp_layers for t in layer.state.values()), src, dst)
 
     # Steps whose sequences all have q rows, q within the rings' rollback room
     # (decodes, verification steps), run batched from device tensors

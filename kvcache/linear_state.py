@@ -28,6 +28,12 @@ from kvcache.spec import LinearAttentionSpec
 PAD_SLOT = -1
 
 
+def copy_rows(tensors, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Rows dst of every tensor become copies of its rows src (slot copies of per-sequence state)."""
+    for t in tensors:
+        t.index_copy_(0, dst, t.index_select(0, src))
+
+
 class LinearStateCache:
     has_slots = True              # per-sequence slots: copy_slots
 
@@ -60,8 +66,7 @@ class LinearStateCache:
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Slots dst become copies of slots src (all checkpoints)."""
-        for t in (self.conv, self.recurrent):
-            t.index_copy_(0, dst, t.index_select(0, src))
+        copy_rows((self.conv, self.recurrent), src, dst)
 
     def slots(self, meta) -> torch.Tensor:
         """[B] slot of each sequence of the step."""
