@@ -109,15 +109,14 @@ class EngineCore(Worker):
         caching = args.enable_prefix_caching and plan.prefix_caching
         if args.enable_prefix_caching and not caching:
             log.info("prefix caching off: this model's cache holds per-sequence state (DeepSeek-V4's sliding "
-                     "ring and compressor carry, linear-attention layers' recurrent state) and %s",
-                     "its MTP head's state lags the model's" if self._mtp_drafts else
-                     "the KV budget leaves no room for snapshots of it")
+                     "ring and compressor carry, linear-attention layers' recurrent state) and the KV budget "
+                     "leaves no room for snapshots of it")
         elif plan.num_snapshots:
             log.info("prefix caching: per-sequence state kept every %d tokens in up to %d snapshots (%.1f MiB); "
                      "hits resume there", plan.snapshot_interval, plan.num_snapshots, plan.snapshot_bytes / 2**20)
         self.kv = KVCacheManager(plan.groups, plan.num_blocks, args.block_size, caching,
                                  max_rollback=plan.max_rollback, num_snapshots=plan.num_snapshots,
-                                 snapshot_interval=plan.snapshot_interval)
+                                 snapshot_interval=plan.snapshot_interval, lookahead=int(self._mtp_drafts))
         self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.max_num_batched_tokens,
                                    args.long_prefill_token_threshold)
         self.runner = ModelRunner(self.model, self.kv, caches,
@@ -301,13 +300,16 @@ class EngineCore(Worker):
                 outputs.append(out)
         if not updated:
             self.scheduler.update(sched, rejected)
+        if self.proposer is not None:
+            # Before finished requests are freed: an MTP head's cache follows
+            # their last step too, as the blocks and state snapshots that step
+            # registered hold it.
+            self._propose()
         for out in outputs:
             req = self.scheduler.requests[out.request_id]
             if req.finish_reason is not None:
                 out.finish_reason, out.stop_reason = req.finish_reason, req.stop_reason
                 self.scheduler.finish(req)
-        if self.proposer is not None:
-            self._propose()
         return outputs
 
     def _propose(self) -> None:
@@ -318,7 +320,7 @@ class EngineCore(Worker):
         k = self.spec.num_speculative_tokens
         reqs, room = [], []
         for r in (running if not limit or len(running) <= limit else []):
-            if r.num_computed_tokens == r.num_tokens - 1 and r.params.speculative:
+            if r.num_computed_tokens == r.num_tokens - 1 and r.params.speculative and r.finish_reason is None:
                 # The step samples 1 + accepted tokens: they must fit max_tokens and the context.
                 n = min(k, r.max_tokens - r.num_output_tokens - 1, self.max_model_len - r.num_tokens)
                 if n > 0:

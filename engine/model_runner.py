@@ -82,10 +82,12 @@ def _model_device(model: torch.nn.Module) -> torch.device:
 class StepRecord:
     """What a step leaves for a proposer that drafts from the target's hidden
     state (MTP): the scheduled requests in batch order, their token offsets,
-    and the model's pre-collapse streams at every token."""
+    and the model's pre-collapse streams at every token. The step's state
+    snapshots wait for the proposer (ModelRunner.snapshot_after_head)."""
     sched: list[ScheduledRequest]
     query_start_loc: list[int]
     streams: torch.Tensor
+    snapshots: tuple[torch.Tensor, torch.Tensor] | None = None   # (slots, snapshot slots) to copy
 
 
 @dataclass
@@ -417,11 +419,26 @@ class ModelRunner:
         return d
 
     def _copy(self, plan: StepPlan, d: list[torch.Tensor], snapshots: bool) -> None:
-        """The plan's state slot copies: restores before the forward, snapshots after it."""
+        """The plan's state slot copies: restores before the forward, snapshots
+        after it (with an MTP proposer, after its head: snapshot_after_head)."""
         if plan.copies[snapshots]:
             c = 5 + 2 * len(plan.widths) + 2 * snapshots
-            for cache in self.slot_caches:
-                cache.copy_slots(d[c], d[c + 1])
+            if snapshots and self.keep_streams:
+                self.last_step.snapshots = (d[c], d[c + 1])
+                return
+            self._copy_slots(d[c], d[c + 1])
+
+    def _copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        for cache in self.slot_caches:
+            cache.copy_slots(src, dst)
+
+    def snapshot_after_head(self, step: StepRecord) -> None:
+        """A step's state snapshots, once the MTP head has run over the step's
+        kept positions: its cache (DeepSeek-V4's ring in the slot) at position
+        p reads token p + 1, known only after the step (kv_manager lookahead)."""
+        if step.snapshots is not None:
+            self._copy_slots(*step.snapshots)
+            step.snapshots = None
 
     def inputs(self, plan: StepPlan, d: list[torch.Tensor] | None = None):
         """(input_ids, positions, attention metadata, logits rows) on the device
@@ -448,12 +465,12 @@ class ModelRunner:
             b = plan.graph_batch
             groups = [GroupMetadata(d[5 + 2 * g], d[6 + 2 * g].view(b, w)) for g, w in enumerate(plan.widths)]
             hidden = self.graphs.run(b, plan.graph_rows, d[0], d[1], d[3], groups)
-            self._copy(plan, d, snapshots=True)
             if self.keep_streams:
                 # The graph's output, valid until the next replay: the proposer
                 # reads it after this step (plan.qsl: the padded rows' layout).
                 self.last_step = StepRecord(self.sched, plan.qsl, hidden)
                 hidden = self.model.collapse(hidden)
+            self._copy(plan, d, snapshots=True)
             rows = d[4]
             return (self.model.compute_logits(hidden[rows]) if len(rows) else None), []
         input_ids, positions, meta, rows = self.inputs(plan, d)

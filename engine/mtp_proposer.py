@@ -17,7 +17,14 @@ positions; a paged head's blocks for them are reserved, as the next step's
 verification needs them). Drafts are the argmax: deterministic, so verification treats
 them as one-hot. On CUDA the chained passes (one row per sequence) replay
 CUDA graphs captured at startup (ModelRunner.mtp_replay); the first pass,
-whose spans vary, runs eagerly."""
+whose spans vary, runs eagerly.
+
+With prefix caching, the step's state snapshots are taken after the first
+pass (ModelRunner.snapshot_after_head), so that they hold the head's ring
+too; a request the step finished still gets that pass. What the head cached
+at position p read token p + 1, so blocks and snapshots are hashed with the
+token after them (KVCacheManager lookahead) and a hit resumes the head's
+cache exactly where it would be without one."""
 import numpy as np
 import torch
 
@@ -57,15 +64,24 @@ class MtpProposer(Proposer):
         step, self.runner.last_step = self.runner.last_step, None
         if step is None:
             return [[] for _ in reqs]
-        # 1. The head over each running request's kept positions, true streams;
-        # sequences of one position first, as attention metadata lays them out.
+        h, last = self._follow(step)
+        self.runner.snapshot_after_head(step)
+        return self._draft(reqs, max_drafts, h, last)
+
+    def _follow(self, step) -> tuple[torch.Tensor | None, dict[str, int]]:
+        """1. The head over each request's kept positions (a request this step
+        finished too: its last step's blocks and snapshots are cached), true
+        streams; sequences of one position first, as attention metadata lays
+        them out. Returns the head's output streams and, per request, the row
+        of its last position."""
         spans = []
         for i, s in enumerate(step.sched):
-            kept = s.req.num_computed_tokens - s.start
+            # Up to the last position whose next token is known (a prompt-only request has none).
+            kept = min(s.req.num_computed_tokens, s.req.num_tokens - 1) - s.start
             if s.req.status == Status.RUNNING and kept > 0:
                 spans.append((kept != 1, i, s, kept))
         if not spans:
-            return [[] for _ in reqs]
+            return None, {}
         ids, rows, pos, seqs, qsl, last = [], [], [], [], [0], {}
         for _, i, s, kept in sorted(spans, key=lambda x: x[:2]):
             req, a = s.req, step.query_start_loc[i]
@@ -76,8 +92,11 @@ class MtpProposer(Proposer):
             qsl.append(qsl[-1] + kept)
             last[req.request_id] = qsl[-1] - 1
         rows_t = torch.tensor(rows, dtype=torch.long, device=step.streams.device)
-        h = self._run(ids, step.streams.index_select(0, rows_t), pos, seqs, qsl)
-        # 2. Drafts: the first from the last kept position, then chained.
+        return self._run(ids, step.streams.index_select(0, rows_t), pos, seqs, qsl), last
+
+    def _draft(self, reqs: list[Request], max_drafts: list[int], h: torch.Tensor | None, last: dict[str, int]
+               ) -> list[list[int]]:
+        """2. Drafts: the first from the last kept position, then chained."""
         todo = [(i, r, self._reserve(r, k)) for i, (r, k) in enumerate(zip(reqs, max_drafts))
                 if k > 0 and r.request_id in last]
         out = [[] for _ in reqs]

@@ -147,7 +147,7 @@ class Worker:
                                  args.max_num_seqs, args.max_num_batched_tokens,
                                  max_model_len=args.max_model_len or model_len,
                                  max_rollback=args.max_rollback_tokens, mtp_specs=self._mtp_specs(),
-                                 snapshots=args.enable_prefix_caching and not self._mtp_drafts,
+                                 snapshots=args.enable_prefix_caching,
                                  snapshot_tokens=args.mamba_block_size)
         if self.tp > 1 and distributed.agree(list(self.plan.num_blocks)) != list(self.plan.num_blocks):
             raise RuntimeError(f"rank {self.rank} planned {list(self.plan.num_blocks)} KV blocks, rank 0 "

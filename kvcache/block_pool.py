@@ -56,6 +56,10 @@ class BlockPool:
         assert self.ref_cnt[block] >= 0, f"block {block} freed twice"
         if self.ref_cnt[block] == 0:
             self.free_queue[block] = None
+            if self.block_hash[block] is None:
+                # It holds nothing to reuse (a partial block, a dropped snapshot):
+                # handed out before any cached block is evicted.
+                self.free_queue.move_to_end(block, last=False)
 
     def demote(self, block: int) -> None:
         """An unreferenced block goes first in line for eviction."""

@@ -35,8 +35,8 @@ Prefix caching: entry blocks are cached like any group's (block k of ratio
 r under the hash of token block (k + 1) * r - 1); window and carry are
 per-sequence state, so a hit resumes from a snapshot of the whole slot
 (num_snapshots more slots after the sequences'; kvcache/kv_manager.py),
-taken every snapshot_interval tokens and restored by copy_slots. Without
-an MTP head only: the head's ring lags the model's by a position.
+taken every snapshot_interval tokens and restored by copy_slots (the MTP
+head's ring too: with a head, snapshots wait for its pass over the step).
 
 The model reads all of this through the same interface as the per-sequence
 kvcache.dsv4_state classes (Ring / entries .n, .append, .get), so

@@ -21,6 +21,11 @@ exists, restored into the new sequence's slot before its first step. The
 copies are queued here and done by the runner in the step's forward
 (`take_state_copies`), so they are ordered with the step on the device.
 
+With an MTP head, what is cached up to position p also depends on token
+p + 1 (the head's entry at p reads it): `lookahead` tokens past each block
+join its hash, so a block (and a snapshot ending there) is registered once
+that token is known and hit only by a prompt that has it too.
+
 The hot group (TurboQuant's int8 copies of a few tokens, kvcache/tq_cache.py)
 holds only a sequence's first block (the attention sinks) and the block of
 its newest token; during a step also the block its first new token falls in
@@ -117,14 +122,16 @@ class StateCopies:
 class KVCacheManager:
     def __init__(self, groups: list[KVGroup], num_blocks: list[int], block_size: int,
                  enable_caching: bool = True, max_rollback: int | None = None,
-                 num_snapshots: int = 0, snapshot_interval: int = 0):
+                 num_snapshots: int = 0, snapshot_interval: int = 0, lookahead: int = 0):
         """max_rollback: how far truncate() may go back from the highest position
         ever allocated (ring-buffered state keeps only that many extra positions);
         None for position-addressed storage. num_snapshots, snapshot_interval:
         per per_seq group, the state snapshots prefix caching resumes from
         (ids num_blocks[g]..; see the module docstring) and the tokens between
-        them (a multiple of every group's block span)."""
+        them (a multiple of every group's block span). lookahead: tokens past a
+        block that its cached contents depend on (1 with an MTP head)."""
         self.groups = groups
+        self.lookahead = lookahead
         self.block_size = block_size
         self.pools = [BlockPool(n, enable_caching) for n in num_blocks]
         self.enable_caching = enable_caching
@@ -151,12 +158,16 @@ class KVCacheManager:
 
     # -- prefix cache ---------------------------------------------------------
     def _hashes(self, token_ids: list[int], num_full: int, rb: _ReqBlocks) -> list[int]:
-        bs = self.block_size
+        bs, la = self.block_size, self.lookahead
         while len(rb.hashes) < num_full:
             i = len(rb.hashes)
             parent = rb.hashes[-1] if rb.hashes else 0
-            rb.hashes.append(hash((parent, tuple(token_ids[i * bs:(i + 1) * bs]))))
+            rb.hashes.append(hash((parent, tuple(token_ids[i * bs:(i + 1) * bs + la]))))
         return rb.hashes
+
+    def _hashable(self, token_ids: list[int], num_tokens: int) -> int:
+        """Full blocks among the first num_tokens whose hash is known (lookahead)."""
+        return min(num_tokens, len(token_ids) - self.lookahead) // self.block_size
 
     def _blocks_needed(self, g: KVGroup, num_tokens: int) -> int:
         """Blocks of group g that positions [0, num_tokens) occupy."""
@@ -190,7 +201,7 @@ class KVCacheManager:
         if not self.enable_caching:
             return 0
         u = self.hit_unit
-        hashes = self._hashes(token_ids, (len(token_ids) - 1) // self.block_size, rb)
+        hashes = self._hashes(token_ids, self._hashable(token_ids, len(token_ids) - 1), rb)
         n = len(hashes) // u * u
         # Groups that keep every block: their run of cached blocks bounds the hit.
         rest = []
@@ -326,7 +337,7 @@ class KVCacheManager:
         if not self.enable_caching:
             return
         rb = self.reqs[req_id]
-        num_full = num_computed // self.block_size
+        num_full = self._hashable(token_ids, num_computed)
         if num_full > rb.num_cached:
             self._hashes(token_ids, num_full, rb)
             for gi, g in enumerate(self.groups):
@@ -337,7 +348,7 @@ class KVCacheManager:
                     if table[j] != NULL_BLOCK:
                         self.pools[gi].cache(table[j], self._hash_of(rb, g, j))
             rb.num_cached = num_full
-        while rb.snaps and rb.snaps[0][0] <= num_computed:
+        while rb.snaps and rb.snaps[0][0] <= num_full * self.block_size:
             n, gi, snap, kept = rb.snaps.pop(0)
             pool, h = self.snapshots[gi], rb.hashes[n // self.block_size - 1]
             if pool.lookup(h) is None:

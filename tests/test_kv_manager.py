@@ -39,6 +39,36 @@ def test_a_hash_held_by_two_blocks_outlives_either():
     assert pool.allocate() == b and pool.lookup(7) is None
 
 
+def test_a_block_holding_nothing_is_reused_before_cached_ones():
+    """A freed block without a hash (a partial block, a snapshot dropped with
+    its rejected draft) is handed out first: taking it evicts nothing."""
+    pool = BlockPool(3)
+    a, b, c = pool.allocate(), pool.allocate(), pool.allocate()
+    pool.cache(a, 7)
+    pool.free(a)
+    pool.free(b)                                   # freed after a, but holds nothing
+    assert pool.allocate() == b and pool.lookup(7) == a
+    pool.free(c)
+    pool.free(b)
+    assert [pool.allocate() for _ in range(3)] == [b, c, a] and pool.lookup(7) is None
+
+
+def test_lookahead_hashes_the_token_after_each_block():
+    """With an MTP head (lookahead 1) a block is registered once the token after
+    it is known, and hit only by a prompt whose token there is the same."""
+    kv = KVCacheManager(group_layers([LayerSpec(0, 1, 8)]), [16], 4, True, lookahead=1)
+    a = list(range(100, 113))                      # 13 tokens
+    assert kv.allocate("a", a, 0, 12)
+    kv.cache_full_blocks("a", a[:12], 12)          # token 12 not known yet: blocks 0, 1
+    assert kv.reqs["a"].num_cached == 2
+    kv.cache_full_blocks("a", a, 12)
+    assert kv.reqs["a"].num_cached == 3
+    assert kv.find_prefix_hit("b", a + [1]) == 12
+    assert kv.find_prefix_hit("e", a[:12] + [1, 2]) == 8                # token 12 differs
+    assert kv.find_prefix_hit("c", a[:8] + [0] + a[9:] + [1]) == 4     # token 8 differs: block 1 is not hit
+    assert kv.find_prefix_hit("d", a[:12]) == 8                        # 11 to hit, token 12 unknown
+
+
 def manager(num_blocks=16, window=None, caching=True):
     specs = [LayerSpec(0, 1, 8), LayerSpec(1, 1, 8, window)] if window else [LayerSpec(0, 1, 8)]
     groups = group_layers(specs)

@@ -286,3 +286,91 @@ def test_tensor_parallel_ranks_copy_the_state_too(tiny_qwen3_next):
 def test_the_capacity_planner_says_what_snapshots_take():
     assert f"{SNAPSHOTS_PER_SEQ} per running sequence" in SNAPSHOT_NOTE
     assert f"at most {SNAPSHOT_SHARE:.0%} of the KV memory" in SNAPSHOT_NOTE
+
+
+# -- with an MTP head -------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def v4_with_mtp(tmp_path_factory):
+    from test_deepseek_v4 import case, save_with_mtp
+    path = tmp_path_factory.mktemp("v4_mtp_state")
+    save_with_mtp(case(4), path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def qwen3_next_with_mtp(tmp_path_factory):
+    from test_hybrid_mtp import saved
+    return saved("qwen3_next", tmp_path_factory)
+
+
+def recording(llm):
+    """Wrap the proposer: (tag[0], token ids, drafts) of every draft list it makes."""
+    seen, tag, propose = [], [None], llm.core.proposer.propose
+
+    def rec(reqs, room):
+        out = propose(reqs, room)
+        seen.extend((tag[0], list(r.token_ids), d) for r, d in zip(reqs, out) if d)
+        return out
+    llm.core.proposer.propose = rec
+    return seen, tag
+
+
+@pytest.mark.parametrize("family", ["deepseek_v4", "qwen3_next"])
+def test_mtp_head_resumes_exactly_at_hits(family, v4_with_mtp, qwen3_next_with_mtp):
+    """With an MTP head drafting, snapshots hold the head's cache too (taken
+    after its pass over the step) and what is cached up to a position is
+    hashed with the token after it (the head's entry there read it). Prompts:
+    three sharing a system prompt (the third hits the junction); a follow-up
+    turn hitting the snapshot that the third request's last step took (the
+    step that finished it); one that leaves the third's prompt exactly at a
+    snapshot point (it hits an earlier one: the head's last entry there read
+    the third's next token). Every draft after a hit equals the MTP
+    head's over the whole sequence without a cache, and tokens equal the
+    engine without drafts or caching."""
+    if family == "deepseek_v4":
+        from test_spec_decode_mtp import check_drafts
+        path, grid, args = v4_with_mtp, 32, dict(block_size=2)
+        system, prompts = conversation(128, seed=5, users=(24, 31))
+    else:
+        from test_hybrid_mtp import ReferenceMTP
+        p, hf, sd = qwen3_next_with_mtp
+        path, grid, args = str(p), 8, dict(dtype="float32", quantization="none", block_size=BS)
+        system, prompts = conversation(256, seed=3)
+    args.update(max_num_seqs=2, mamba_block_size=grid)
+    llm = LLM(path, speculative_config={"method": "mtp", "num_speculative_tokens": 2}, **args)
+    assert llm.core.plan.num_snapshots > 0
+    c = prompts[2]
+    m = (len(c) - 1) // grid * grid                   # the third prompt's last snapshot point
+    parted = c[:m] + [(c[m] + 1) % 100, 9, 10]
+    end = -(-(len(c) + 8) // grid) * grid             # where the third request's last step ends
+    sps = [SamplingParams(temperature=0, max_tokens=12 if i != 2 else end - len(c) + 1, ignore_eos=True)
+           for i in range(3)]
+    seen, tag = recording(llm)
+    outs = []
+    for i, (p, sp) in enumerate(zip(prompts, sps)):
+        tag[0] = i
+        outs += llm.generate([p], sp)
+    follow = c + list(outs[2].outputs[0].token_ids) + [5, 6, 7]
+    for i, q in ((3, follow), (4, parted)):
+        tag[0] = i
+        outs += llm.generate([q], sps[0])
+    hits = [o.num_cached_tokens for o in outs]
+    junction = len(system) // grid * grid
+    assert hits[:3] == [0, 0, junction] and hits[3] == end and junction <= hits[4] < m, hits
+    plain = LLM(path, enable_prefix_caching=False, **args)
+    ref = plain.generate(prompts + [follow, parted], sps + [sps[0]] * 2)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    checked = 0
+    for i, ids, drafts in seen:
+        if i < 2:
+            continue
+        if family == "deepseek_v4":
+            check_drafts(llm.core.model, ids, drafts)
+        else:
+            want, margins = ReferenceMTP(hf, sd).drafts(ids, len(drafts))
+            n = next((j for j, g in enumerate(margins) if g <= 1e-3), len(drafts))   # near-ties aside
+            assert drafts[:n] == want[:n], (len(ids), drafts, want)
+        checked += 1
+    assert checked >= 10
+    kv = llm.core.kv
+    assert kv.num_used_blocks == 0 and all(n == 0 for p in kv.snapshots.values() for n in p.ref_cnt)
