@@ -145,13 +145,10 @@ class EngineArgs:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.kv_cache_memory is not None and not self.kv_cache_memory > 0:
             raise ValueError(f"kv_cache_memory must be > 0, got {self.kv_cache_memory}")
-        topo = self.topology()
+        self.topology()          # (raises on a bad layout)
         if not self.distributed_timeout > 0:
             raise ValueError(f"distributed_timeout must be > 0, got {self.distributed_timeout}")
-        spec = self.speculative()
-        if topo.tp_size > 1 and spec is not None and spec.method == "mtp":
-            raise ValueError("speculative method 'mtp' is not supported with tensor_parallel_size > 1 yet "
-                             "(method 'ngram' is)")
+        self.speculative()
 
     def topology(self):
         """Where the ranks run (parallel.distributed.Topology); raises ValueError on a bad layout."""

@@ -116,7 +116,7 @@ class EngineCore(Worker):
                      "hits resume there", plan.snapshot_interval, plan.num_snapshots, plan.snapshot_bytes / 2**20)
         self.kv = KVCacheManager(plan.groups, plan.num_blocks, args.block_size, caching,
                                  max_rollback=plan.max_rollback, num_snapshots=plan.num_snapshots,
-                                 snapshot_interval=plan.snapshot_interval, lookahead=int(self._mtp_drafts))
+                                 snapshot_interval=plan.snapshot_interval, lookahead=int(self.mtp_drafts))
         self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.max_num_batched_tokens,
                                    args.long_prefill_token_threshold)
         self.runner = ModelRunner(self.model, self.kv, caches,

@@ -4,7 +4,7 @@ Rank 0 (the engine core) schedules and samples; the other ranks only run the
 model. Every step the leader broadcasts the step's plan (model_runner.StepPlan:
 token ids, positions, block tables, logits rows; sampling stays on rank 0)
 over the TP group, and every rank runs the same forward, whose collectives
-pair up. Under asynchronous scheduling a step's ids may still be sampling on
+pair up; with an MTP proposer, then the head's passes (mtp_proposer.HeadPlan). Under asynchronous scheduling a step's ids may still be sampling on
 rank 0's device when its plan goes out: the leader shares each step's
 sampled tokens in one all-reduce after it (Followers.share), and each
 follower's next step reads them on its own device. While idle the leader
@@ -106,10 +106,13 @@ class Followers:
 
 def run_follower(args: EngineArgs, rank: int) -> None:
     """A follower rank's life: the Worker's startup phases, then the leader's plans."""
-    from engine.model_runner import ModelRunner
+    from engine.model_runner import ModelRunner, StepPlan
+    from engine.mtp_proposer import HeadPlan, run_head
     from engine.worker import Worker
     worker = Worker(args, rank=rank)
-    runner = ModelRunner(worker.model, None, worker.caches, graphs=worker.graphs)
+    runner = ModelRunner(worker.model, None, worker.caches, graphs=worker.graphs, head_graphs=worker.head_graphs,
+                         groups=worker.plan.groups, block_size=worker.plan.block_size)
+    runner.keep_streams = worker.mtp_drafts     # the leader's MTP proposer runs the head after each step
     distributed.startup_done()
     log.info("rank %d ready: %d KV blocks per group, waiting for the leader's steps", rank,
              worker.plan.num_blocks[0])
@@ -121,6 +124,10 @@ def run_follower(args: EngineArgs, rank: int) -> None:
             continue
         if msg == STOP:
             break
+        if isinstance(msg, HeadPlan):
+            run_head(runner, msg)
+            continue
+        assert isinstance(msg, StepPlan), type(msg)
         runner.follow(msg)
         steps += 1
     log.info("rank %d: the leader stopped after %d steps", rank, steps)

@@ -17,7 +17,7 @@ from engine.request import Request
 from engine.sampler import DraftRow, Sampled, batch_token_logprobs, sample, sample_async
 from engine.scheduler import SchedulerOutput, ScheduledRequest
 from kvcache.dsv4_paged import DSV4PagedCache
-from kvcache.kv_manager import KVCacheManager, StateCopies
+from kvcache.kv_manager import KVCacheManager, KVGroup, StateCopies
 from kvcache.linear_state import PAD_SLOT
 from kvcache.metadata import AttentionMetadata, GroupMetadata
 from kvcache.pool_plan import cache_objects
@@ -124,11 +124,15 @@ class StepHandle:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv: KVCacheManager | None, kv_caches: list, followers=None,
-                 graphs: DecodeGraphs | None = None, head_graphs: DecodeGraphs | None = None):
+                 graphs: DecodeGraphs | None = None, head_graphs: DecodeGraphs | None = None,
+                 groups: list[KVGroup] | None = None, block_size: int = 0):
+        """kv None (a follower rank): groups and block_size give the pool's layout."""
         self.model = model
         self.graphs = graphs           # captured decode steps (CUDA graphs), or None: always eager
         self.head_graphs = head_graphs   # captured chained MTP head passes, or None
         self.kv = kv                   # the leader's block tables (None on a follower rank)
+        self.groups = kv.groups if kv is not None else groups
+        self.block_size = kv.block_size if kv is not None else block_size
         self.followers = followers     # tensor parallel: where the leader sends each step's plan
         self.kv_caches = kv_caches     # indexed by layer, or one DSV4PagedCache
         self.device = _model_device(model)
@@ -232,7 +236,7 @@ class ModelRunner:
             else:
                 self._fill_group(g, tg, ln, tok_pos, seq_of_tok, slots[:T], bt[:B])
             # A per-sequence state's pad rows go to the cache's pad slot.
-            bt[B:] = PAD_SLOT if self.kv.groups[g].per_seq else 0
+            bt[B:] = PAD_SLOT if self.groups[g].per_seq else 0
         if P:
             pos[B * q:] = 0
             qsl[B + 1:] = B * q + np.arange(1, P + 1) * q
@@ -253,12 +257,12 @@ class ModelRunner:
         """Group g's block tables [B, W] and slot mapping [T] (filled in place)
         from its per-sequence tables tg (lengths ln), for tokens at pos of
         sequence seq_of_tok."""
-        bs = self.kv.block_size
+        bs = self.block_size
         bt.fill(0)
         for i, t in enumerate(tg):      # the manager's arrays: a copy per row, not per entry
             bt[i, :len(t)] = t
-        r = self.kv.groups[g].ratio
-        if self.kv.groups[g].per_seq:
+        r = self.groups[g].ratio
+        if self.groups[g].per_seq:
             slots[:] = bt[seq_of_tok, 0]      # a per-sequence state: its one slot
         elif r > 1:
             # One row per r tokens (DeepSeek-V4's compressed entries): the token
@@ -301,12 +305,12 @@ class ModelRunner:
         seq_of_tok = np.repeat(np.arange(B), n)
         pos = np.arange(int(q[-1])) + (start - q[:-1])[seq_of_tok]
         groups = []
-        for g in range(len(self.kv.groups)):
+        for g in range(len(self.groups)):
             tg = [t[g] for _, t in seqs]
             ln = np.fromiter(map(len, tg), np.int64, B)
             slots, bt = np.full(len(pos) + P, -1, np.int64), np.zeros((B + P, int(ln.max())), np.int64)
             self._fill_group(g, tg, ln, pos, seq_of_tok, slots[:len(pos)], bt[:B])
-            bt[B:] = PAD_SLOT if self.kv.groups[g].per_seq else 0
+            bt[B:] = PAD_SLOT if self.groups[g].per_seq else 0
             groups.append((slots, bt))
         return np.concatenate([start + n, np.zeros(P, np.int64)]), groups
 
@@ -347,7 +351,7 @@ class ModelRunner:
         step still in flight whose tokens this one's placeholders are."""
         # Decodes first, as the attention metadata expects.
         sched = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)
-        groups = range(len(self.kv.groups))
+        groups = range(len(self.groups))
         tables = [[self.kv.block_table_array(s.req.request_id, g) for s in sched] for g in groups]
         prev_rows = {r.request_id: i for i, r in enumerate(prev.sampled)} if prev is not None else None
         plan, sampled = self._pack(sched, tables, *self._graph_shape(sched, tables), prev_rows=prev_rows,

@@ -110,7 +110,7 @@ class Worker:
         model = create_model(self.source.config, build_dtype, self.device,
                              None if dummy else self.source.weights(stored=bool(blocks)), args.seed,
                              stored=blocks)
-        if self._mtp_drafts:
+        if self.mtp_drafts:
             if not getattr(model, "has_mtp", False):
                 raise ValueError("speculative method 'mtp' needs a model with an MTP head (DeepSeek-V4 with "
                                  "num_nextn_predict_layers > 0, Qwen3-Next / Qwen3.5 with mtp_num_hidden_layers 1)")
@@ -188,7 +188,7 @@ class Worker:
                 query_lens = (1, 1 + self.spec.num_speculative_tokens)
         graphs = DecodeGraphs(self.model, self.caches, self._graph_widths(), self.max_model_len, args.max_num_seqs,
                               self.device, emulate=emulate, query_lens=query_lens,
-                              max_num_tokens=args.max_num_batched_tokens, streams=self._mtp_drafts)
+                              max_num_tokens=args.max_num_batched_tokens, streams=self.mtp_drafts)
         used = torch.cuda.memory_allocated(self.device) if not emulate else 0
         try:
             graphs.capture()
@@ -216,7 +216,7 @@ class Worker:
         """With MTP drafts of k > 1: the head's chained passes (one row per
         sequence, the previous pass's streams in) as CUDA graphs per padded
         batch size, or None (said in one line when a capture fails)."""
-        if not self._mtp_drafts or self.spec.num_speculative_tokens < 2:
+        if not self.mtp_drafts or self.spec.num_speculative_tokens < 2:
             return None
         graphs = DecodeGraphs(self.model, self.caches, self._graph_widths(), self.max_model_len,
                               self.args.max_num_seqs, self.device, emulate=emulate, head=True)
@@ -230,12 +230,12 @@ class Worker:
         return graphs
 
     @property
-    def _mtp_drafts(self) -> bool:
+    def mtp_drafts(self) -> bool:
         return self.spec is not None and self.spec.method == "mtp"
 
     def _mtp_specs(self):
         """The MTP head's cache, planned into the pool when it drafts."""
-        return self.model.mtp_cache_spec() if self._mtp_drafts else None
+        return self.model.mtp_cache_spec() if self.mtp_drafts else None
 
     def _kv_budget(self) -> int:
         """Bytes for the KV pool: kv_cache_memory when given (a fraction: of the

@@ -3,7 +3,7 @@ follower spawned), run as its own process: a torch.distributed group must not
 outlive its test inside the pytest process (tests/test_async_scheduling.py).
 
     python tests/tp_engine_run.py MODEL_DIR PORT [--async-scheduling] [--stop ID] [--shared-prefix]
-                                  [--no-prefix-caching]
+                                  [--no-prefix-caching] [--mtp K] [--block-size N] [--grid N]
 
 Generates for a fixed set of prompts and sampling parameters (greedy, seeded,
 penalties; the first prompt again, greedy with min_tokens and stop token ID)
@@ -11,7 +11,9 @@ and prints one JSON line: per request its token ids and finish reason, and
 per launched step how many of its ids came from the step in flight and
 whether its sampling waited for that step. --shared-prefix: the prompts
 share a 41-token prefix and run as [0], [1], [2, 3, 4], so that the last
-three hit it (state snapshots every 8 tokens: a hybrid model's prefix cache)."""
+three hit it (state snapshots every 8 tokens: a hybrid model's prefix cache).
+--mtp K: the model's MTP head drafts K tokens; the JSON then has "drafts":
+(token ids, drafts) of every draft list the leader proposed."""
 import argparse
 import json
 
@@ -38,16 +40,31 @@ def main() -> None:
     ap.add_argument("--stop", type=int)
     ap.add_argument("--shared-prefix", action="store_true")
     ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--mtp", type=int, default=0)
+    ap.add_argument("--block-size", type=int, default=4)
+    ap.add_argument("--grid", type=int, default=8)
     a = ap.parse_args()
-    llm = LLM(a.model, tensor_parallel_size=2, master_port=a.port, block_size=4, kv_cache_memory=4 << 20,
-              max_num_seqs=3, async_scheduling=a.async_scheduling, mamba_block_size=8,
-              enable_prefix_caching=not a.no_prefix_caching)
+    llm = LLM(a.model, tensor_parallel_size=2, master_port=a.port, block_size=a.block_size,
+              kv_cache_memory=4 << 20, max_model_len=128, max_num_seqs=3, async_scheduling=a.async_scheduling,
+              mamba_block_size=a.grid,
+              enable_prefix_caching=not a.no_prefix_caching,
+              speculative_config={"method": "mtp", "num_speculative_tokens": a.mtp} if a.mtp else None)
     steps = count_ahead(llm)
-    prompts = token_prompts(5, 5, 30, seed=11)
+    drafts = []
+    if a.mtp:
+        propose = llm.core.proposer.propose
+
+        def recording(reqs, room):
+            out = propose(reqs, room)
+            drafts.extend((list(r.token_ids), d) for r, d in zip(reqs, out) if d)
+            return out
+        llm.core.proposer.propose = recording
+    vocab = llm.core.info.vocab_size
+    prompts = [[t % vocab for t in p] for p in token_prompts(5, 5, 30, seed=11)]
     prompts[3] = prompts[0]
     sp = params(a.stop)
     if a.shared_prefix:
-        system = token_prompts(1, 41, 42, seed=12)[0]
+        system = [t % vocab for t in token_prompts(1, 41, 42, seed=12)[0]]
         prompts = [system + p for p in prompts]
         outs = [o for batch in ([0], [1], [2, 3, 4]) for o in llm.generate([prompts[i] for i in batch],
                                                                           [sp[i] for i in batch])]
@@ -55,7 +72,7 @@ def main() -> None:
         outs = llm.generate(prompts, sp)
     res = {"outputs": [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs], "steps": steps,
            "async": llm.core.async_scheduling, "used_blocks": llm.core.kv.num_used_blocks,
-           "hits": [o.num_cached_tokens for o in outs]}
+           "hits": [o.num_cached_tokens for o in outs], "drafts": drafts}
     llm.close()
     print(json.dumps(res))
 
