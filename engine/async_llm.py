@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 
 from engine.core_process import run_engine_core
 from engine.engine_args import EngineArgs
-from engine.engine_core import EngineStats, ModelInfo, check_request
+from engine.engine_core import EngineStats, ModelInfo, check_priority, check_request
 from engine.errors import EngineDeadError, InvalidRequest
 from engine.output_processor import OutputProcessor, child_params
 from engine.outputs import RequestOutput
@@ -159,8 +159,8 @@ class AsyncLLM:
             return prompt, self.tokenizer.encode(prompt)
         return None, list(prompt)
 
-    async def generate(self, prompt, params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt, params: SamplingParams, request_id: str | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         if self._dead is not None:
             raise EngineDeadError("the engine core process died")
         rid = request_id or f"req-{next(self._ids)}"
@@ -168,12 +168,14 @@ class AsyncLLM:
             raise InvalidRequest(f"request id {rid!r} is already running")
         text, ids = self.encode(prompt)
         check_request(ids, params, self.info.max_model_len, self.info.vocab_size)
+        check_priority(priority, self.args.scheduling_policy)
         q: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = q
         now = time.monotonic()
         cids = self.processor.add(rid, text, ids, params, now)
         for i, cid in enumerate(cids):
-            self._in.put(("add", EngineRequest(cid, ids, child_params(params, i), arrival_time=now)))
+            self._in.put(("add", EngineRequest(cid, ids, child_params(params, i), arrival_time=now,
+                                               priority=priority)))
         finished = False
         try:
             while True:

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field, replace
 DEVICES = ("auto", "cuda", "cpu")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
+SCHEDULING_POLICIES = ("fcfs", "priority")      # engine/request_queue.py
 QUANTIZATIONS = ("auto", "none", "int4", "gguf", "fp8")
 
 
@@ -51,6 +52,8 @@ class EngineArgs:
     max_num_seqs: int = arg(64, "requests running at once")
     max_num_batched_tokens: int = arg(2048, "token budget per engine step (decodes and prefill chunks)")
     long_prefill_token_threshold: int = arg(0, "cap on one request's prefill chunk per step (0: the budget only)")
+    scheduling_policy: str = arg("fcfs", "fcfs: requests in arrival order; priority: by each request's "
+                                 "'priority' (lower first), then arrival", choices=list(SCHEDULING_POLICIES))
     kv_cache_memory: int | float | None = arg(
         None, "KV pool size: bytes (2000000, 512MiB, 2GB) or a fraction < 1 of free memory "
               "(default: CPU min(2 GiB, a quarter of available memory); CUDA from --gpu-memory-utilization)",
@@ -116,6 +119,9 @@ class EngineArgs:
                              f"(torch {torch.__version__} built without CUDA?)")
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; supported: {', '.join(DTYPES)}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"unknown scheduling_policy {self.scheduling_policy!r}; supported: "
+                             f"{', '.join(SCHEDULING_POLICIES)}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"unknown load_format {self.load_format!r}; supported: {', '.join(LOAD_FORMATS)}")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -68,6 +68,14 @@ class ModelInfo:
     compression_ratio: float = 1.0    # 16-bit KV bytes per token / stored bytes per token
 
 
+def check_priority(priority: int, policy: str) -> None:
+    """Raise InvalidRequest for a priority the scheduling policy ignores (as vLLM)."""
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise InvalidRequest(f"priority must be an integer, got {priority!r}")
+    if priority and policy != "priority":
+        raise InvalidRequest(f"priority {priority} needs --scheduling-policy priority (this server's is {policy})")
+
+
 def check_request(prompt_token_ids: list[int], params, max_model_len: int, vocab_size: int) -> None:
     """Raise InvalidRequest for a request that can never run."""
     n = len(prompt_token_ids)
@@ -118,7 +126,7 @@ class EngineCore(Worker):
                                  max_rollback=plan.max_rollback, num_snapshots=plan.num_snapshots,
                                  snapshot_interval=plan.snapshot_interval, lookahead=int(self.mtp_drafts))
         self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.max_num_batched_tokens,
-                                   args.long_prefill_token_threshold)
+                                   args.long_prefill_token_threshold, args.scheduling_policy)
         self.runner = ModelRunner(self.model, self.kv, caches,
                                   followers=Followers(self.args.distributed_timeout, self.device)
                                   if self.tp > 1 else None,

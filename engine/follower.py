@@ -4,7 +4,8 @@ Rank 0 (the engine core) schedules and samples; the other ranks only run the
 model. Every step the leader broadcasts the step's plan (model_runner.StepPlan:
 token ids, positions, block tables, logits rows; sampling stays on rank 0)
 over the TP group, and every rank runs the same forward, whose collectives
-pair up; with an MTP proposer, then the head's passes (mtp_proposer.HeadPlan). Under asynchronous scheduling a step's ids may still be sampling on
+pair up; with an MTP proposer, then the head's passes (mtp_proposer.HeadPlan).
+Under asynchronous scheduling a step's ids may still be sampling on
 rank 0's device when its plan goes out: the leader shares each step's
 sampled tokens in one all-reduce after it (Followers.share), and each
 follower's next step reads them on its own device. While idle the leader

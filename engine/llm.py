@@ -8,7 +8,7 @@ import sys
 import time
 
 from engine.engine_args import EngineArgs
-from engine.engine_core import EngineCore, check_request
+from engine.engine_core import EngineCore, check_priority, check_request
 from engine.errors import InvalidRequest
 from engine.output_processor import OutputProcessor, child_params
 from engine.outputs import RequestOutput
@@ -37,17 +37,19 @@ class LLM:
             raise InvalidRequest("this model has no tokenizer: give prompts as token ids")
         return prompt, self.tokenizer.encode(prompt)
 
-    def add_request(self, prompt, params: SamplingParams, request_id: str | None = None) -> str:
+    def add_request(self, prompt, params: SamplingParams, request_id: str | None = None, priority: int = 0) -> str:
         text, ids = self.encode(prompt)
-        return self._add(text, ids, params, request_id)
+        check_priority(priority, self.core.args.scheduling_policy)
+        return self._add(text, ids, params, request_id, priority)
 
-    def _add(self, text, ids, params, request_id=None) -> str:
+    def _add(self, text, ids, params, request_id=None, priority: int = 0) -> str:
         rid = request_id or str(next(self._ids))
         check_request(ids, params, self.core.max_model_len, self.core.info.vocab_size)
         now = time.monotonic()
         cids = self.processor.add(rid, text, ids, params, now)
         for i, cid in enumerate(cids):
-            self.core.add_request(EngineRequest(cid, ids, child_params(params, i), arrival_time=now))
+            self.core.add_request(EngineRequest(cid, ids, child_params(params, i), arrival_time=now,
+                                                priority=priority))
         return rid
 
     def close(self) -> None:
@@ -66,18 +68,23 @@ class LLM:
         return outs
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False, priority: list[int] | None = None) -> list[RequestOutput]:
+        """priority: per prompt, with scheduling_policy "priority" (lower first; vLLM's argument)."""
         if isinstance(prompts, str) or is_token_prompt(prompts):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise InvalidRequest(f"{len(prompts)} prompts but {len(params)} sampling params")
+        priority = [0] * len(prompts) if priority is None else list(priority)
+        if len(priority) != len(prompts):
+            raise InvalidRequest(f"{len(prompts)} prompts but {len(priority)} priorities")
         # Validate every prompt before queueing any, so a bad one disturbs none.
         encoded = [self.encode(p) for p in prompts]
-        for (_, ids), sp in zip(encoded, params):
+        for (_, ids), sp, pr in zip(encoded, params, priority):
             check_request(ids, sp, self.core.max_model_len, self.core.info.vocab_size)
-        order = [self._add(text, ids, sp) for (text, ids), sp in zip(encoded, params)]
+            check_priority(pr, self.core.args.scheduling_policy)
+        order = [self._add(text, ids, sp, priority=pr) for (text, ids), sp, pr in zip(encoded, params, priority)]
         done: dict[str, RequestOutput] = {}
         t0 = time.monotonic()
         while self.core.has_work():

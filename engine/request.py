@@ -25,6 +25,7 @@ class EngineRequest:
     params: SamplingParams
     eos_token_ids: list[int] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0             # --scheduling-policy priority: lower runs first (vLLM's meaning)
 
 
 class Request:
@@ -37,6 +38,7 @@ class Request:
         self.eos_token_ids = set() if er.params.ignore_eos else set(er.eos_token_ids)
         self.stop_token_ids = set(er.params.stop_token_ids)
         self.arrival_time = er.arrival_time
+        self.priority = er.priority
         self.status = Status.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1                  # prefix-cache hit at first schedule

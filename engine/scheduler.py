@@ -1,17 +1,18 @@
 """Continuous batching with one token budget per step (vLLM v1's shape):
 running requests first (decodes and unfinished prefill chunks), then waiting
-requests FCFS, chunked when the budget is short; preemption by recompute of
-the newest running request when KV blocks run out.
+requests in the policy's order (engine/request_queue.py: fcfs, priority),
+chunked when the budget is short; preemption by recompute of the last running
+request (fcfs: the newest; priority: the lowest, newest) when KV blocks run out.
 
 A decoding request with drafts (speculative decoding) is scheduled for its
 last token plus its drafts; the drafts are the first thing dropped when the
 budget or the pool is short. After the step, update() counts only the
 accepted positions as computed and frees the KV of the rejected ones."""
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 from engine.request import Request, Status
+from engine.request_queue import make_queue
 from kvcache.kv_manager import KVCacheManager
 
 
@@ -43,19 +44,19 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 long_prefill_token_threshold: int = 0):
+                 long_prefill_token_threshold: int = 0, policy: str = "fcfs"):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.long_prefill_token_threshold = long_prefill_token_threshold
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.waiting = make_queue(policy)
+        self.running: list[Request] = []      # in the policy's order: the last is preempted first
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
 
     def add(self, req: Request) -> None:
         self.requests[req.request_id] = req
-        self.waiting.append(req)
+        self.waiting.add(req)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -99,13 +100,13 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.stats.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self.waiting.readd(req)
         out.preempted.append(req.request_id)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        # 1. Running requests, oldest first; the newest is preempted to make room.
+        # 1. Running requests in order; the last is preempted to make room.
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -131,10 +132,10 @@ class Scheduler:
             self._snapshot(out.scheduled[-1])
             budget -= n + len(spec)
             i += 1
-        # 2. Waiting requests, FCFS, never by preempting others.
+        # 2. Waiting requests in the policy's order, never by preempting others.
         if not out.preempted:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-                req = self.waiting[0]
+                req = self.waiting.peek()
                 hit = 0
                 if req.num_computed_tokens == 0:
                     if req.params.prompt_logprobs is None:
@@ -142,7 +143,7 @@ class Scheduler:
                 n = self._chunk(hit, req.num_tokens - hit, budget, self.kv.shared_prefix(req.request_id))
                 if not self.kv.allocate(req.request_id, req.token_ids, hit, n, num_prefix_hit=hit):
                     break
-                self.waiting.popleft()
+                self.waiting.pop()
                 if req.num_cached_tokens < 0:
                     self.stats.prefix_cache_queries += req.num_tokens
                     self.stats.prefix_cache_hits += hit
@@ -151,7 +152,7 @@ class Scheduler:
                     req.first_scheduled_time = time.monotonic()
                 req.num_computed_tokens = hit
                 req.status = Status.RUNNING
-                self.running.append(req)
+                self.waiting.admit(self.running, req)
                 out.scheduled.append(ScheduledRequest(req, n, hit))
                 self._snapshot(out.scheduled[-1])
                 budget -= n

@@ -206,6 +206,7 @@ class _SamplingFields(_Body):
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
     speculative: bool = True        # false: this request never drafts (speculative decoding)
+    priority: int = 0               # vLLM's: lower is scheduled first (--scheduling-policy priority)
     min_tokens: int = Field(0, ge=0)
     skip_special_tokens: bool = True
     user: str | None = None

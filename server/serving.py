@@ -66,7 +66,7 @@ class RequestLog:
 # Engine requests.
 # --------------------------------------------------------------------------
 async def _generate(state: ServerState, prompt_ids: list[int], params: SamplingParams,
-                    request_id: str, rlog: RequestLog) -> AsyncIterator:
+                    request_id: str, rlog: RequestLog, priority: int = 0) -> AsyncIterator:
     """llm.generate with metrics; aborts the engine request if left unfinished."""
     llm, metrics = state.llm, state.metrics
     t0 = time.monotonic()
@@ -75,7 +75,7 @@ async def _generate(state: ServerState, prompt_ids: list[int], params: SamplingP
     final = None
     rejected = False
     state.start_request(request_id)
-    gen = llm.generate(prompt_ids, params, request_id)
+    gen = llm.generate(prompt_ids, params, request_id, priority)
     try:
         try:
             async for out in gen:
@@ -419,7 +419,7 @@ async def chat_completion(state: ServerState, request: Request, req: ChatComplet
     params = sampling_params(req, max_tokens, top_k if req.logprobs else None, structured=so,
                              skip_special_tokens=skip)
     admit(state, [rlog.id])
-    gen = _generate(state, prompt_ids, params, rlog.id, rlog)
+    gen = _generate(state, prompt_ids, params, rlog.id, rlog, req.priority)
     created = int(time.time())
     model = req.model or state.model_name
     if req.stream:
@@ -596,7 +596,7 @@ async def completion(state: ServerState, request: Request, req: CompletionReques
                              structured=structured.build(structured.constraint(req)))
     rids = [rlog.id if len(ids) == 1 else f"{rlog.id}-{i}" for i in range(len(ids))]
     admit(state, rids)
-    gens = [_generate(state, p, params, rid, rlog) for p, rid in zip(ids, rids)]
+    gens = [_generate(state, p, params, rid, rlog, req.priority) for p, rid in zip(ids, rids)]
     merged = _merge(gens)
     created = int(time.time())
     model = req.model or state.model_name

@@ -97,7 +97,7 @@ class FakeAsyncLLM:
         return {"num_running": len(self.running), "num_waiting": len(self.waiting),
                 "kv_cache_usage": used / self.kv_info["capacity_tokens"], **self.counters}
 
-    async def generate(self, prompt, params, request_id):
+    async def generate(self, prompt, params, request_id, priority=0):
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.params.append(params)
         if len(ids) >= self.max_model_len:

@@ -248,6 +248,15 @@ def test_errors_404_413_and_client(server, client):
         client.chat.completions.create(model="nope", messages=QUESTION)
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=-1)
+    # vLLM's request priority, refused by a server that schedules fcfs (the default)
+    for call in (lambda: client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2,
+                                                        extra_body={"priority": 1}),
+                 lambda: client.completions.create(model=MODEL, prompt="hi", max_tokens=2, stream=True,
+                                                   extra_body={"priority": -1})):
+        with pytest.raises(openai.BadRequestError, match="needs --scheduling-policy priority"):
+            call()
+    assert _err(httpx.post(u, json={"model": MODEL, "messages": QUESTION, "priority": "high"}), 400)["param"] \
+        == "priority"
 
 
 def test_info_routes(server):

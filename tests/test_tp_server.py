@@ -8,7 +8,8 @@ tiny DeepSeek-V4:
       by a veth pair, each with its own address; the leader in one serves
       HTTP, `tqserve serve --headless --node-rank 1` in the other, rendezvous
       and collectives over the link (DeepSeek-V4 with --async-scheduling: the
-      leader shares each step's sampled tokens over it).
+      leader shares each step's sampled tokens over it; and with its MTP
+      head drafting: the head's passes broadcast after each step).
 
 Faults (two nodes): the follower killed mid-stream ends the open streams with
 an error event and the leader with a non-zero exit within 30 s; the leader
@@ -28,7 +29,7 @@ import time
 import pytest
 import transformers
 from netns import netns_unavailable, two_nodes
-from test_deepseek_v4 import CONFIG as DSV4, hf_config, randomise
+from test_deepseek_v4 import CONFIG as DSV4, case, hf_config, randomise, save_with_mtp
 from test_server_process import REPO, ServerProcess, free_port
 from tiny_models import save_tiny_qwen3, token_prompts
 
@@ -48,7 +49,9 @@ def models(tmp_path_factory):
     randomise(list(hf.named_parameters()) + list(hf.named_buffers()), DSV4["n_routed_experts"],
               DSV4["num_experts_per_tok"])
     hf.save_pretrained(d)
-    return {"gemma3": "gemma3-270m", "qwen3": str(q), "dsv4": str(d)}
+    m = tmp_path_factory.mktemp("dsv4_mtp")
+    save_with_mtp(case(4), m)
+    return {"gemma3": "gemma3-270m", "qwen3": str(q), "dsv4": str(d), "dsv4_mtp": str(m)}
 
 
 PROMPTS = {
@@ -56,6 +59,8 @@ PROMPTS = {
     "qwen3": token_prompts(2, 5, 40, seed=3),
     "dsv4": [[t % DSV4["vocab_size"] for t in p] for p in token_prompts(2, 5, 40, seed=4)],
 }
+PROMPTS["dsv4_mtp"] = PROMPTS["dsv4"]
+MTP = ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 2})]
 
 
 @pytest.fixture(scope="module")
@@ -201,11 +206,14 @@ def test_two_nodes_over_a_link_match_one_rank(models, references, nodes, tmp_pat
     # Gemma3 over the link passed too (one run, 2026-12-01); CI time keeps it to
     # the one-node test: the link's path does not depend on the model.
     # DeepSeek-V4 runs with --async-scheduling: each step's tokens shared over the link.
-    for name, flags in [("qwen3", []), ("dsv4", ["--async-scheduling"])]:
+    # DeepSeek-V4 with its MTP head: greedy tokens of one rank without drafts.
+    for name, flags in [("qwen3", []), ("dsv4", ["--async-scheduling"]), ("dsv4_mtp", MTP)]:
         pair = Pair(a, b, models[name], tmp_path, name, *flags)
         try:
             check_against_reference(name, pair.client(PROMPTS[name], N), references[name])
-            assert ("sampled tokens shared with the other ranks" in pair.leader_log.read_text()) == bool(flags)
+            log = pair.leader_log.read_text()
+            assert ("sampled tokens shared with the other ranks" in log) == (name == "dsv4")
+            assert ("speculative decoding: mtp, 2 tokens per step" in log) == (name == "dsv4_mtp")
         finally:
             pair.leader.terminate()
             rc_leader, _ = wait_exit(pair.leader, 60)
