@@ -279,6 +279,44 @@ def test_state_prefix_hits_with_graphs_equal_no_caching(tmp_path):
     assert toks([f]) == toks(LLM(str(tmp_path), enable_prefix_caching=False, **kw).generate([follow], greedy(16)))
 
 
+def test_state_prefix_hits_with_mtp_drafts_and_graphs(tmp_path):
+    """DeepSeek-V4 with its MTP head drafting on the device (the target's
+    decode / verification steps and the head's chained passes replayed as
+    CUDA graphs): the step's snapshots wait for the head's first pass, so
+    hits resume its ring as well. Tokens equal the engine without drafts or
+    caching; the drafts equal those of the same engine without caching
+    (near-ties aside: the CPU test checks them exactly,
+    tests/test_state_prefix_cache.py)."""
+    from test_deepseek_v4 import case, save_with_mtp
+    from tiny_models import conversation
+    save_with_mtp(case(4), str(tmp_path))
+    system, ps = conversation(128, seed=5, users=(24, 31))
+    kw = dict(device="cuda", dtype="float32", block_size=2, mamba_block_size=32, max_num_seqs=2)
+    mtp = {"method": "mtp", "num_speculative_tokens": 2}
+    ref = toks(LLM(str(tmp_path), enable_prefix_caching=False, **kw).generate(ps, greedy(16)))
+    runs = {}
+    for caching in (False, True):
+        llm = LLM(str(tmp_path), speculative_config=mtp, enable_prefix_caching=caching, **kw)
+        seen, propose = {}, llm.core.proposer.propose
+
+        def rec(reqs, room, propose=propose, seen=seen):
+            out = propose(reqs, room)
+            seen.update((tuple(r.token_ids), d) for r, d in zip(reqs, out) if d)
+            return out
+        llm.core.proposer.propose = rec
+        outs = [llm.generate([p], greedy(16))[0] for p in ps]
+        assert toks(outs) == ref
+        runs[caching] = ([o.num_cached_tokens for o in outs], seen, llm)
+    hits, drafts, llm = runs[True]
+    assert hits == [0, 0, 32] and runs[False][0] == [0, 0, 0]
+    assert llm.core.graphs is not None and llm.core.graphs.replays > 0
+    assert llm.core.head_graphs is not None and llm.core.head_graphs.replays > 0
+    # Drafts after the same tokens (a near-tie's other draft may change what is accepted after it).
+    both = drafts.keys() & runs[False][1].keys()
+    same = sum(drafts[k] == runs[False][1][k] for k in both)
+    assert len(both) >= 0.8 * len(drafts) and same >= 0.95 * len(both), (same, len(both), len(drafts))
+
+
 def _tight_budget(path, name):
     """The smallest KV budget whose plan holds a 128-token sequence (max_model_len),
     for the test's 6 sequences of up to 80 tokens: they preempt each other."""
