@@ -15,22 +15,9 @@ from pathlib import Path
 
 import pytest
 from test_server_process import free_port
+from test_state_prefix_cache import qwen3_next_with_mtp, v4_with_mtp  # noqa: F401 (fixtures)
 
 GREEDY_ROWS = (0, 2, 3)      # tp_engine_run's params: the others sample (drafts change their draws)
-
-
-@pytest.fixture(scope="module")
-def v4_with_mtp(tmp_path_factory):
-    from test_deepseek_v4 import case, save_with_mtp
-    path = tmp_path_factory.mktemp("v4_mtp_tp")
-    save_with_mtp(case(4), path)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def qwen3_next_with_mtp(tmp_path_factory):
-    from test_hybrid_mtp import saved
-    return saved("qwen3_next", tmp_path_factory)
 
 
 def run_ranks(path, *flags):
