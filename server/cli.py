@@ -16,6 +16,7 @@ import os
 import socket
 import sys
 import typing
+from pathlib import Path
 
 log = logging.getLogger("tqserve")
 
@@ -93,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tool-call-parser", default=None, choices=sorted(tool_parsers),
                    help="how tool calls are written in the model's output [default: chosen from the "
                         "model's type and chat template, else hermes]")
+    s.add_argument("--chat-template", default=None,
+                   help="a jinja chat template, as a file path or the template itself, used instead of the "
+                        "model's (vLLM's flag; DeepSeek-V4 ships none)")
     s.add_argument("--reasoning-parser", default=None, choices=sorted(reasoning_parsers),
                    help="split <think>...</think> text into reasoning_content [default: off]")
     from server import plan
@@ -164,6 +168,23 @@ def _serve_headless(args, model: str) -> int:
     return run_headless(engine_args)
 
 
+def chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's text, else the value itself (vLLM's rule); it
+    must compile (ValueError: one line at startup, not an error per request)."""
+    if not value:
+        return None
+    from model_zoo.chat_template import compile_template
+    path = Path(value).expanduser()
+    text = path.read_text(encoding="utf-8") if path.is_file() else value
+    if not path.is_file() and not any(m in value for m in ("{{", "{%")):
+        raise ValueError(f"--chat-template {value!r} is neither a file nor a jinja template")
+    try:
+        compile_template(text)
+    except Exception as e:
+        raise ValueError(f"--chat-template does not compile: {str(e).splitlines()[0]}") from None
+    return text
+
+
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -183,6 +204,7 @@ async def _serve(args, model: str, keys: list[str], sock: socket.socket, url: st
 
     try:
         engine_args = EngineArgs(model=model, **{f.name: getattr(args, f.name) for f in engine_fields()})
+        template = chat_template(args.chat_template)
         llm = AsyncLLM(engine_args)
     except ValueError as e:
         log.error("bad engine settings: %s", e)
@@ -223,6 +245,8 @@ async def _serve(args, model: str, keys: list[str], sock: socket.socket, url: st
             server.should_exit = True
             rc = 1
         else:
+            if template is not None:
+                llm.chat_template = template
             state.set_ready()
             kv = llm.kv_info or {}
             log.info("ready: model %s (served as %s) | context %d tokens | KV cache %d tokens, %s bytes/token"

@@ -31,6 +31,7 @@ import ast
 import json
 import re
 import uuid
+import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
@@ -603,9 +604,9 @@ class _DeepSeekStream(ToolStream):
 
 
 class DeepSeekV3ToolParser(ToolParser):
-    """DeepSeek-V3 (and V3.1's `NAME<sep>{...}` variant when reading; V4 per
-    this project's use). The markers are special tokens: detokenize with
-    skip_special_tokens=False so they reach the parser."""
+    """DeepSeek-V3 (and V3.1's `NAME<sep>{...}` variant when reading). The
+    markers are special tokens: detokenize with skip_special_tokens=False so
+    they reach the parser."""
     name = "deepseek_v3"
     skip_special_tokens = False
 
@@ -630,6 +631,160 @@ class DeepSeekV3ToolParser(ToolParser):
             lines.append(f"fn_{i}: {_lark_str(n + chr(10) + '```json' + chr(10))} args_{i}")
             lines.append(f"args_{i}: %json " + json.dumps(root, ensure_ascii=False))
         return "\n".join(lines) + "\n"
+
+
+# --- deepseek_v4 / deepseek_v32: DSML blocks ---------------------------------
+# <｜DSML｜tool_calls>\n<｜DSML｜invoke name="NAME">\n<｜DSML｜parameter name="K" string="true">raw
+# text</｜DSML｜parameter>\n...</｜DSML｜invoke>\n</｜DSML｜tool_calls> (V3.2: function_calls). A
+# parameter's value is its raw text with string="true", JSON with string="false".
+
+DSML = "｜DSML｜"
+DSML_INVOKE, DSML_INVOKE_END = f"<{DSML}invoke", f"</{DSML}invoke>"
+DSML_PARAM_END = f"</{DSML}parameter>"
+_DSML_INVOKE = re.compile(rf'<{DSML}invoke\s+name="([^"]+)"\s*>(.*?)</{DSML}invoke>', re.S)
+_DSML_PARAM = re.compile(rf'\s*<{DSML}parameter\s+name="([^"]+)"\s+string="(true|false)"\s*>(.*?)</{DSML}parameter>',
+                         re.S)
+
+
+def _dsml_call(region: str) -> tuple[str, dict] | None:
+    """(name, arguments) of one whole invoke element, or None when malformed."""
+    m = _DSML_INVOKE.fullmatch(region)
+    if not m or not m.group(1).strip():
+        return None
+    args, pos, body = {}, 0, m.group(2)
+    for p in _DSML_PARAM.finditer(body):
+        if p.start() != pos:
+            return None
+        if p.group(2) == "true":
+            args[p.group(1)] = p.group(3)
+        else:
+            v = _load_json(p.group(3))
+            if v is None and p.group(3).strip() != "null":
+                return None
+            args[p.group(1)] = v
+        pos = p.end()
+    return (m.group(1).strip(), args) if not body[pos:].strip() else None
+
+
+class _DsmlStream(ToolStream):
+    """Sends each call whole once its invoke element closes (as pythonic does)."""
+
+    def __init__(self, whole: bool, blocks: tuple[str, ...]):
+        super().__init__(whole)
+        self._opens = tuple(f"<{DSML}{b}>" for b in blocks)
+        self._state, self._close = "text", ""
+        self._pending = ""       # the block's open marker and what followed: content if no call is read
+        self._block_ok = False
+
+    def _step(self, final: bool) -> None:
+        while True:
+            buf = self._buf
+            if self._state == "text":
+                i, mk = _first_marker(buf, self._opens)
+                if i < 0:
+                    keep = 0 if final else _partial_suffix(buf, self._opens)
+                    self._content(buf[:len(buf) - keep])
+                    self._buf = buf[len(buf) - keep:]
+                    return
+                self._content(buf[:i])
+                self._close = "</" + mk[1:]
+                self._pending, self._buf, self._state, self._block_ok = mk, buf[i + len(mk):], "block", False
+                continue
+            rest = buf.lstrip()
+            lead = buf[:len(buf) - len(rest)]
+            if rest.startswith(DSML_INVOKE):
+                j = rest.find(DSML_INVOKE_END)
+                if j < 0:
+                    if final:
+                        self._content(self._pending + buf)
+                        self._pending, self._buf = "", ""
+                    return
+                end = j + len(DSML_INVOKE_END)
+                call = _dsml_call(rest[:end])
+                if call:
+                    self._whole_call(*call)
+                    self._block_ok, self._pending = True, ""
+                else:
+                    self._content(self._pending + lead + rest[:end])
+                    self._pending = ""
+                self._buf = rest[end:]
+            elif rest.startswith(self._close):       # the block closes: a read block's markers are dropped
+                if not self._block_ok:
+                    self._content(self._pending + lead + self._close)
+                self._pending, self._buf, self._state = "", rest[len(self._close):], "text"
+            elif not final and (not rest or DSML_INVOKE.startswith(rest) or self._close.startswith(rest)):
+                return
+            else:                                    # anything else ends the block
+                self._content(self._pending)
+                self._pending, self._state = "", "text"
+
+
+def _may_be_string(schema: dict) -> bool:
+    t = schema.get("type")
+    if "enum" in schema:
+        return any(isinstance(v, str) for v in schema["enum"])
+    if "const" in schema:
+        return isinstance(schema["const"], str)
+    return t is None or t == "string" or (isinstance(t, list) and "string" in t)
+
+
+class DeepSeekV4ToolParser(ToolParser):
+    """DeepSeek-V4's DSML tool calls (<｜DSML｜tool_calls>); reads V3.2's
+    <｜DSML｜function_calls> blocks too. Its markers are special tokens."""
+    name = "deepseek_v4"
+    skip_special_tokens = False
+    block = "tool_calls"                 # what the grammar writes
+
+    def _stream(self, whole: bool) -> ToolStream:
+        return _DsmlStream(whole, ("tool_calls", "function_calls"))
+
+    def grammar(self, choice: str | None, parallel: bool) -> str:
+        """One invoke per call, parameters in the schema's order (required ones
+        always, the others optional); a value that may be a string as raw text
+        (string="true"; an enum's strings as literals), any value as JSON
+        valid against its schema (string="false")."""
+        tools = self._chosen(choice)
+        end = _lark_str(DSML_PARAM_END)
+        lines = [f"start: {_lark_str(f'<{DSML}{self.block}>' + chr(10))} " + ("call+" if parallel else "call")
+                 + f" {_lark_str(f'</{DSML}{self.block}>')}",
+                 "call: " + " | ".join(f"fn_{i}" for i in range(len(tools))),
+                 f"raw[stop={end}]: /(?s:.*)/"]
+        for i, (n, p) in enumerate(tools):
+            root, params = _split_root(p)
+            props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
+            required = set(params.get("required") or ())
+            body = []
+            for j, (k, schema) in enumerate(props.items()):
+                schema = schema if isinstance(schema, dict) else {}
+                alts = [f"{_dsml_param(json.dumps(k), False)} %json {json.dumps(dict(root, **schema), ensure_ascii=False)} {end}"]
+                if _may_be_string(schema):
+                    lits = [_lark_str(v + DSML_PARAM_END) for v in schema.get("enum", []) if isinstance(v, str)]
+                    alts.insert(0, f"{_dsml_param(json.dumps(k), True)} " + (f"({' | '.join(lits)})" if lits else "raw"))
+                lines.append(f"p_{i}_{j}: ({' | '.join(alts)}) " + r'"\n"')
+                body.append(f"p_{i}_{j}" + ("" if k in required else "?"))
+            if not props:                        # free-form: any parameters, raw or JSON
+                name = r'/"[^"]+"/'
+                lines.append(f"p_{i}_any: ({_dsml_param(name, True)} raw | {_dsml_param(name, False)} %json {{}} {end}) "
+                             + r'"\n"')
+                body.append(f"p_{i}_any*")
+            lines.append(f"fn_{i}: {_lark_str(f'<{DSML}invoke name=' + json.dumps(n) + '>' + chr(10))} "
+                         f"{' '.join(body)} {_lark_str(DSML_INVOKE_END + chr(10))}")
+        return "\n".join(lines) + "\n"
+
+
+def _dsml_param(name: str, string: bool) -> str:
+    """Lark for a parameter's open tag; name: a quoted-name literal's text (json.dumps of
+    the name) or a regex (/.../) for any name."""
+    tail = _lark_str(f' string="{str(string).lower()}">')
+    if name.startswith("/"):
+        return f"{_lark_str(f'<{DSML}parameter name=')} {name} {tail}"
+    return f"{_lark_str(f'<{DSML}parameter name=' + name)} {tail}"
+
+
+class DeepSeekV32ToolParser(DeepSeekV4ToolParser):
+    """DeepSeek-V3.2's DSML (<｜DSML｜function_calls>)."""
+    name = "deepseek_v32"
+    block = "function_calls"
 
 
 # --- pythonic: [get_weather(city="Paris", days=3), other(x=1)] ---------------
@@ -673,7 +828,9 @@ def _dotted(node: ast.AST) -> str | None:
 def _py_call(text: str) -> tuple[str, dict] | None:
     """`name(k=literal, ...)` -> (name, arguments) or None (no positional args, no **)."""
     try:
-        node = ast.parse(text.strip(), mode="eval").body
+        with warnings.catch_warnings():     # odd model text ("3x") is not worth a SyntaxWarning on stderr
+            warnings.simplefilter("ignore", SyntaxWarning)
+            node = ast.parse(text.strip(), mode="eval").body
         if not isinstance(node, ast.Call) or node.args or _dotted(node.func) is None:
             return None
         args = {}
@@ -889,7 +1046,8 @@ class PythonicToolParser(ToolParser):
 
 
 PARSERS: dict[str, type[ToolParser]] = {
-    p.name: p for p in (HermesToolParser, Llama3JsonToolParser, DeepSeekV3ToolParser, PythonicToolParser)
+    p.name: p for p in (HermesToolParser, Llama3JsonToolParser, DeepSeekV3ToolParser, DeepSeekV4ToolParser,
+                        DeepSeekV32ToolParser, PythonicToolParser)
 }
 
 
@@ -898,6 +1056,8 @@ def default_parser(model_type: str | None, chat_template: str | None) -> str | N
     show the format it was trained on), then its HF config model_type; None if
     unknown (the caller uses hermes)."""
     t = chat_template or ""
+    if DSML in t:
+        return "deepseek_v4" if f"{DSML}tool_calls" in t else "deepseek_v32"
     if DS_CALLS_BEGIN in t or DS_CALL_BEGIN in t:
         return "deepseek_v3"
     if "<tool_call>" in t:
@@ -905,7 +1065,9 @@ def default_parser(model_type: str | None, chat_template: str | None) -> str | N
     if "<|python_tag|>" in t:
         return "llama3_json"
     mt = (model_type or "").lower()
-    if mt.startswith("deepseek_v"):           # deepseek_v3, deepseek_v32, deepseek_v4
+    if mt in ("deepseek_v4", "deepseek_v32"):   # DSML (V3.2 has model_type deepseek_v32)
+        return mt
+    if mt.startswith("deepseek_v"):           # deepseek_v3
         return "deepseek_v3"
     if mt.startswith("qwen"):                  # qwen2, qwen2_moe, qwen3, qwen3_moe
         return "hermes"

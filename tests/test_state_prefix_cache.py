@@ -374,3 +374,27 @@ def test_mtp_head_resumes_exactly_at_hits(family, v4_with_mtp, qwen3_next_with_m
     assert checked >= 10
     kv = llm.core.kv
     assert kv.num_used_blocks == 0 and all(n == 0 for p in kv.snapshots.values() for n in p.ref_cnt)
+
+
+def test_mtp_batched_and_preempted(qwen3_next_with_mtp):
+    """MTP drafts with prefix caching, many requests sharing prefixes at once
+    in a pool small enough to preempt, few snapshots (evictions): every output
+    equals the engine without drafts or caching; hits and preemptions happen."""
+    p, _, _ = qwen3_next_with_mtp
+    args = dict(dtype="float32", quantization="none", block_size=BS, max_num_seqs=4, mamba_block_size=8,
+                max_num_batched_tokens=32)
+    system, _ = conversation(256, seed=9)
+    prompts = [system[:n] + u for n, u in zip([41, 30, 17, 41] * 3, token_prompts(12, 3, 20, seed=4))]
+    sp = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True)
+    ref = LLM(str(p), enable_prefix_caching=False, **args).generate(prompts, sp)
+    llm = LLM(str(p), speculative_config={"method": "mtp", "num_speculative_tokens": 2},
+              kv_cache_memory=1_300_000, max_model_len=128, **args)
+    out = llm.generate(prompts, sp)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
+    st = llm.core.get_stats()
+    print(f"{llm.core.plan.num_snapshots} snapshots, hits {st.prefix_cache_hits_total} tokens, "
+          f"{st.num_preemptions_total} preemptions, {st.spec_decode_num_draft_tokens_total} draft tokens")
+    assert st.prefix_cache_hits_total > 0 and st.num_preemptions_total > 0
+    assert st.spec_decode_num_draft_tokens_total > 0
+    kv = llm.core.kv
+    assert kv.num_used_blocks == 0 and all(n == 0 for p in kv.snapshots.values() for n in p.ref_cnt)

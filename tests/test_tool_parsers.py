@@ -41,6 +41,18 @@ def ds(name, args):
             + json.dumps(args, ensure_ascii=False) + f"\n```{DS_CE}")
 
 
+DSML = "｜DSML｜"
+V4_B, V4_E = f"<{DSML}tool_calls>\n", f"</{DSML}tool_calls>"
+
+
+def dsml(name, args):
+    """One invoke as DeepSeek-V4 writes it: strings raw (string="true"), other values JSON."""
+    params = "".join(f'<{DSML}parameter name="{k}" string="{str(isinstance(v, str)).lower()}">'
+                     f"{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}</{DSML}parameter>\n"
+                     for k, v in args.items())
+    return f'<{DSML}invoke name="{name}">\n{params}</{DSML}invoke>\n'
+
+
 W = {"city": "Paris", "unit": "celsius"}
 UNI = {"city": "Zürich", "note": "東京 ☀️ \"quoted\" \\ back"}
 NESTED = {"guest": {"name": "Ann", "age": 3}, "tags": ["a", {"deep": [1, 2.5, None, True, {"x": "}"}]}]}
@@ -79,6 +91,16 @@ GOOD = [
     ("deepseek_v3", DS_B + f'{DS_CB}ping{DS_SEP}{{"a": 1}}{DS_CE}' + DS_E + "\nAfter.", "\nAfter.",
      [("ping", {"a": 1})]),
     ("deepseek_v3", "Plain <｜tool answer.", "Plain <｜tool answer.", []),
+    ("deepseek_v4", V4_B + dsml("get_weather", W) + V4_E, None, [("get_weather", W)]),
+    ("deepseek_v4", "I'll look.\n\n" + V4_B + dsml("get_weather", UNI) + dsml("book", NESTED) + V4_E + "\nDone.",
+     "I'll look.\n\n\nDone.", [("get_weather", UNI), ("book", NESTED)]),
+    ("deepseek_v4", V4_B + dsml("ping", CODE) + dsml("ping", {"s": "a\n<b>\n", "n": None}) + V4_E, None,
+     [("ping", CODE), ("ping", {"s": "a\n<b>\n", "n": None})]),
+    ("deepseek_v4", f"<{DSML}function_calls>\n" + dsml("ping", {}) + f"</{DSML}function_calls>", None,
+     [("ping", {})]),                                                   # V3.2's block
+    ("deepseek_v4", f"Plain <{DSML}tool text.", f"Plain <{DSML}tool text.", []),
+    ("deepseek_v32", f"<{DSML}function_calls>\n" + dsml("get_weather", W) + f"</{DSML}function_calls>", None,
+     [("get_weather", W)]),
     ("pythonic", '[get_weather(city="Paris", unit="celsius")]', None, [("get_weather", W)]),
     ("pythonic", "[get_weather(city='Zürich', days=3), book(guest={'name': 'Ann', 'age': 3}, "
      "tags=['a', {'deep': [1, 2.5, None, True, {'x': '}'}]}]), ping()]\n", None,
@@ -104,6 +126,11 @@ BAD = [
     ("deepseek_v3", DS_B + f"{DS_CB}function{DS_SEP}get_weather\n```json\n{{\"city\": }}\n```{DS_CE}" + DS_E),
     ("deepseek_v3", DS_B + f"{DS_CB}function{DS_SEP}get_weather\n```json\n{{\"city\": \"Paris\"}}"),
     ("deepseek_v3", DS_B + f"{DS_CB}function{DS_SEP}get_we"),
+    ("deepseek_v4", V4_B + f'<{DSML}invoke name="get_weather">\n<{DSML}parameter name="days" string="false">'
+     f"three</{DSML}parameter>\n</{DSML}invoke>\n" + V4_E),           # not JSON
+    ("deepseek_v4", V4_B + f'<{DSML}invoke name="get_weather">\n<{DSML}parameter name="city" string="true">Par'),
+    ("deepseek_v4", V4_B + f'<{DSML}invoke name="get_weather">\nstray text\n</{DSML}invoke>\n' + V4_E),
+    ("deepseek_v4", V4_B + f'<{DSML}invoke name="">\n</{DSML}invoke>\n' + V4_E),
     ("pythonic", "[get_weather(1)]"),
     ("pythonic", '[get_weather(city="Paris"'),
     ("pythonic", '[get_weather(city=open("x"))]'),
@@ -221,7 +248,8 @@ def test_stream_holds_back_markers_and_streams_arguments():
 def test_fuzz_never_raises():
     # Recorded outputs, cut and spliced at random: near-misses of every format.
     atoms = ["<tool_call>", "</tool_call>", "\n", "{", "}", "[", "]", '"', "\\", ", ", ": ", "; ",
-             "<|python_tag|>", DS_B, DS_E, DS_CB, DS_CE, DS_SEP, "```", "(", ")", "=", "'", "<tool", "<｜tool▁"]
+             "<|python_tag|>", DS_B, DS_E, DS_CB, DS_CE, DS_SEP, "```", "(", ")", "=", "'", "<tool", "<｜tool▁",
+             V4_B, V4_E, f"<{DSML}invoke", f"</{DSML}parameter>", ' string="false">']
     rng = random.Random(7)
     cases = [(f, t) for f, t, *_ in GOOD + BAD]
     stats = {"calls": 0, "none": 0}              # of the text's own format
@@ -259,8 +287,8 @@ def test_tools_input_is_tolerant():
 
 
 def test_registry_and_default_parser():
-    assert set(PARSERS) == {"hermes", "llama3_json", "deepseek_v3", "pythonic"}
-    assert PARSERS["deepseek_v3"].skip_special_tokens is False
+    assert set(PARSERS) == {"hermes", "llama3_json", "deepseek_v3", "deepseek_v4", "deepseek_v32", "pythonic"}
+    assert PARSERS["deepseek_v3"].skip_special_tokens is False and PARSERS["deepseek_v4"].skip_special_tokens is False
     assert PARSERS["hermes"].skip_special_tokens is True
     smol = "{{'<|im_start|>' + message['role'] + '\\n'}}"
     assert default_parser("llama", smol) == "hermes"                 # SmolLM2
@@ -272,7 +300,10 @@ def test_registry_and_default_parser():
     assert default_parser("gemma3", None) == "pythonic"
     assert default_parser("gemma3_text", "<start_of_turn>") == "pythonic"
     assert default_parser("deepseek_v3", None) == "deepseek_v3"
-    assert default_parser("deepseek_v4", None) == "deepseek_v3"
+    assert default_parser("deepseek_v4", None) == "deepseek_v4"
+    assert default_parser("deepseek_v32", None) == "deepseek_v32"
+    assert default_parser(None, f"x <{DSML}tool_calls> y") == "deepseek_v4"
+    assert default_parser("deepseek_v3", f"x <{DSML}function_calls> y") == "deepseek_v32"
     assert default_parser(None, "...<｜tool▁calls▁begin｜>...") == "deepseek_v3"
     assert default_parser("mistral", "[INST]") is None
     assert default_parser(None, None) is None
@@ -315,6 +346,8 @@ WRITE = {
     "hermes": (h, "\n", lambda s: s),
     "llama3_json": (lambda n, a: json.dumps({"name": n, "parameters": a}, ensure_ascii=False), "; ", lambda s: s),
     "deepseek_v3": (ds, "\n", lambda s: DS_B + s + DS_E),
+    "deepseek_v4": (dsml, "", lambda s: V4_B + s + V4_E),
+    "deepseek_v32": (dsml, "", lambda s: f"<{DSML}function_calls>\n" + s + f"</{DSML}function_calls>"),
     "pythonic": (py_call, ", ", lambda s: "[" + s + "]"),
 }
 # argument sets that break get_weather's schema (pythonic checks types, enums, required and
@@ -390,3 +423,20 @@ def test_pythonic_grammar_takes_each_keyword_once(tk):
     assert accepts(tk, g, '[get_weather(city="Paris", days=3)]')               # optional unit left out
     assert not accepts(tk, g, '[get_weather(city="Paris", city="Paris")]')     # repeated keyword
     assert not accepts(tk, g, "[get_weather()]")                               # required city missing
+
+
+def test_dsml_grammar_raw_text_only_where_a_string_may_go(tk):
+    g = compile_grammar(tk, PARSERS["deepseek_v4"](TOOLS).grammar("get_weather", False))
+
+    def invoke(*params):
+        return V4_B + f'<{DSML}invoke name="get_weather">\n' + "".join(
+            f'<{DSML}parameter name="{k}" string="{s}">{v}</{DSML}parameter>\n' for k, s, v in params) \
+            + f"</{DSML}invoke>\n" + V4_E
+    assert accepts(tk, g, invoke(("city", "true", "Rio de\nJaneiro <2>"), ("days", "false", "3")))
+    assert accepts(tk, g, invoke(("city", "false", '"Rio"')))              # a JSON string is a string too
+    assert not accepts(tk, g, invoke(("city", "true", "Rio"), ("days", "true", "3")))    # raw integer
+    assert not accepts(tk, g, invoke(("city", "true", "Rio"), ("unit", "true", "kelvin")))
+    assert accepts(tk, g, invoke(("city", "true", "Rio"), ("unit", "true", "celsius")))
+    content, calls = PARSERS["deepseek_v4"](TOOLS).parse(invoke(("city", "true", "Rio de\nJaneiro <2>"),
+                                                                ("days", "false", "3")))
+    assert content is None and json.loads(calls[0].arguments) == {"city": "Rio de\nJaneiro <2>", "days": 3}
