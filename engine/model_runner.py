@@ -131,8 +131,7 @@ class ModelRunner:
         self.graphs = graphs           # captured decode steps (CUDA graphs), or None: always eager
         self.head_graphs = head_graphs   # captured chained MTP head passes, or None
         self.kv = kv                   # the leader's block tables (None on a follower rank)
-        self.groups = kv.groups if kv is not None else groups
-        self.block_size = kv.block_size if kv is not None else block_size
+        self._layout = (groups, block_size)
         self.followers = followers     # tensor parallel: where the leader sends each step's plan
         self.kv_caches = kv_caches     # indexed by layer, or one DSV4PagedCache
         self.device = _model_device(model)
@@ -143,6 +142,14 @@ class ModelRunner:
         self.prev_tokens: torch.Tensor | None = None   # the step in flight's sampled tokens (see _send)
         self.share_tokens = False      # asynchronous scheduling under TP: followers need each step's tokens
         self.slot_caches = [c for c in cache_objects(kv_caches) if c.has_slots]   # per-sequence state
+
+    @property
+    def groups(self) -> list[KVGroup]:
+        return self.kv.groups if self.kv is not None else self._layout[0]
+
+    @property
+    def block_size(self) -> int:
+        return self.kv.block_size if self.kv is not None else self._layout[1]
 
     def _pack(self, sched: list[ScheduledRequest], tables: list[list[np.ndarray]],
               pad_to: int = 0, rows_per_seq: int = 0, prev_rows: dict[str, int] | None = None,
