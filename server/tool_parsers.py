@@ -747,8 +747,7 @@ class DeepSeekV4ToolParser(ToolParser):
         end = _lark_str(DSML_PARAM_END)
         lines = [f"start: {_lark_str(f'<{DSML}{self.block}>' + chr(10))} " + ("call+" if parallel else "call")
                  + f" {_lark_str(f'</{DSML}{self.block}>')}",
-                 "call: " + " | ".join(f"fn_{i}" for i in range(len(tools))),
-                 f"raw[stop={end}]: /(?s:.*)/"]
+                 "call: " + " | ".join(f"fn_{i}" for i in range(len(tools)))]
         for i, (n, p) in enumerate(tools):
             root, params = _split_root(p)
             props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
@@ -756,19 +755,23 @@ class DeepSeekV4ToolParser(ToolParser):
             body = []
             for j, (k, schema) in enumerate(props.items()):
                 schema = schema if isinstance(schema, dict) else {}
-                alts = [f"{_dsml_param(json.dumps(k), False)} %json {json.dumps(dict(root, **schema), ensure_ascii=False)} {end}"]
+                js = json.dumps(dict(root, **schema), ensure_ascii=False)
+                alts = [f"{_dsml_param(json.dumps(k), False)} %json {js} {end}"]
                 if _may_be_string(schema):
                     lits = [_lark_str(v + DSML_PARAM_END) for v in schema.get("enum", []) if isinstance(v, str)]
-                    alts.insert(0, f"{_dsml_param(json.dumps(k), True)} " + (f"({' | '.join(lits)})" if lits else "raw"))
+                    alts.insert(0, f"{_dsml_param(json.dumps(k), True)} "
+                                + (f"({' | '.join(lits)})" if lits else "raw"))
                 lines.append(f"p_{i}_{j}: ({' | '.join(alts)}) " + r'"\n"')
                 body.append(f"p_{i}_{j}" + ("" if k in required else "?"))
             if not props:                        # free-form: any parameters, raw or JSON
                 name = r'/"[^"]+"/'
-                lines.append(f"p_{i}_any: ({_dsml_param(name, True)} raw | {_dsml_param(name, False)} %json {{}} {end}) "
-                             + r'"\n"')
+                lines.append(f"p_{i}_any: ({_dsml_param(name, True)} raw | {_dsml_param(name, False)} %json {{}} "
+                             f"{end}) " + r'"\n"')
                 body.append(f"p_{i}_any*")
             lines.append(f"fn_{i}: {_lark_str(f'<{DSML}invoke name=' + json.dumps(n) + '>' + chr(10))} "
                          f"{' '.join(body)} {_lark_str(DSML_INVOKE_END + chr(10))}")
+        if any(" raw" in line for line in lines):   # (an unused rule is a grammar warning)
+            lines.append(f"raw[stop={end}]: /(?s:.*)/")
         return "\n".join(lines) + "\n"
 
 

@@ -437,6 +437,10 @@ def test_dsml_grammar_raw_text_only_where_a_string_may_go(tk):
     assert not accepts(tk, g, invoke(("city", "true", "Rio"), ("days", "true", "3")))    # raw integer
     assert not accepts(tk, g, invoke(("city", "true", "Rio"), ("unit", "true", "kelvin")))
     assert accepts(tk, g, invoke(("city", "true", "Rio"), ("unit", "true", "celsius")))
+    only_ints = [{"type": "function", "function": {"name": "n", "parameters": {
+        "type": "object", "properties": {"k": {"type": "integer"}}, "required": ["k"]}}}]
+    g = compile_grammar(tk, PARSERS["deepseek_v4"](only_ints).grammar(None, False))    # no unused raw rule
+    assert accepts(tk, g, V4_B + dsml("n", {"k": 4}) + V4_E)
     content, calls = PARSERS["deepseek_v4"](TOOLS).parse(invoke(("city", "true", "Rio de\nJaneiro <2>"),
                                                                 ("days", "false", "3")))
     assert content is None and json.loads(calls[0].arguments) == {"city": "Rio de\nJaneiro <2>", "days": 3}
