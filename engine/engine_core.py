@@ -30,6 +30,7 @@ class EngineCoreOutput:
     prompt_logprobs: list | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    stopped_on_token: bool = False      # the last new token is the eos / stop token (not shown as text)
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None
 
@@ -317,6 +318,7 @@ class EngineCore(Worker):
             req = self.scheduler.requests[out.request_id]
             if req.finish_reason is not None:
                 out.finish_reason, out.stop_reason = req.finish_reason, req.stop_reason
+                out.stopped_on_token = req.stopped_on_token
                 self.scheduler.finish(req)
         return outputs
 

@@ -142,22 +142,28 @@ class OutputProcessor:
         return results, to_abort
 
     def _append(self, p: ParentState, c: _Child, eo: EngineCoreOutput) -> None:
+        # The eos / stop token that ended the request stays in token_ids but is
+        # not text (as vLLM), unless include_stop_str_in_output: with special
+        # tokens kept (a DSML tool parser), it would end the content otherwise.
+        ids = eo.new_token_ids
+        shown = ids[:-1] if eo.stopped_on_token and not p.params.include_stop_str_in_output else ids
         if not p.params.stop:
             if c.out.finish_reason is None:
-                c.out.token_ids.extend(eo.new_token_ids)
+                c.out.token_ids.extend(ids)
                 if c.out.logprobs is not None and eo.new_logprobs:
                     c.out.logprobs.extend(eo.new_logprobs)
-                c.out.text += c.detok.add(eo.new_token_ids)
+                c.out.text += c.detok.add(shown)
             return
         # Token by token: a stop string ends the output at the token that
         # completes it, however many tokens a step brought (speculative decoding).
-        for i, tok in enumerate(eo.new_token_ids):
+        for i, tok in enumerate(ids):
             if c.out.finish_reason is not None:
                 return
             c.out.token_ids.append(tok)
             if c.out.logprobs is not None and eo.new_logprobs:
                 c.out.logprobs.append(eo.new_logprobs[i])
-            self._stop_strings(p, c, c.detok.add([tok]))
+            if i < len(shown):
+                self._stop_strings(p, c, c.detok.add([tok]))
 
     @staticmethod
     def _stop_strings(p: ParentState, c: _Child, delta: str) -> None:

@@ -53,6 +53,7 @@ class Request:
         self.generator: torch.Generator | None = None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.stopped_on_token = False     # the last token is the eos / stop token that ended it
         # Prompt logprobs are computed chunk by chunk and sent once complete.
         self.prompt_logprobs: list | None = [None] if er.params.prompt_logprobs is not None else None
         # Grammar-constrained requests: set by the engine core (structured_output.GrammarState).
@@ -144,11 +145,12 @@ class Request:
         if self.grammar is not None and self.grammar.accept(self.token_ids, n):
             # The grammar is complete (or, never expected, rejected the token).
             self.finish_reason = "stop"
+            self.stopped_on_token = token in self.eos_token_ids or token in self.stop_token_ids
             return
         if n >= self.params.min_tokens:
             if token in self.eos_token_ids:
-                self.finish_reason = "stop"
+                self.finish_reason, self.stopped_on_token = "stop", True
             elif token in self.stop_token_ids:
-                self.finish_reason, self.stop_reason = "stop", token
+                self.finish_reason, self.stop_reason, self.stopped_on_token = "stop", token, True
         if self.finish_reason is None and n >= self.max_tokens:
             self.finish_reason = "length"

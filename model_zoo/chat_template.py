@@ -15,6 +15,7 @@ import json
 from collections.abc import Mapping
 from datetime import datetime
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -138,8 +139,15 @@ GEMMA3_TOOL_CHAT_TEMPLATE = _GEMMA3_HEAD + (
     "{%- endfor -%}\n"
 ) + _GEMMA3_TAIL
 
-# Fallbacks by GGUF architecture, for files that carry no template.
-FALLBACK_TEMPLATES = {"gemma3": GEMMA3_TOOL_CHAT_TEMPLATE}
+
+def builtin_template(name: str) -> str:
+    """A template this package ships in model_zoo/chat_templates/ (by file stem)."""
+    return (Path(__file__).with_name("chat_templates") / f"{name}.jinja").read_text(encoding="utf-8")
+
+
+# Fallbacks by GGUF architecture or HF model_type, for checkpoints that carry
+# no template. DeepSeek-V4 publishes its format as a Python encoder only.
+FALLBACK_TEMPLATES = {"gemma3": GEMMA3_TOOL_CHAT_TEMPLATE, "deepseek_v4": builtin_template("deepseek_v4")}
 
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -249,6 +257,24 @@ def _plain(value: Any) -> Any:
     return f"<{type(value).__name__}>"
 
 
+def _parse_arguments(message: dict) -> dict:
+    # Templates expect tool-call arguments as a mapping (vLLM parses the
+    # OpenAI-style JSON string before rendering, for the server and LLM.chat).
+    calls = message.get("tool_calls")
+    if not isinstance(calls, list):
+        return message
+    out = []
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+            try:
+                call = {**call, "function": {**fn, "arguments": json.loads(fn["arguments"])}}
+            except ValueError:
+                pass
+        out.append(call)
+    return {**message, "tool_calls": out}
+
+
 def _alias_reasoning(chat: list[dict]) -> list[dict]:
     # Templates read reasoning as `reasoning_content` (or gpt-oss's `thinking`);
     # fill both from whichever name the caller used.
@@ -295,7 +321,7 @@ def render_chat(
         if not isinstance(message, dict):
             raise ChatTemplateError(f"chat messages must be dicts, got {message!r}")
         # None-valued keys dropped: OpenAI clients send content=None / tool_calls=None
-        chat.append({k: v for k, v in message.items() if v is not None})
+        chat.append(_parse_arguments({k: v for k, v in message.items() if v is not None}))
     chat = _alias_reasoning(chat)
 
     # special tokens the template may read; absent ones stay undefined (render

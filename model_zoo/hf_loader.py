@@ -17,6 +17,7 @@ from typing import Iterator
 
 import torch
 
+from model_zoo.chat_template import FALLBACK_TEMPLATES
 from model_zoo.source import ModelLoadError, ModelSource
 from parallel.quant.base import QuantizedTensor
 from model_zoo.tokenizer import Tokenizer, load_tokenizer_config
@@ -259,7 +260,7 @@ def open_hf_dir(folder: str | Path, weights: bool = True) -> ModelSource:
         format="hf",
         config=config,
         tokenizer=tokenizer,
-        chat_template=_chat_template(folder, tokenizer_config),
+        chat_template=_chat_template(folder, tokenizer_config) or FALLBACK_TEMPLATES.get(config.get("model_type")),
         eos_token_ids=eos,
         _weights_fn=read_weights if weights else None,
         num_tensors=len(entries),

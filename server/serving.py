@@ -305,14 +305,14 @@ def chat_prompt(state: ServerState, req) -> tuple[str, list[int]]:
     template = llm.chat_template
     if not template:
         raise APIError(400, "This model has no chat template; use /v1/completions.")
-    messages = [_template_message(m.to_template()) for m in req.messages]
+    messages = [m.to_template() for m in req.messages]
     try:
         text = render_chat(template, messages,
                            add_generation_prompt=req.add_generation_prompt,
                            continue_final_message=req.continue_final_message,
                            bos_token=getattr(tok, "bos_token", None),
                            eos_token=getattr(tok, "eos_token", None),
-                           tools=_template_tools(getattr(req, "tools", None)), **(req.chat_template_kwargs or {}))
+                           tools=_template_tools(getattr(req, "tools", None)), **_template_kwargs(req))
     except (ValueError, TypeError, LookupError) as e:
         raise APIError(400, f"Chat template rendering failed: {e}", param="messages") from None
     except Exception as e:     # jinja2 TemplateError (raise_exception in templates) and friends
@@ -322,20 +322,15 @@ def chat_prompt(state: ServerState, req) -> tuple[str, list[int]]:
     return text, tok.encode(text, add_special_tokens=False)
 
 
+def _template_kwargs(req) -> dict:
+    # reasoning_effort reaches the template as vLLM passes it; chat_template_kwargs win
+    effort = getattr(req, "reasoning_effort", None)     # /tokenize's chat form has none
+    effort = {} if effort is None else {"reasoning_effort": effort}
+    return {**effort, **(req.chat_template_kwargs or {})}
+
+
 def _template_tools(tools) -> list[dict] | None:
     return None if tools is None else [t.model_dump(exclude_none=True) for t in tools]
-
-
-def _template_message(m: dict) -> dict:
-    # Templates expect tool-call arguments as a mapping (as vLLM and transformers pass them).
-    for call in m.get("tool_calls") or []:
-        fn = call.get("function") if isinstance(call, dict) else None
-        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
-            try:
-                fn["arguments"] = json.loads(fn["arguments"])
-            except ValueError:
-                pass
-    return m
 
 
 # --------------------------------------------------------------------------

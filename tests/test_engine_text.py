@@ -48,6 +48,19 @@ def test_chat_stops_on_eos(llm):
     o = out.outputs[0]
     assert o.finish_reason == "stop" and o.token_ids[-1] in llm.core.info.eos_token_ids
     assert "<|im_end|>" not in o.text and o.text.strip()
+    # The eos / stop token that ended it is not text even with special tokens kept (a
+    # DSML tool parser keeps them), unless asked for; the same with stop strings set.
+    ask = [{"role": "user", "content": "Say hello."}]
+    for extra in ({}, {"stop": ["zzzz-never"]}):
+        kept = llm.chat(ask, SamplingParams(temperature=0, max_tokens=200, skip_special_tokens=False, **extra))
+        assert kept.outputs[0].token_ids == o.token_ids and kept.outputs[0].text == o.text
+        shown = llm.chat(ask, SamplingParams(temperature=0, max_tokens=200, skip_special_tokens=False,
+                                             include_stop_str_in_output=True, **extra)).outputs[0]
+        assert shown.text == o.text + "<|im_end|>"
+    stop_id = o.token_ids[2]
+    by_id = llm.chat(ask, SamplingParams(temperature=0, max_tokens=200, stop_token_ids=[stop_id])).outputs[0]
+    assert by_id.stop_reason == stop_id and by_id.token_ids == o.token_ids[:3]
+    assert by_id.text == llm.tokenizer.decode(o.token_ids[:2])
 
 
 def test_async_client_concurrency_and_abort():

@@ -64,6 +64,7 @@ class FakeAsyncLLM:
                  eos_after=40, load_s=0.0, script: str | None = None):
         self.script = None if script is None else script.encode()
         self.params: list = []                 # every request's SamplingParams, in arrival order
+        self.prompts: list = []                # and its prompt token ids
         self.model_name = "fake"
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -100,6 +101,7 @@ class FakeAsyncLLM:
     async def generate(self, prompt, params, request_id, priority=0):
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.params.append(params)
+        self.prompts.append(ids)
         if len(ids) >= self.max_model_len:
             raise InvalidRequest(f"maximum context length is {self.max_model_len} tokens, "
                                  f"but the prompt has {len(ids)} tokens")
@@ -166,6 +168,7 @@ class FakeAsyncLLM:
                         eo.new_logprobs = [lp]
                     if tok == 3 or tok in p.stop_token_ids:
                         eo.finish_reason, eo.stop_reason = "stop", (None if tok == 3 else tok)
+                        eo.stopped_on_token = True
                     elif p.max_tokens is not None and len(r["out"]) >= p.max_tokens:
                         eo.finish_reason = "length"
                 else:

@@ -222,3 +222,52 @@ def test_qwen3_template_thinking_switch(server):
                extra_body={"chat_template_kwargs": {"enable_thinking": False}}).choices[0].message
     assert srv.llm.params[-1].structured_outputs.start_after == ()
     assert m.content.startswith("<think>") and m.model_extra.get("reasoning_content") is None
+
+
+DSML_CALL = ("The user wants weather.</think>\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"get_weather\">\n"
+             "<｜DSML｜parameter name=\"city\" string=\"true\">Paris</｜DSML｜parameter>\n"
+             "<｜DSML｜parameter name=\"unit\" string=\"true\">c</｜DSML｜parameter>\n"
+             "</｜DSML｜invoke>\n</｜DSML｜tool_calls>")
+
+
+@pytest.mark.parametrize("server", [(DSML_CALL, {"reasoning_parser": "deepseek_v3"})], indirect=True)
+def test_deepseek_v4_agent_turns(server):
+    """DeepSeek-V4's built-in template (no --tool-call-parser: its DSML markers pick
+    deepseek_v4): thinking switched on per request, the call parsed, and the next
+    turn (the call as the client echoes it, then the tool's result) rendered back
+    in V4's format, as the model's encoder writes it."""
+    import openai
+    from model_zoo.chat_template import builtin_template, render_chat
+    srv, client = server
+    srv.llm.chat_template = template = builtin_template("deepseek_v4")
+    srv.llm.max_model_len = 8192      # its tools section is ~1,400 bytes, a token each here
+    think = {"chat_template_kwargs": {"thinking": True}}
+    m = create(client, max_tokens=1000, extra_body=think).choices[0].message
+    assert m.model_extra["reasoning_content"] == "The user wants weather."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in m.tool_calls] == \
+        [("get_weather", {"city": "Paris", "unit": "c"})]
+    prompt = srv.llm.tokenizer.decode(srv.llm.prompts[-1])
+    assert prompt == render_chat(template, ASK, tools=TOOLS, thinking=True) and prompt.endswith("<think>")
+
+    turn = m.model_dump(exclude_none=True)
+    turn["reasoning_content"] = m.model_extra["reasoning_content"]
+    history = ASK + [turn, {"role": "tool", "tool_call_id": m.tool_calls[0].id, "content": "18 C"}]
+    create(client, max_tokens=1000, messages=history, extra_body=think)
+    prompt = srv.llm.tokenizer.decode(srv.llm.prompts[-1])
+    assert prompt.endswith("<｜Assistant｜><think>The user wants weather.</think>\n\n<｜DSML｜tool_calls>\n"
+                           "<｜DSML｜invoke name=\"get_weather\">\n"
+                           "<｜DSML｜parameter name=\"city\" string=\"true\">Paris</｜DSML｜parameter>\n"
+                           "<｜DSML｜parameter name=\"unit\" string=\"true\">c</｜DSML｜parameter>\n"
+                           "</｜DSML｜invoke>\n</｜DSML｜tool_calls><｜end▁of▁sentence｜>"
+                           "<｜User｜><tool_result>18 C</tool_result><｜Assistant｜><think>")
+
+    # reasoning_effort reaches the template (V4's "max" preamble); chat mode by default
+    create(client, max_tokens=1000, reasoning_effort="max", extra_body=think)
+    assert srv.llm.tokenizer.decode(srv.llm.prompts[-1]).startswith(
+        "<｜begin▁of▁sentence｜>Reasoning Effort: Absolute maximum")
+    m = create(client, max_tokens=1000).choices[0].message
+    assert srv.llm.tokenizer.decode(srv.llm.prompts[-1]).endswith("<｜Assistant｜></think>")
+    assert m.model_extra.get("reasoning_content") is None        # chat mode: all of it is content
+    with pytest.raises(openai.BadRequestError, match="reasoning_effort") as e:
+        create(client, reasoning_effort="extreme")
+    assert e.value.status_code == 400
