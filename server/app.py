@@ -15,9 +15,10 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.errors import EngineDeadError
-from server import serving
+from server import responses, serving
 from server.errors import APIError, api_error_response, error_response, from_validation_error
-from server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ResponsesRequest,
+                             TokenizeRequest)
 from server.state import ServerState
 
 log = logging.getLogger("tqserve.server")
@@ -158,11 +159,23 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await generation(request, "chatcmpl", "chat", ChatCompletionRequest, serving.chat_completion)
+        return await generation(request, "chatcmpl-", "chat", ChatCompletionRequest, serving.chat_completion)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await generation(request, "cmpl", "completion", CompletionRequest, serving.completion)
+        return await generation(request, "cmpl-", "completion", CompletionRequest, serving.completion)
+
+    @app.post("/v1/responses")
+    async def responses_create(request: Request):
+        return await generation(request, "resp_", "responses", ResponsesRequest, responses.create_response)
+
+    @app.get("/v1/responses/{response_id}")
+    async def responses_get(response_id: str):
+        return responses.get_response(state, response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def responses_delete(response_id: str):
+        return responses.delete_response(state, response_id)
 
     @app.get("/v1/models")
     async def models():

@@ -99,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "model's (vLLM's flag; DeepSeek-V4 ships none)")
     s.add_argument("--reasoning-parser", default=None, choices=sorted(reasoning_parsers),
                    help="split <think>...</think> text into reasoning_content [default: off]")
+    from server.state import ServerConfig
+    s.add_argument("--responses-store-size", type=int, default=ServerConfig.responses_store_size,
+                   help="finished /v1/responses kept in memory for previous_response_id and GET "
+                        "(least recently used out first; 0: none)")
     from server import plan
     plan.add_parser(sub)
     from server import bench
@@ -215,7 +219,8 @@ async def _serve(args, model: str, keys: list[str], sock: socket.socket, url: st
                                           max_body_bytes=int(args.max_request_bytes),
                                           max_num_seqs=args.max_num_seqs,
                                           tool_call_parser=args.tool_call_parser,
-                                          reasoning_parser=args.reasoning_parser))
+                                          reasoning_parser=args.reasoning_parser,
+                                          responses_store_size=max(0, args.responses_store_size)))
     # uvicorn's shutdown starts once state.drain is done (see _server_class), so its
     # grace period is only a backstop for the last chunks of responses that just
     # ended (finish_reason "abort" and [DONE] after --drain-timeout).

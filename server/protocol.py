@@ -352,3 +352,77 @@ class TokenizeRequest(_Body):
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: TokenIds
+
+
+# --------------------------------------------------------------------------
+# /v1/responses (OpenAI's Responses API; server/responses.py turns it into a chat request)
+# --------------------------------------------------------------------------
+class ResponsesTool(_Body):
+    """A function tool, flat as the Responses API writes it."""
+    type: Literal["function"]
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponsesToolChoice(_Body):
+    type: Literal["function"]
+    name: str
+
+
+class ResponsesTextFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str = Field("response", max_length=256)
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponsesText(_Body):
+    format: ResponsesTextFormat | None = None
+
+
+class ResponsesReasoning(_Body):
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    summary: str | None = None
+
+
+# vLLM's sampling extensions a Responses request may carry: passed to the chat
+# request as they are, which validates them.
+RESPONSES_EXTRAS = ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed",
+                    "stop", "stop_token_ids", "logit_bias", "ignore_eos", "min_tokens", "priority",
+                    "speculative", "skip_special_tokens", "chat_template_kwargs")
+
+
+class ResponsesRequest(_Body):
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    tools: list[ResponsesTool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | ResponsesToolChoice | None = None
+    parallel_tool_calls: bool = True
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    reasoning: ResponsesReasoning | None = None
+    text: ResponsesText | None = None
+    store: bool = True
+    stream: bool = False
+    background: bool = False
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    truncation: Literal["disabled", "auto"] | None = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.background:
+            raise ValueError("background responses are not supported: leave background false")
+        if self.truncation == "auto":
+            raise ValueError('truncation "auto" is not supported: a prompt over the context length is a 400')
+        if self.text and self.text.format and self.text.format.type == "json_schema" \
+                and self.text.format.schema_ is None:
+            raise ValueError("text.format type json_schema needs a schema")
+        return self

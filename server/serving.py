@@ -2,7 +2,7 @@
 OpenAI response or SSE stream.
 
 The engine yields cumulative RequestOutputs; here they become deltas. Every
-engine request goes through `_generate`, which keeps the numbers for metrics
+engine request goes through `generate`, which keeps the numbers for metrics
 and makes sure an abandoned request (client gone, error) is aborted in the
 engine, even when the surrounding task is being cancelled.
 """
@@ -13,6 +13,7 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import anyio
 from fastapi import Request
@@ -40,7 +41,7 @@ class ClientGone(Exception):
 # --------------------------------------------------------------------------
 class RequestLog:
     def __init__(self, prefix: str, kind: str):
-        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.id = prefix + uuid.uuid4().hex            # prefix: "chatcmpl-", "cmpl-", "resp_" (OpenAI's)
         self.kind = kind
         self.t0 = time.monotonic()
         self.prompt_tokens = 0
@@ -65,7 +66,7 @@ class RequestLog:
 # --------------------------------------------------------------------------
 # Engine requests.
 # --------------------------------------------------------------------------
-async def _generate(state: ServerState, prompt_ids: list[int], params: SamplingParams,
+async def generate(state: ServerState, prompt_ids: list[int], params: SamplingParams,
                     request_id: str, rlog: RequestLog, priority: int = 0) -> AsyncIterator:
     """llm.generate with metrics; aborts the engine request if left unfinished."""
     llm, metrics = state.llm, state.metrics
@@ -393,8 +394,17 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # --------------------------------------------------------------------------
 # /v1/chat/completions
 # --------------------------------------------------------------------------
-async def chat_completion(state: ServerState, request: Request, req: ChatCompletionRequest,
-                          rlog: RequestLog) -> Response:
+@dataclass
+class ChatRun:
+    """A validated chat request, ready to submit: its prompt, sampling
+    parameters and output parsing (/v1/chat/completions and /v1/responses)."""
+    prompt_ids: list[int]
+    params: SamplingParams
+    tools: ChatTools
+    top_k: int              # top logprobs per token (0: none)
+
+
+def prepare_chat(state: ServerState, req: ChatCompletionRequest, rlog: RequestLog) -> ChatRun:
     check_model(state, req.model)
     admit(state, [])
     prompt_text, prompt_ids = chat_prompt(state, req)
@@ -414,11 +424,18 @@ async def chat_completion(state: ServerState, request: Request, req: ChatComplet
     params = sampling_params(req, max_tokens, top_k if req.logprobs else None, structured=so,
                              skip_special_tokens=skip)
     admit(state, [rlog.id])
-    gen = _generate(state, prompt_ids, params, rlog.id, rlog, req.priority)
+    return ChatRun(prompt_ids, params, tools, top_k)
+
+
+async def chat_completion(state: ServerState, request: Request, req: ChatCompletionRequest,
+                          rlog: RequestLog) -> Response:
+    run = prepare_chat(state, req, rlog)
+    prompt_ids, tools, top_k = run.prompt_ids, run.tools, run.top_k
+    gen = generate(state, prompt_ids, run.params, rlog.id, rlog, req.priority)
     created = int(time.time())
     model = req.model or state.model_name
     if req.stream:
-        first = await _first(request, gen)
+        first = await first_output(request, gen)
         return StreamingResponse(_chat_stream(state, req, rlog, gen, first, created, model, top_k, tools),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
 
@@ -427,7 +444,7 @@ async def chat_completion(state: ServerState, request: Request, req: ChatComplet
         async for out in gen:
             final = out
         return final
-    final = await _run_to_end(request, gen, run())
+    final = await run_to_end(request, gen, run())
     choices = []
     for o in final.outputs:
         msg, called = tools.message(o.text)
@@ -448,7 +465,7 @@ def _finish(reason: str | None, called: bool) -> str | None:
     return "tool_calls" if called and reason == "stop" else reason
 
 
-async def _first(request: Request, gen):
+async def first_output(request: Request, gen):
     """The first output, before any header is sent, so that engine-side request
     errors still become a proper 400 (and a client gone meanwhile aborts)."""
     try:
@@ -459,7 +476,7 @@ async def _first(request: Request, gen):
         raise APIError(400, str(e)) from None
 
 
-async def _run_to_end(request: Request, gen, coro):
+async def run_to_end(request: Request, gen, coro):
     try:
         return await until_disconnect(request, coro)
     except InvalidRequest as e:
@@ -591,7 +608,7 @@ async def completion(state: ServerState, request: Request, req: CompletionReques
                              structured=structured.build(structured.constraint(req)))
     rids = [rlog.id if len(ids) == 1 else f"{rlog.id}-{i}" for i in range(len(ids))]
     admit(state, rids)
-    gens = [_generate(state, p, params, rid, rlog, req.priority) for p, rid in zip(ids, rids)]
+    gens = [generate(state, p, params, rid, rlog, req.priority) for p, rid in zip(ids, rids)]
     merged = _merge(gens)
     created = int(time.time())
     model = req.model or state.model_name
@@ -602,7 +619,7 @@ async def completion(state: ServerState, request: Request, req: CompletionReques
         return texts[i]
 
     if req.stream:
-        first = await _first(request, merged)
+        first = await first_output(request, merged)
         return StreamingResponse(_completion_stream(state, req, rlog, merged, first, ids, echo_text,
                                                     created, model),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
@@ -612,7 +629,7 @@ async def completion(state: ServerState, request: Request, req: CompletionReques
         async for i, out in merged:
             finals[i] = out
         return finals
-    finals = await _run_to_end(request, merged, run())
+    finals = await run_to_end(request, merged, run())
     choices = []
     n_out = 0
     cached = 0

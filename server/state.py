@@ -5,6 +5,7 @@ import time
 from dataclasses import dataclass, field
 
 from server.metrics import Metrics
+from server.response_store import ResponseStore
 
 log = logging.getLogger("tqserve.server")
 
@@ -18,6 +19,7 @@ class ServerConfig:
     max_num_seqs: int = 64                  # the engine's; bounds how many requests run at once
     tool_call_parser: str | None = None     # None: chosen from the model (server.tool_parsers.default_parser)
     reasoning_parser: str | None = None     # None: thinking text stays in content
+    responses_store_size: int = 256         # /v1/responses kept for previous_response_id (0: none)
 
 
 class ServerState:
@@ -36,6 +38,7 @@ class ServerState:
         self.drain_aborted: set[str] = set()  # aborted because a drain ran out of time
         self.metrics = Metrics(config.model_names[0], stats=self.engine_stats, kv_info=self.kv_info)
         self._tok_str_cache: dict[int, str] = {}
+        self.responses = ResponseStore(config.responses_store_size)
 
     # --- engine views (safe while loading) -------------------------------
     def engine_stats(self) -> dict:

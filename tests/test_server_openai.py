@@ -380,3 +380,22 @@ def test_async_scheduling_server_answers_the_same(client, tmp_path):
         assert srv.terminate() == 0, srv.log()[-3000:]
     assert got == want
     assert want[1][1] == "stop" and want[2][1] == "length" and want[4][2]
+
+
+def test_responses_api_matches_chat(client, server):
+    """/v1/responses on the real model: the same greedy text as chat, whole and
+    streamed; a follow-up through previous_response_id sees the first turn."""
+    c = chat(client)
+    r = client.responses.create(model=MODEL, input=QUESTION[0]["content"], temperature=0, max_output_tokens=16)
+    assert r.output_text == c.choices[0].message.content
+    assert r.usage.input_tokens == c.usage.prompt_tokens and r.usage.output_tokens == c.usage.completion_tokens
+    with client.responses.stream(model=MODEL, input=QUESTION[0]["content"], temperature=0,
+                                 max_output_tokens=16) as s:
+        deltas = [e.delta for e in s if e.type == "response.output_text.delta"]
+    assert "".join(deltas) == r.output_text and len(deltas) > 1
+    follow = client.responses.create(model=MODEL, previous_response_id=r.id, input="And of Italy?",
+                                     temperature=0, max_output_tokens=8)
+    whole = chat(client, max_tokens=8, messages=QUESTION + [{"role": "assistant", "content": r.output_text},
+                                                            {"role": "user", "content": "And of Italy?"}])
+    assert follow.output_text == whole.choices[0].message.content
+    assert f"{r.id} responses " in server.log()          # one log line per request, as the others

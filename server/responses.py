@@ -1,0 +1,409 @@
+"""OpenAI's Responses API (/v1/responses), over the chat pipeline.
+
+A request's `input` items (messages, function_call, function_call_output,
+reasoning) become chat messages (an assistant's text, reasoning and calls one
+turn, each function output a tool message), `instructions` a system message
+first, and the rest a ChatCompletionRequest that is validated, rendered and
+run as /v1/chat/completions runs it. The output comes back as Responses items:
+reasoning (`reasoning_text`), message (`output_text`), function_call; a
+stream sends OpenAI's typed events (response.created ... response.completed,
+each with its sequence_number).
+
+With `store` (OpenAI's default), a finished response and its conversation stay
+in a bounded in-memory store (least recently used out first, see
+--responses-store-size): `previous_response_id` continues from it (its
+instructions are not carried over, as OpenAI's), GET and DELETE
+/v1/responses/{id} read and drop it. Not supported (a 400): background mode,
+truncation "auto", input items other than the four above, non-text content.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+
+import anyio
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from engine.errors import EngineDeadError, InvalidRequest
+from server import serving
+from server.errors import APIError, from_validation_error
+from server.protocol import RESPONSES_EXTRAS, ChatCompletionRequest, ResponsesRequest
+from server.response_store import StoredResponse
+from server.state import ServerState
+
+_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def _bad(message: str, param: str = "input") -> APIError:
+    return APIError(400, message, param=param)
+
+
+def _text(content, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _bad(f"{where}.content must be a string or a list of content parts")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+            raise _bad(f"{where}.content[{j}]: content parts of type {kind!r} are not supported (text only)")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _str(item: dict, key: str, where: str) -> str:
+    v = item.get(key)
+    if not isinstance(v, str):
+        raise _bad(f"{where}.{key} must be a string")
+    return v
+
+
+def input_messages(items: str | list[dict]) -> list[dict]:
+    """Responses input items -> chat messages."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    out: list[dict] = []
+    reasoning = None            # a reasoning item's text, for the assistant turn that follows it
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise _bad(f"{where}.role must be user, system, developer or assistant, got {role!r}")
+            msg = {"role": role, "content": _text(item.get("content"), where)}
+            if role == "assistant" and reasoning is not None:
+                msg["reasoning_content"], reasoning = reasoning, None
+            out.append(msg)
+        elif kind == "function_call":
+            call = {"id": _str(item, "call_id", where), "type": "function",
+                    "function": {"name": _str(item, "name", where),
+                                 "arguments": _str(item, "arguments", where)}}
+            if out and out[-1]["role"] == "assistant" and reasoning is None:
+                out[-1].setdefault("tool_calls", []).append(call)     # the same turn as its text
+            else:
+                msg = {"role": "assistant", "content": "", "tool_calls": [call]}
+                if reasoning is not None:
+                    msg["reasoning_content"], reasoning = reasoning, None
+                out.append(msg)
+        elif kind == "function_call_output":
+            output = item.get("output")
+            out.append({"role": "tool", "tool_call_id": _str(item, "call_id", where),
+                        "content": _text(output, where + ".output") if not isinstance(output, str) else output})
+        elif kind == "reasoning":
+            parts = item.get("content") or item.get("summary") or []
+            if not isinstance(parts, list):
+                raise _bad(f"{where}.content must be a list of reasoning_text parts")
+            reasoning = "".join(p.get("text", "") for p in parts if isinstance(p, dict))
+        else:
+            raise _bad(f"{where}: input items of type {kind!r} are not supported "
+                       "(message, function_call, function_call_output, reasoning)")
+    return out
+
+
+def chat_request(req: ResponsesRequest, history: list[dict]) -> tuple[ChatCompletionRequest, list[dict]]:
+    """The chat request a Responses request runs as, and its conversation (no instructions)."""
+    conversation = history + input_messages(req.input)
+    if not conversation:
+        raise _bad("input is empty")
+    body: dict = {"model": req.model, "messages": conversation, "parallel_tool_calls": req.parallel_tool_calls}
+    if req.instructions:
+        body["messages"] = [{"role": "system", "content": req.instructions}] + conversation
+    if req.tools:
+        body["tools"] = [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}
+                         for t in req.tools]
+    choice = req.tool_choice
+    if choice is not None:
+        body["tool_choice"] = choice if isinstance(choice, str) else \
+            {"type": "function", "function": {"name": choice.name}}
+    for key, value in (("max_tokens", req.max_output_tokens), ("temperature", req.temperature),
+                       ("top_p", req.top_p), ("user", req.user),
+                       ("reasoning_effort", req.reasoning.effort if req.reasoning else None)):
+        if value is not None:
+            body[key] = value
+    fmt = req.text.format if req.text else None
+    if fmt is not None and fmt.type == "json_schema":
+        body["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": fmt.name, "schema": fmt.schema_, **({"strict": fmt.strict} if fmt.strict is not None else {})}}
+    elif fmt is not None:
+        body["response_format"] = {"type": fmt.type}
+    extra = req.model_extra or {}
+    body.update({k: extra[k] for k in RESPONSES_EXTRAS if k in extra})
+    try:
+        return ChatCompletionRequest.model_validate(body), conversation
+    except ValidationError as e:
+        raise from_validation_error(e) from None
+
+
+def _id(prefix: str) -> str:
+    return prefix + uuid.uuid4().hex
+
+
+def output_items(msg: dict, status: str = "completed") -> list[dict]:
+    """A finished choice's message fields (ChatTools.message) -> Responses output items."""
+    items = []
+    if msg.get("reasoning_content"):
+        items.append({"id": _id("rs_"), "type": "reasoning", "summary": [], "status": status,
+                      "content": [{"type": "reasoning_text", "text": msg["reasoning_content"]}]})
+    if msg.get("content"):
+        items.append({"id": _id("msg_"), "type": "message", "status": status, "role": "assistant",
+                      "content": [{"type": "output_text", "text": msg["content"], "annotations": [],
+                                   "logprobs": []}]})
+    for call in msg.get("tool_calls") or []:
+        items.append({"id": _id("fc_"), "type": "function_call", "status": status, "call_id": call["id"],
+                      "name": call["function"]["name"], "arguments": call["function"]["arguments"]})
+    return items
+
+
+def assistant_message(items: list[dict]) -> dict:
+    """Output items -> the assistant chat message a follow-up request sees."""
+    msg: dict = {"role": "assistant", "content": ""}
+    for item in items:
+        if item["type"] == "reasoning":
+            msg["reasoning_content"] = item["content"][0]["text"]
+        elif item["type"] == "message":
+            msg["content"] += item["content"][0]["text"]
+        elif item["type"] == "function_call":
+            msg.setdefault("tool_calls", []).append(
+                {"id": item["call_id"], "type": "function",
+                 "function": {"name": item["name"], "arguments": item["arguments"]}})
+    return msg
+
+
+def _status(finish_reason: str | None) -> tuple[str, dict | None]:
+    if finish_reason == "length":
+        return "incomplete", {"reason": "max_output_tokens"}
+    if finish_reason == "abort":          # the server drained before it finished
+        return "cancelled", None
+    return "completed", None
+
+
+@dataclass
+class _Turn:
+    """What a response body repeats of its request, and its conversation."""
+    id: str
+    req: ResponsesRequest
+    model: str
+    created: int
+    conversation: list[dict]
+
+    def body(self, status: str, output: list[dict], usage: dict | None = None,
+             incomplete: dict | None = None, store: bool = True) -> dict:
+        req = self.req
+        fmt = req.text.format if req.text and req.text.format else None
+        return {
+            "id": self.id, "object": "response", "created_at": self.created, "status": status,
+            "background": False, "error": None, "incomplete_details": incomplete,
+            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": self.model,
+            "output": output, "parallel_tool_calls": req.parallel_tool_calls,
+            "previous_response_id": req.previous_response_id,
+            "reasoning": {"effort": req.reasoning.effort if req.reasoning else None,
+                          "summary": req.reasoning.summary if req.reasoning else None},
+            "store": store, "temperature": req.temperature,
+            "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
+            "tool_choice": (req.tool_choice if isinstance(req.tool_choice, str) or req.tool_choice is None
+                            else req.tool_choice.model_dump()) or "auto",
+            "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
+            "top_p": req.top_p, "truncation": "disabled", "metadata": req.metadata or {}, "user": req.user,
+            "usage": usage,
+        }
+
+
+def _usage(state: ServerState, final, items: list[dict]) -> dict:
+    n_in = len(final.prompt_token_ids) if final is not None else 0
+    n_out = sum(len(o.token_ids) for o in final.outputs) if final is not None else 0
+    reasoning = "".join(i["content"][0]["text"] for i in items if i["type"] == "reasoning")
+    tok = state.llm.tokenizer
+    n_reasoning = min(n_out, len(tok.encode(reasoning, add_special_tokens=False))) if reasoning else 0
+    cached = getattr(final, "num_cached_tokens", 0) or 0
+    return {"input_tokens": n_in, "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": n_out, "output_tokens_details": {"reasoning_tokens": n_reasoning},
+            "total_tokens": n_in + n_out}
+
+
+async def create_response(state: ServerState, request: Request, req: ResponsesRequest,
+                          rlog: serving.RequestLog) -> Response:
+    history = []
+    if req.previous_response_id is not None:
+        prev = state.responses.get(req.previous_response_id)
+        if prev is None:
+            raise APIError(404, f"Previous response with id '{req.previous_response_id}' not found.",
+                           param="previous_response_id")
+        history = prev.messages
+    chat, conversation = chat_request(req, history)
+    run = serving.prepare_chat(state, chat, rlog)
+    gen = serving.generate(state, run.prompt_ids, run.params, rlog.id, rlog, chat.priority)
+    turn = _Turn(rlog.id, req, req.model or state.model_name, int(time.time()), conversation)
+    if req.stream:
+        first = await serving.first_output(request, gen)
+        return StreamingResponse(_stream(state, turn, run, rlog, gen, first),
+                                 media_type="text/event-stream", headers=serving.SSE_HEADERS)
+
+    async def to_end():
+        final = None
+        async for out in gen:
+            final = out
+        return final
+    final = await serving.run_to_end(request, gen, to_end())
+    o = final.outputs[0]
+    status, incomplete = _status(o.finish_reason)
+    msg, _ = run.tools.message(o.text)
+    items = output_items(msg, "incomplete" if status == "incomplete" else "completed")
+    body = _finish(state, turn, status, items, _usage(state, final, items), incomplete)
+    rlog.done(200)
+    return JSONResponse(body)
+
+
+def _finish(state: ServerState, turn: _Turn, status: str, items: list[dict], usage: dict,
+            incomplete: dict | None) -> dict:
+    store = turn.req.store and state.responses.size > 0
+    body = turn.body(status, items, usage, incomplete, store=store)
+    if store:
+        state.responses.put(turn.id, StoredResponse(body, turn.conversation + [assistant_message(items)]))
+    return body
+
+
+class StreamedOutput:
+    """Chat deltas (server.structured.ChatStream) -> Responses stream events, and
+    the output items they add up to. One item is open at a time: a delta of
+    another kind closes it (its .done events) and opens the next."""
+
+    def __init__(self):
+        self.items: list[dict] = []
+        self.open: dict | None = None
+        self.seq = 0
+
+    def event(self, kind: str, **fields) -> str:
+        data = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+    def _add(self, item: dict) -> list[str]:
+        out = self.close()
+        self.items.append(item)
+        self.open = item
+        return out + [self.event("response.output_item.added", output_index=len(self.items) - 1, item=item)]
+
+    def _at(self) -> dict:
+        return {"item_id": self.open["id"], "output_index": len(self.items) - 1}
+
+    def _text(self, kind: str, text: str) -> list[str]:
+        out = []
+        if self.open is None or self.open["type"] != kind:
+            if kind == "reasoning":
+                item = {"id": _id("rs_"), "type": "reasoning", "summary": [], "content": [], "status": "in_progress"}
+                part = {"type": "reasoning_text", "text": ""}
+            else:
+                item = {"id": _id("msg_"), "type": "message", "status": "in_progress", "role": "assistant",
+                        "content": []}
+                part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            out += self._add(item)
+            out.append(self.event("response.content_part.added", **self._at(), content_index=0, part=part))
+            item["content"] = [part]
+        self.open["content"][0]["text"] += text
+        if kind == "reasoning":
+            out.append(self.event("response.reasoning_text.delta", **self._at(), content_index=0, delta=text))
+        else:
+            out.append(self.event("response.output_text.delta", **self._at(), content_index=0, delta=text,
+                                  logprobs=[]))
+        return out
+
+    def feed(self, delta: dict) -> list[str]:
+        if delta.get("reasoning_content"):
+            return self._text("reasoning", delta["reasoning_content"])
+        if delta.get("content"):
+            return self._text("message", delta["content"])
+        out = []
+        for call in delta.get("tool_calls") or []:
+            fn = call["function"]
+            if call.get("id") is not None:
+                out += self._add({"id": _id("fc_"), "type": "function_call", "status": "in_progress",
+                                  "call_id": call["id"], "name": fn["name"], "arguments": ""})
+            if fn.get("arguments"):
+                self.open["arguments"] += fn["arguments"]
+                out.append(self.event("response.function_call_arguments.delta", **self._at(),
+                                      delta=fn["arguments"]))
+        return out
+
+    def close(self, status: str = "completed") -> list[str]:
+        item, out = self.open, []
+        if item is None:
+            return out
+        if item["type"] == "function_call":
+            out.append(self.event("response.function_call_arguments.done", **self._at(),
+                                  arguments=item["arguments"]))
+        else:
+            part = item["content"][0]
+            if item["type"] == "reasoning":
+                out.append(self.event("response.reasoning_text.done", **self._at(), content_index=0,
+                                      text=part["text"]))
+            else:
+                out.append(self.event("response.output_text.done", **self._at(), content_index=0,
+                                      text=part["text"], logprobs=[]))
+            out.append(self.event("response.content_part.done", **self._at(), content_index=0, part=part))
+        item["status"] = status
+        out.append(self.event("response.output_item.done", output_index=len(self.items) - 1, item=item))
+        self.open = None
+        return out
+
+
+async def _stream(state: ServerState, turn: _Turn, run: serving.ChatRun, rlog: serving.RequestLog, gen, first):
+    so = StreamedOutput()
+    chat = run.tools.stream()
+    status_code = "aborted"
+    try:
+        yield so.event("response.created", response=turn.body("in_progress", []))
+        yield so.event("response.in_progress", response=turn.body("in_progress", []))
+        out, final, sent = first, None, 0
+        while out is not None:
+            final = out
+            o = out.outputs[0]
+            parts = []
+            for d in chat.feed(o.text[sent:], final=o.finish_reason is not None):
+                parts += so.feed(d)
+            sent = len(o.text)
+            if parts:
+                yield "".join(parts)
+            try:
+                out = await gen.__anext__()
+            except StopAsyncIteration:
+                out = None
+        status, incomplete = _status(final.outputs[0].finish_reason if final else None)
+        closing = so.close("incomplete" if status == "incomplete" else "completed")
+        body = _finish(state, turn, status, so.items, _usage(state, final, so.items), incomplete)
+        kind = {"incomplete": "response.incomplete"}.get(status, "response.completed")
+        yield "".join(closing) + so.event(kind, response=body)
+        status_code = 200
+    except InvalidRequest as e:
+        status_code = 400
+        yield so.event("error", code="invalid_request_error", message=str(e), param=None)
+    except EngineDeadError as e:
+        status_code = 503
+        yield so.event("error", code="server_error", message=str(e), param=None)
+    except Exception as e:
+        status_code = 500
+        serving.log.exception("stream %s failed", rlog.id)
+        yield so.event("error", code="server_error", message=f"internal error: {type(e).__name__}: {e}",
+                       param=None)
+    finally:
+        with anyio.CancelScope(shield=True):
+            await gen.aclose()
+        rlog.done(status_code)
+
+
+def get_response(state: ServerState, response_id: str) -> dict:
+    stored = state.responses.get(response_id)
+    if stored is None:
+        raise APIError(404, f"Response with id '{response_id}' not found.", param="response_id")
+    return stored.body
+
+
+def delete_response(state: ServerState, response_id: str) -> dict:
+    if not state.responses.delete(response_id):
+        raise APIError(404, f"Response with id '{response_id}' not found.", param="response_id")
+    return {"id": response_id, "object": "response.deleted", "deleted": True}
