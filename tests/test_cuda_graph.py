@@ -180,9 +180,13 @@ def test_deepseek_v4_decode_replayed_equals_eager(graph_env, monkeypatch, tmp_pa
     out = llm.generate(prompts, greedy)
     assert replays.count(4) >= 9, replays       # (chunked prefills: one sequence starts and ends later)
     assert _toks(out) == _toks(ref)
+    # Replayed steps run the batch padded to 4, so fp32 sums differ from eager's by ~1e-6; a coded
+    # (tq4) entry near a code boundary can then round the other way, a 4-bit step: up to 1.4e-4 in
+    # these logprobs on an AVX-512 CPU (below 1e-4 on AVX2), against 1.7e-6 for dense entries.
+    tol = 1e-4 if kv == "auto" else 1e-3
     for a, b in zip(out, ref):
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            assert la.keys() == lb.keys() and max(abs(la[t] - lb[t]) for t in la) < 1e-4
+            assert la.keys() == lb.keys() and max(abs(la[t] - lb[t]) for t in la) < tol
     assert llm.core.kv.num_used_blocks == 0
 
 
