@@ -266,15 +266,16 @@ def test_verification_steps_snapshot_accepted_positions(tiny_qwen3_next):
 def test_tensor_parallel_ranks_copy_the_state_too(tiny_qwen3_next):
     """Two ranks (tests/tp_engine_run.py --shared-prefix): the follower does the
     leader's slot copies from the step's plan. Hits happen, and tokens equal
-    the two ranks without prefix caching (greedy, seeded and penalty rows),
-    with and without asynchronous scheduling."""
+    one rank without prefix caching (greedy, seeded and penalty rows), with
+    and without asynchronous scheduling."""
+    from tp_engine_run import parse, run
     def run_ranks(*flags):
         out = subprocess.run([sys.executable, str(Path(__file__).parent / "tp_engine_run.py"), tiny_qwen3_next,
                               str(free_port()), "--shared-prefix", *flags], capture_output=True, text=True,
                              timeout=300)
         assert out.returncode == 0, out.stderr[-3000:]
         return json.loads(out.stdout.strip().splitlines()[-1])
-    want = run_ranks("--no-prefix-caching")
+    want = run(parse([tiny_qwen3_next, "29500", "--shared-prefix", "--no-prefix-caching"]), ranks=1)
     for flags in ((), ("--async-scheduling",)):
         got = run_ranks(*flags)
         # prompt 3 is prompt 0 again: it hits prompt 0's last snapshot

@@ -32,7 +32,7 @@ def params(stop: int | None) -> list[SamplingParams]:
             SamplingParams(temperature=0.9, seed=3, max_tokens=9, ignore_eos=True, presence_penalty=0.5)]
 
 
-def main() -> None:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
     ap.add_argument("port", type=int)
@@ -43,8 +43,13 @@ def main() -> None:
     ap.add_argument("--mtp", type=int, default=0)
     ap.add_argument("--block-size", type=int, default=4)
     ap.add_argument("--grid", type=int, default=8)
-    a = ap.parse_args()
-    llm = LLM(a.model, tensor_parallel_size=2, master_port=a.port, block_size=a.block_size,
+    return ap.parse_args(argv)
+
+
+def run(a: argparse.Namespace, ranks: int = 2) -> dict:
+    """The JSON result; ranks=1 runs the same requests on one rank, in this
+    process (the reference the two-rank runs are compared with)."""
+    llm = LLM(a.model, tensor_parallel_size=ranks, master_port=a.port, block_size=a.block_size,
               kv_cache_memory=4 << 20, max_model_len=128, max_num_seqs=3, async_scheduling=a.async_scheduling,
               mamba_block_size=a.grid,
               enable_prefix_caching=not a.no_prefix_caching,
@@ -74,7 +79,11 @@ def main() -> None:
            "async": llm.core.async_scheduling, "used_blocks": llm.core.kv.num_used_blocks,
            "hits": [o.num_cached_tokens for o in outs], "drafts": drafts}
     llm.close()
-    print(json.dumps(res))
+    return json.loads(json.dumps(res))
+
+
+def main() -> None:
+    print(json.dumps(run(parse())))
 
 
 if __name__ == "__main__":

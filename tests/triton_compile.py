@@ -7,8 +7,8 @@ catches what only the GPU build sees.
     compiled([spec("kvcache.tq_triton_kernels:tq_decode_kernel", 90, const, ptrs, warps=4), ...])
     -> [{"regs": 183, "spill": 0, "shared": 73728}, ...]
 
-All in one subprocess without TRITON_INTERPRET (set for the tests' own
-process before triton is imported)."""
+In subprocesses (one per core) without TRITON_INTERPRET (set for the tests'
+own process before triton is imported)."""
 import json
 import os
 import subprocess
@@ -32,10 +32,16 @@ def spec(kernel: str, arch: int, const: dict, ptrs: dict, warps: int, stages: in
 def compiled(specs: list[dict]) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    r = subprocess.run([sys.executable, __file__, json.dumps(specs)], capture_output=True, text=True, env=env,
-                       cwd=ROOT)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    # One subprocess per core, each a share of the specs: compiling is CPU-bound.
+    n = max(1, min(len(specs), os.cpu_count() or 1, 4))
+    procs = [subprocess.Popen([sys.executable, __file__, json.dumps(specs[i::n])], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT) for i in range(n)]
+    results: list = [None] * len(specs)
+    for i, p in enumerate(procs):
+        out, err = p.communicate()
+        assert p.returncode == 0, err[-3000:]
+        results[i::n] = json.loads(out.strip().splitlines()[-1])
+    return results
 
 
 def assert_fit(cases: list, specs: list[dict], max_spill: int = 0) -> None:
