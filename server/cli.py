@@ -94,6 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tool-call-parser", default=None, choices=sorted(tool_parsers),
                    help="how tool calls are written in the model's output [default: chosen from the "
                         "model's type and chat template, else hermes]")
+    # vLLM command lines carry these; here tool calls are always parsed (tool_choice
+    # "auto" needs no switch) and no code from a checkpoint ever runs.
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM command lines: tool calls are always parsed")
+    s.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted for vLLM command lines: tqserve runs no code from the model's files")
     s.add_argument("--chat-template", default=None,
                    help="a jinja chat template, as a file path or the template itself, used instead of the "
                         "model's (vLLM's flag; DeepSeek-V4 ships none)")

@@ -135,7 +135,9 @@ def test_chat_template_flag(tmp_path):
     tpl = tmp_path / "t.jinja"
     tpl.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
                    "{% if add_generation_prompt %}[assistant]{% endif %}")
-    srv = ServerProcess(tmp_path / "server.log", *SMALL, "--chat-template", str(tpl))
+    # with the vLLM flags that are accepted as they are (a copied vLLM command line starts)
+    srv = ServerProcess(tmp_path / "server.log", *SMALL, "--chat-template", str(tpl), "--enable-auto-tool-choice",
+                        "--trust-remote-code")
     try:
         r = httpx.post(srv.url + "/tokenize", json={"messages": [{"role": "user", "content": "Hi there"}],
                                                     "add_special_tokens": False}).json()

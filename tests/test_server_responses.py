@@ -223,3 +223,24 @@ def test_reasoning_effort_reaches_the_template(served):
     assert prompt(srv) == "high|x"
     stored = client.responses.create(model="fake", input="y", reasoning={"effort": "low"})
     assert stored.reasoning.effort == "low" and json.loads(stored.model_dump_json())["reasoning"]["effort"] == "low"
+
+
+def test_client_gone_aborts(served):
+    """A stream or a whole response the client leaves is aborted in the engine."""
+    import time
+
+    import httpx
+    srv, _ = served
+    srv.llm.script = None
+    before = len(srv.llm.aborted)
+    body = {"model": "fake", "input": "x", "max_output_tokens": 200, "stream": True, "extra": 1}
+    with httpx.stream("POST", srv.url + "/v1/responses", json={**body, "ignore_eos": True}, timeout=30) as r:
+        for _ in zip(range(6), r.iter_lines()):
+            pass
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(srv.url + "/v1/responses", json={**body, "stream": False, "ignore_eos": True}, timeout=0.3)
+    deadline = time.time() + 5
+    while time.time() < deadline and (len(srv.llm.aborted) < before + 2 or srv.call(lambda: srv.llm.running)):
+        time.sleep(0.05)
+    assert len(srv.llm.aborted) == before + 2
+    assert srv.call(lambda: len(srv.llm.running)) == 0 and srv.state.inflight == 0
