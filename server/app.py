@@ -15,10 +15,10 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.errors import EngineDeadError
-from server import responses, serving
+from server import messages_api, responses, serving
 from server.errors import APIError, api_error_response, error_response, from_validation_error
-from server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ResponsesRequest,
-                             TokenizeRequest)
+from server.protocol import (ChatCompletionRequest, CompletionRequest, CountTokensRequest, DetokenizeRequest,
+                             MessagesRequest, ResponsesRequest, TokenizeRequest)
 from server.state import ServerState
 
 log = logging.getLogger("tqserve.server")
@@ -41,7 +41,8 @@ class _Gate:
         headers = dict(scope.get("headers") or [])
         if self.keys and path.startswith("/v1"):
             auth = headers.get(b"authorization", b"")
-            token = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
+            # Bearer (OpenAI's clients) or x-api-key (Anthropic's)
+            token = auth[7:].strip() if auth[:7].lower() == b"bearer " else headers.get(b"x-api-key", b"").strip()
             if not any(hmac.compare_digest(token, k) for k in self.keys):
                 msg = ("Missing API key: send it as 'Authorization: Bearer <key>'." if not token
                        else "Incorrect API key provided.")
@@ -176,6 +177,21 @@ def create_app(state: ServerState) -> FastAPI:
     @app.delete("/v1/responses/{response_id}")
     async def responses_delete(response_id: str):
         return responses.delete_response(state, response_id)
+
+    @app.post("/v1/messages")
+    async def messages_create(request: Request):
+        try:
+            return await generation(request, "msg_", "messages", MessagesRequest, messages_api.create_message)
+        except APIError as e:
+            return messages_api.error_response(e)
+
+    @app.post("/v1/messages/count_tokens")
+    async def messages_count_tokens(request: Request):
+        try:
+            req = await parse_body(request, state, CountTokensRequest)
+            return messages_api.count_tokens(state, req)
+        except APIError as e:
+            return messages_api.error_response(e)
 
     @app.get("/v1/models")
     async def models():

@@ -388,9 +388,9 @@ class ResponsesReasoning(_Body):
     summary: str | None = None
 
 
-# vLLM's sampling extensions a Responses request may carry: passed to the chat
+# vLLM's sampling extensions a Responses or Messages request may carry: passed to the chat
 # request as they are, which validates them.
-RESPONSES_EXTRAS = ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed",
+SAMPLING_EXTRAS = ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed",
                     "stop", "stop_token_ids", "logit_bias", "ignore_eos", "min_tokens", "priority",
                     "speculative", "skip_special_tokens", "chat_template_kwargs")
 
@@ -426,3 +426,64 @@ class ResponsesRequest(_Body):
                 and self.text.format.schema_ is None:
             raise ValueError("text.format type json_schema needs a schema")
         return self
+
+
+# --------------------------------------------------------------------------
+# /v1/messages (Anthropic's Messages API; server/messages_api.py turns it into a chat request)
+# --------------------------------------------------------------------------
+class AnthropicTool(_Body):
+    model_config = ConfigDict(extra="allow", strict=True)
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    input_schema: dict[str, Any]
+    type: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.type not in (None, "custom"):
+            raise ValueError(f"server tools (type {self.type!r}) are not supported: give custom tools")
+        return self
+
+
+class AnthropicToolChoice(_Body):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.type == "tool" and not self.name:
+            raise ValueError('tool_choice type "tool" needs a name')
+        return self
+
+
+class AnthropicThinking(_Body):
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = Field(None, ge=0)
+
+
+class MessagesRequest(_Body):
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+    model: str
+    max_tokens: int = Field(ge=1)
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    system: str | list[dict[str, Any]] | None = None
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    temperature: float | None = Field(None, ge=0, le=1)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=1)
+    tools: list[AnthropicTool] | None = Field(None, max_length=128)
+    tool_choice: AnthropicToolChoice | None = None
+    thinking: AnthropicThinking | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class CountTokensRequest(_Body):
+    model_config = ConfigDict(extra="allow", strict=True)
+    model: str
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[AnthropicTool] | None = Field(None, max_length=128)
+    tool_choice: AnthropicToolChoice | None = None
+    thinking: AnthropicThinking | None = None

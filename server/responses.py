@@ -31,7 +31,7 @@ from pydantic import ValidationError
 from engine.errors import EngineDeadError, InvalidRequest
 from server import serving
 from server.errors import APIError, from_validation_error
-from server.protocol import RESPONSES_EXTRAS, ChatCompletionRequest, ResponsesRequest
+from server.protocol import SAMPLING_EXTRAS, ChatCompletionRequest, ResponsesRequest
 from server.response_store import StoredResponse
 from server.state import ServerState
 
@@ -133,7 +133,7 @@ def chat_request(req: ResponsesRequest, history: list[dict]) -> tuple[ChatComple
     elif fmt is not None:
         body["response_format"] = {"type": fmt.type}
     extra = req.model_extra or {}
-    body.update({k: extra[k] for k in RESPONSES_EXTRAS if k in extra})
+    body.update({k: extra[k] for k in SAMPLING_EXTRAS if k in extra})
     try:
         return ChatCompletionRequest.model_validate(body), conversation
     except ValidationError as e:

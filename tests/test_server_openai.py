@@ -399,3 +399,17 @@ def test_responses_api_matches_chat(client, server):
                                                             {"role": "user", "content": "And of Italy?"}])
     assert follow.output_text == whole.choices[0].message.content
     assert f"{r.id} responses " in server.log()          # one log line per request, as the others
+
+
+def test_messages_api_matches_chat(client, server):
+    """/v1/messages (Anthropic's client) on the real model: chat's greedy text, whole and streamed."""
+    import anthropic
+    c = chat(client)
+    a = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=300)
+    greedy = {"temperature": 0}       # a body field; this client version no longer has the argument
+    m = a.messages.create(model=MODEL, max_tokens=16, messages=QUESTION, extra_body=greedy)
+    assert m.content[0].text == c.choices[0].message.content
+    assert m.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[c.choices[0].finish_reason]
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == c.usage.prompt_tokens
+    with a.messages.stream(model=MODEL, max_tokens=16, messages=QUESTION, extra_body=greedy) as s:
+        assert "".join(s.text_stream) == m.content[0].text
