@@ -19,12 +19,10 @@ from __future__ import annotations
 
 import json
 
-import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from engine.errors import EngineDeadError, InvalidRequest
 from server import serving
 from server.errors import APIError, from_validation_error
 from server.protocol import SAMPLING_EXTRAS, ChatCompletionRequest, MessagesRequest
@@ -47,18 +45,7 @@ def _bad(message: str) -> APIError:
 
 
 def _texts(content, where: str) -> str:
-    """A string or text blocks -> their text (a tool result's content, system)."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise _bad(f"{where} must be a string or a list of text blocks")
-    out = []
-    for j, b in enumerate(content):
-        if not isinstance(b, dict) or b.get("type") != "text" or not isinstance(b.get("text"), str):
-            kind = b.get("type") if isinstance(b, dict) else type(b).__name__
-            raise _bad(f"{where}[{j}]: blocks of type {kind!r} are not supported here (text only)")
-        out.append(b["text"])
-    return "\n".join(out)
+    return serving.joined_text(content, where, ("text",), "messages")
 
 
 def chat_messages(system, messages: list[dict]) -> list[dict]:
@@ -179,15 +166,12 @@ async def create_message(state: ServerState, request: Request, req: MessagesRequ
     gen = serving.generate(state, run.prompt_ids, run.params, rlog.id, rlog, chat.priority)
     if req.stream:
         first = await serving.first_output(request, gen)
-        return StreamingResponse(_stream(req, run, rlog, gen, first), media_type="text/event-stream",
-                                 headers=serving.SSE_HEADERS)
+        events = _events(req, rlog, serving.ChoiceDeltas(gen, first, run.tools.stream()))
+        return StreamingResponse(serving.guarded(events, gen, rlog,
+                                                 lambda status, message: _event("error", error_body(status, message))),
+                                 media_type="text/event-stream", headers=serving.SSE_HEADERS)
 
-    async def to_end():
-        final = None
-        async for out in gen:
-            final = out
-        return final
-    final = await serving.run_to_end(request, gen, to_end())
+    final = await serving.last_output(request, gen)
     o = final.outputs[0]
     msg, called = run.tools.message(o.text)
     reason, sequence = stop_reason(o, called)
@@ -252,45 +236,18 @@ class StreamedBlocks:
         return [_event("content_block_stop", {"index": self.index})]
 
 
-async def _stream(req: MessagesRequest, run: serving.ChatRun, rlog: serving.RequestLog, gen, first):
+async def _events(req: MessagesRequest, rlog: serving.RequestLog, deltas: serving.ChoiceDeltas):
     blocks = StreamedBlocks()
-    chat = run.tools.stream()
-    status = "aborted"
-    try:
-        yield _event("message_start", {"message": {
-            "id": rlog.id, "type": "message", "role": "assistant", "model": req.model, "content": [],
-            "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": rlog.prompt_tokens, "output_tokens": 0}}})
-        out, final, sent = first, None, 0
-        while out is not None:
-            final = out
-            o = out.outputs[0]
-            parts = []
-            for d in chat.feed(o.text[sent:], final=o.finish_reason is not None):
-                parts += blocks.feed(d)
-            sent = len(o.text)
-            if parts:
-                yield "".join(parts)
-            try:
-                out = await gen.__anext__()
-            except StopAsyncIteration:
-                out = None
-        reason, sequence = stop_reason(final.outputs[0], chat.called) if final else ("end_turn", None)
-        yield "".join(blocks.close()) + _event("message_delta", {
-            "delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": _usage(final)}) + \
-            _event("message_stop", {})
-        status = 200
-    except InvalidRequest as e:
-        status = 400
-        yield _event("error", error_body(400, str(e)))
-    except EngineDeadError as e:
-        status = 503
-        yield _event("error", error_body(503, str(e)))
-    except Exception as e:
-        status = 500
-        serving.log.exception("stream %s failed", rlog.id)
-        yield _event("error", error_body(500, f"internal error: {type(e).__name__}: {e}"))
-    finally:
-        with anyio.CancelScope(shield=True):
-            await gen.aclose()
-        rlog.done(status)
+    yield _event("message_start", {"message": {
+        "id": rlog.id, "type": "message", "role": "assistant", "model": req.model, "content": [],
+        "stop_reason": None, "stop_sequence": None,
+        "usage": {"input_tokens": rlog.prompt_tokens, "output_tokens": 0}}})
+    async for ds in deltas:
+        parts = [e for d in ds for e in blocks.feed(d)]
+        if parts:
+            yield "".join(parts)
+    final = deltas.final
+    reason, sequence = stop_reason(final.outputs[0], deltas.chat.called) if final else ("end_turn", None)
+    yield "".join(blocks.close()) + _event("message_delta", {
+        "delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": _usage(final)}) + \
+        _event("message_stop", {})

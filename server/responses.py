@@ -23,12 +23,10 @@ import time
 import uuid
 from dataclasses import dataclass
 
-import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from engine.errors import EngineDeadError, InvalidRequest
 from server import serving
 from server.errors import APIError, from_validation_error
 from server.protocol import SAMPLING_EXTRAS, ChatCompletionRequest, ResponsesRequest
@@ -43,17 +41,7 @@ def _bad(message: str, param: str = "input") -> APIError:
 
 
 def _text(content, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise _bad(f"{where}.content must be a string or a list of content parts")
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
-            raise _bad(f"{where}.content[{j}]: content parts of type {kind!r} are not supported (text only)")
-        texts.append(part["text"])
-    return "".join(texts)
+    return serving.joined_text(content, where + ".content", _TEXT_PARTS, "input")
 
 
 def _str(item: dict, key: str, where: str) -> str:
@@ -241,15 +229,16 @@ async def create_response(state: ServerState, request: Request, req: ResponsesRe
     turn = _Turn(rlog.id, req, req.model or state.model_name, int(time.time()), conversation)
     if req.stream:
         first = await serving.first_output(request, gen)
-        return StreamingResponse(_stream(state, turn, run, rlog, gen, first),
-                                 media_type="text/event-stream", headers=serving.SSE_HEADERS)
+        so = StreamedOutput()
 
-    async def to_end():
-        final = None
-        async for out in gen:
-            final = out
-        return final
-    final = await serving.run_to_end(request, gen, to_end())
+        def error(status: int, message: str) -> str:
+            code = "invalid_request_error" if status == 400 else "server_error"
+            return so.event("error", code=code, message=message, param=None)
+        events = _events(state, turn, serving.ChoiceDeltas(gen, first, run.tools.stream()), so)
+        return StreamingResponse(serving.guarded(events, gen, rlog, error), media_type="text/event-stream",
+                                 headers=serving.SSE_HEADERS)
+
+    final = await serving.last_output(request, gen)
     o = final.outputs[0]
     status, incomplete = _status(o.finish_reason)
     msg, _ = run.tools.message(o.text)
@@ -352,48 +341,19 @@ class StreamedOutput:
         return out
 
 
-async def _stream(state: ServerState, turn: _Turn, run: serving.ChatRun, rlog: serving.RequestLog, gen, first):
-    so = StreamedOutput()
-    chat = run.tools.stream()
-    status_code = "aborted"
-    try:
-        yield so.event("response.created", response=turn.body("in_progress", []))
-        yield so.event("response.in_progress", response=turn.body("in_progress", []))
-        out, final, sent = first, None, 0
-        while out is not None:
-            final = out
-            o = out.outputs[0]
-            parts = []
-            for d in chat.feed(o.text[sent:], final=o.finish_reason is not None):
-                parts += so.feed(d)
-            sent = len(o.text)
-            if parts:
-                yield "".join(parts)
-            try:
-                out = await gen.__anext__()
-            except StopAsyncIteration:
-                out = None
-        status, incomplete = _status(final.outputs[0].finish_reason if final else None)
-        closing = so.close("incomplete" if status == "incomplete" else "completed")
-        body = _finish(state, turn, status, so.items, _usage(state, final, so.items), incomplete)
-        kind = {"incomplete": "response.incomplete"}.get(status, "response.completed")
-        yield "".join(closing) + so.event(kind, response=body)
-        status_code = 200
-    except InvalidRequest as e:
-        status_code = 400
-        yield so.event("error", code="invalid_request_error", message=str(e), param=None)
-    except EngineDeadError as e:
-        status_code = 503
-        yield so.event("error", code="server_error", message=str(e), param=None)
-    except Exception as e:
-        status_code = 500
-        serving.log.exception("stream %s failed", rlog.id)
-        yield so.event("error", code="server_error", message=f"internal error: {type(e).__name__}: {e}",
-                       param=None)
-    finally:
-        with anyio.CancelScope(shield=True):
-            await gen.aclose()
-        rlog.done(status_code)
+async def _events(state: ServerState, turn: _Turn, deltas: serving.ChoiceDeltas, so: StreamedOutput):
+    yield so.event("response.created", response=turn.body("in_progress", []))
+    yield so.event("response.in_progress", response=turn.body("in_progress", []))
+    async for ds in deltas:
+        parts = [e for d in ds for e in so.feed(d)]
+        if parts:
+            yield "".join(parts)
+    final = deltas.final
+    status, incomplete = _status(final.outputs[0].finish_reason if final else None)
+    closing = so.close("incomplete" if status == "incomplete" else "completed")
+    body = _finish(state, turn, status, so.items, _usage(state, final, so.items), incomplete)
+    kind = {"incomplete": "response.incomplete"}.get(status, "response.completed")
+    yield "".join(closing) + so.event(kind, response=body)
 
 
 def get_response(state: ServerState, response_id: str) -> dict:

@@ -12,7 +12,8 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass
 
 import anyio
@@ -323,6 +324,24 @@ def chat_prompt(state: ServerState, req) -> tuple[str, list[int]]:
     return text, tok.encode(text, add_special_tokens=False)
 
 
+def joined_text(content, where: str, kinds: tuple[str, ...], param: str) -> str:
+    """A string, or a list of text parts (of `kinds`) joined with newlines as
+    chat's content parts are (/v1/responses, /v1/messages); else a 400 naming
+    the part."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError(400, f"{where} must be a string or a list of text parts", param=param)
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind not in kinds or not isinstance(part.get("text"), str):
+            raise APIError(400, f"{where}[{j}]: parts of type {kind!r} are not supported here (text only)",
+                           param=param)
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
 def _template_kwargs(req) -> dict:
     # reasoning_effort reaches the template as vLLM passes it; chat_template_kwargs win
     effort = getattr(req, "reasoning_effort", None)     # /tokenize's chat form has none
@@ -436,15 +455,10 @@ async def chat_completion(state: ServerState, request: Request, req: ChatComplet
     model = req.model or state.model_name
     if req.stream:
         first = await first_output(request, gen)
-        return StreamingResponse(_chat_stream(state, req, rlog, gen, first, created, model, top_k, tools),
-                                 media_type="text/event-stream", headers=SSE_HEADERS)
+        return StreamingResponse(guarded(_chat_stream(state, req, rlog, gen, first, created, model, top_k, tools),
+                                         gen, rlog), media_type="text/event-stream", headers=SSE_HEADERS)
 
-    async def run():
-        final = None
-        async for out in gen:
-            final = out
-        return final
-    final = await run_to_end(request, gen, run())
+    final = await last_output(request, gen)
     choices = []
     for o in final.outputs:
         msg, called = tools.message(o.text)
@@ -476,6 +490,68 @@ async def first_output(request: Request, gen):
         raise APIError(400, str(e)) from None
 
 
+class ChoiceDeltas:
+    """One choice's chat deltas (a ChatStream's, a list per engine output) as
+    the outputs arrive; `final` is the last output (the Responses and Messages
+    streams: one choice each)."""
+
+    def __init__(self, gen, first, chat):
+        self.gen, self.first, self.chat, self.final = gen, first, chat, None
+
+    async def __aiter__(self):
+        out, sent = self.first, 0
+        while out is not None:
+            self.final = out
+            o = out.outputs[0]
+            yield self.chat.feed(o.text[sent:], final=o.finish_reason is not None)
+            sent = len(o.text)
+            try:
+                out = await self.gen.__anext__()
+            except StopAsyncIteration:
+                out = None
+
+
+def sse_error(status: int, message: str) -> str:
+    return sse(error_body(status, message)) + SSE_DONE
+
+
+async def guarded(body: AsyncIterator[str], gen, rlog: RequestLog,
+                  error_event: Callable[[int, str], str] = sse_error) -> AsyncIterator[str]:
+    """A stream's chunks; an error after the headers went out becomes its last
+    event (error_event), and the engine request is closed (aborted if
+    unfinished: a client gone cancels here) and logged however it ends."""
+    status = "aborted"
+    try:
+        async with aclosing(body) as chunks:
+            async for chunk in chunks:
+                yield chunk
+        status = 200
+    except InvalidRequest as e:
+        status = 400
+        yield error_event(400, str(e))
+    except EngineDeadError as e:
+        status = 503
+        yield error_event(503, str(e))
+    except Exception as e:
+        status = 500
+        log.exception("stream %s failed", rlog.id)
+        yield error_event(500, f"internal error: {type(e).__name__}: {e}")
+    finally:
+        with anyio.CancelScope(shield=True):
+            await gen.aclose()
+        rlog.done(status)
+
+
+async def last_output(request: Request, gen):
+    """Run an engine request to its end (a client gone aborts it): its final output."""
+    async def to_end():
+        final = None
+        async for out in gen:
+            final = out
+        return final
+    return await run_to_end(request, gen, to_end())
+
+
 async def run_to_end(request: Request, gen, coro):
     try:
         return await until_disconnect(request, coro)
@@ -496,7 +572,6 @@ async def _chat_stream(state, req, rlog, gen, first, created, model, top_k, tool
     started = [False] * req.n
     finished = [False] * req.n
     streams = [tools.stream() for _ in range(req.n)]
-    status = "aborted"
 
     def chunk(index, delta, logprobs=None, finish_reason=None, stop_reason=None, n_out=0):
         c = {"id": rlog.id, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -508,68 +583,49 @@ async def _chat_stream(state, req, rlog, gen, first, created, model, top_k, tool
             c["usage"] = None
         return sse(c)
 
-    try:
-        out = first
-        final = None
-        while out is not None:
-            final = out
-            n_out = sum(len(o.token_ids) for o in out.outputs)
-            rlog.output_tokens = n_out
-            parts = []
-            for o in out.outputs:
-                i = o.index
-                if finished[i]:
-                    continue
-                if not started[i]:
-                    started[i] = True
-                    parts.append(chunk(i, {"role": "assistant", "content": ""}, n_out=n_out))
-                text = o.text[sent_text[i]:]
-                new_ids = o.token_ids[sent_tok[i]:]
-                lp = None
-                if req.logprobs and new_ids:
-                    lp = {"content": chat_logprobs(state, new_ids, (o.logprobs or [])[sent_tok[i]:], top_k)}
-                deltas = streams[i].feed(text, final=o.finish_reason is not None)
-                if lp and not deltas:
-                    deltas = [{"content": ""}]
-                for d in deltas:
-                    parts.append(chunk(i, d, lp, n_out=n_out))
-                    lp = None
-                sent_text[i] = len(o.text)
-                sent_tok[i] = len(o.token_ids)
-                if o.finish_reason is not None:
-                    finished[i] = True
-                    parts.append(chunk(i, {}, None, _finish(o.finish_reason, streams[i].called), o.stop_reason,
-                                       n_out=n_out))
-            if parts:
-                yield "".join(parts)
-            try:
-                out = await gen.__anext__()
-            except StopAsyncIteration:
-                out = None
-        n_out = sum(len(o.token_ids) for o in final.outputs) if final else 0
+    out = first
+    final = None
+    while out is not None:
+        final = out
+        n_out = sum(len(o.token_ids) for o in out.outputs)
         rlog.output_tokens = n_out
-        if include_usage:
-            yield sse({"id": rlog.id, "object": "chat.completion.chunk", "created": created, "model": model,
-                       "choices": [], "usage": usage(n_prompt, n_out, final.num_cached_tokens if final else None)})
-        yield SSE_DONE
-        status = 200
-    except InvalidRequest as e:
-        status = 400
-        yield sse(error_body(400, str(e)))
-        yield SSE_DONE
-    except EngineDeadError as e:
-        status = 503
-        yield sse(error_body(503, str(e)))
-        yield SSE_DONE
-    except Exception as e:
-        status = 500
-        log.exception("stream %s failed", rlog.id)
-        yield sse(error_body(500, f"internal error: {type(e).__name__}: {e}"))
-        yield SSE_DONE
-    finally:
-        with anyio.CancelScope(shield=True):
-            await gen.aclose()
-        rlog.done(status)
+        parts = []
+        for o in out.outputs:
+            i = o.index
+            if finished[i]:
+                continue
+            if not started[i]:
+                started[i] = True
+                parts.append(chunk(i, {"role": "assistant", "content": ""}, n_out=n_out))
+            text = o.text[sent_text[i]:]
+            new_ids = o.token_ids[sent_tok[i]:]
+            lp = None
+            if req.logprobs and new_ids:
+                lp = {"content": chat_logprobs(state, new_ids, (o.logprobs or [])[sent_tok[i]:], top_k)}
+            deltas = streams[i].feed(text, final=o.finish_reason is not None)
+            if lp and not deltas:
+                deltas = [{"content": ""}]
+            for d in deltas:
+                parts.append(chunk(i, d, lp, n_out=n_out))
+                lp = None
+            sent_text[i] = len(o.text)
+            sent_tok[i] = len(o.token_ids)
+            if o.finish_reason is not None:
+                finished[i] = True
+                parts.append(chunk(i, {}, None, _finish(o.finish_reason, streams[i].called), o.stop_reason,
+                                   n_out=n_out))
+        if parts:
+            yield "".join(parts)
+        try:
+            out = await gen.__anext__()
+        except StopAsyncIteration:
+            out = None
+    n_out = sum(len(o.token_ids) for o in final.outputs) if final else 0
+    rlog.output_tokens = n_out
+    if include_usage:
+        yield sse({"id": rlog.id, "object": "chat.completion.chunk", "created": created, "model": model,
+                   "choices": [], "usage": usage(n_prompt, n_out, final.num_cached_tokens if final else None)})
+    yield SSE_DONE
 
 
 # --------------------------------------------------------------------------
@@ -620,8 +676,8 @@ async def completion(state: ServerState, request: Request, req: CompletionReques
 
     if req.stream:
         first = await first_output(request, merged)
-        return StreamingResponse(_completion_stream(state, req, rlog, merged, first, ids, echo_text,
-                                                    created, model),
+        return StreamingResponse(guarded(_completion_stream(state, req, rlog, merged, first, ids, echo_text,
+                                                            created, model), merged, rlog),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
 
     async def run():
@@ -687,7 +743,6 @@ async def _completion_stream(state, req, rlog, merged, first, ids, echo_text, cr
     finished = [False] * slots
     n_out_by_prompt = [0] * len(ids)
     cached = [0] * len(ids)
-    status = "aborted"
 
     def chunk(index, text, lp, finish_reason=None, stop_reason=None):
         c = {"id": rlog.id, "object": "text_completion", "created": created, "model": model,
@@ -699,71 +754,52 @@ async def _completion_stream(state, req, rlog, merged, first, ids, echo_text, cr
             c["usage"] = None
         return sse(c)
 
-    try:
-        item = first
-        while item is not None:
-            p, out = item
-            cached[p] = out.num_cached_tokens
-            parts = []
-            n_out_by_prompt[p] = 0 if req.max_tokens == 0 else sum(len(o.token_ids) for o in out.outputs)
-            rlog.output_tokens = sum(n_out_by_prompt)
-            for o in out.outputs:
-                s = p * n + o.index
-                if finished[s]:
-                    continue
-                tids, lps, text, reason = _visible(req, o)
-                if reason is not None and not out.finished and req.max_tokens == 0:
-                    reason = None
-                if not started[s]:
-                    started[s] = True
-                    if req.echo:
-                        # The prompt first, in a chunk of its own (with its logprobs when asked).
-                        ptext = echo_text(p)
-                        lp = None
-                        if req.logprobs is not None:
-                            plp = out.prompt_logprobs or [None] * len(ids[p])
-                            lp = completion_logprobs(state, ids[p], list(plp), req.logprobs, 0)
-                            offsets[s] = sum(len(t) for t in lp["tokens"])
-                        parts.append(chunk(s, ptext, lp))
-                new_text = text[sent_text[s]:]
-                new_ids = tids[sent_tok[s]:]
-                lp = None
-                if req.logprobs is not None and new_ids:
-                    lp = completion_logprobs(state, new_ids, lps[sent_tok[s]:], req.logprobs, offsets[s])
-                    offsets[s] += sum(len(t) for t in lp["tokens"])
-                sent_text[s] = len(text)
-                sent_tok[s] = len(tids)
-                if reason is not None and (out.finished or o.finish_reason is not None):
-                    finished[s] = True
-                    parts.append(chunk(s, new_text, lp, reason, o.stop_reason))
-                elif new_text or lp:
-                    parts.append(chunk(s, new_text, lp))
-            if parts:
-                yield "".join(parts)
-            try:
-                item = await merged.__anext__()
-            except StopAsyncIteration:
-                item = None
+    item = first
+    while item is not None:
+        p, out = item
+        cached[p] = out.num_cached_tokens
+        parts = []
+        n_out_by_prompt[p] = 0 if req.max_tokens == 0 else sum(len(o.token_ids) for o in out.outputs)
         rlog.output_tokens = sum(n_out_by_prompt)
-        if include_usage:
-            yield sse({"id": rlog.id, "object": "text_completion", "created": created, "model": model,
-                       "choices": [], "usage": usage(rlog.prompt_tokens, sum(n_out_by_prompt), sum(cached))})
-        yield SSE_DONE
-        status = 200
-    except InvalidRequest as e:
-        status = 400
-        yield sse(error_body(400, str(e)))
-        yield SSE_DONE
-    except EngineDeadError as e:
-        status = 503
-        yield sse(error_body(503, str(e)))
-        yield SSE_DONE
-    except Exception as e:
-        status = 500
-        log.exception("stream %s failed", rlog.id)
-        yield sse(error_body(500, f"internal error: {type(e).__name__}: {e}"))
-        yield SSE_DONE
-    finally:
-        with anyio.CancelScope(shield=True):
-            await merged.aclose()
-        rlog.done(status)
+        for o in out.outputs:
+            s = p * n + o.index
+            if finished[s]:
+                continue
+            tids, lps, text, reason = _visible(req, o)
+            if reason is not None and not out.finished and req.max_tokens == 0:
+                reason = None
+            if not started[s]:
+                started[s] = True
+                if req.echo:
+                    # The prompt first, in a chunk of its own (with its logprobs when asked).
+                    ptext = echo_text(p)
+                    lp = None
+                    if req.logprobs is not None:
+                        plp = out.prompt_logprobs or [None] * len(ids[p])
+                        lp = completion_logprobs(state, ids[p], list(plp), req.logprobs, 0)
+                        offsets[s] = sum(len(t) for t in lp["tokens"])
+                    parts.append(chunk(s, ptext, lp))
+            new_text = text[sent_text[s]:]
+            new_ids = tids[sent_tok[s]:]
+            lp = None
+            if req.logprobs is not None and new_ids:
+                lp = completion_logprobs(state, new_ids, lps[sent_tok[s]:], req.logprobs, offsets[s])
+                offsets[s] += sum(len(t) for t in lp["tokens"])
+            sent_text[s] = len(text)
+            sent_tok[s] = len(tids)
+            if reason is not None and (out.finished or o.finish_reason is not None):
+                finished[s] = True
+                parts.append(chunk(s, new_text, lp, reason, o.stop_reason))
+            elif new_text or lp:
+                parts.append(chunk(s, new_text, lp))
+        if parts:
+            yield "".join(parts)
+        try:
+            item = await merged.__anext__()
+        except StopAsyncIteration:
+            item = None
+    rlog.output_tokens = sum(n_out_by_prompt)
+    if include_usage:
+        yield sse({"id": rlog.id, "object": "text_completion", "created": created, "model": model,
+                   "choices": [], "usage": usage(rlog.prompt_tokens, sum(n_out_by_prompt), sum(cached))})
+    yield SSE_DONE

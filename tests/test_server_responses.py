@@ -98,18 +98,19 @@ def test_text_and_call_stream_as_they_do_whole(served):
 def test_same_prompt_and_text_as_chat(served):
     srv, client = served
     srv.llm.script = None             # the stand-in's own text: a function of the prompt
-    r = client.responses.create(model="fake", input=[{"role": "user", "content": [
-        {"type": "input_text", "text": "Hello "}, {"type": "input_text", "text": "there"}]}],
-        max_output_tokens=12, temperature=0)
+    parts = [{"role": "user", "content": [{"type": "input_text", "text": "Hello"},
+                                          {"type": "input_text", "text": "there"}]}]
+    r = client.responses.create(model="fake", input=parts, max_output_tokens=12, temperature=0)
     via_responses = prompt(srv)
-    c = client.chat.completions.create(model="fake", messages=[{"role": "user", "content": "Hello there"}],
+    c = client.chat.completions.create(model="fake", messages=[{"role": "user", "content": [
+        {"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]}],     # parts: joined as chat joins them
                                        max_tokens=12, temperature=0)
     assert prompt(srv) == via_responses
     assert r.output_text == c.choices[0].message.content
     # cut by max_output_tokens: incomplete, as OpenAI reports it
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert r.output[0].status == "incomplete" and r.usage.output_tokens == 12
-    final, events = stream(client, model="fake", input="Hello there", max_output_tokens=12, temperature=0)
+    final, events = stream(client, model="fake", input=parts, max_output_tokens=12, temperature=0)
     assert events[-1].type == "response.incomplete" and final.output_text == r.output_text
 
 
