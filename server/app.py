@@ -7,12 +7,14 @@ flips `state.ready` once the model has loaded.
 import hmac
 import json
 import logging
+import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from engine.errors import EngineDeadError
 from server import messages_api, responses, serving
@@ -37,6 +39,26 @@ class _Gate:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        # Counted per route template when the whole response has gone (streams included).
+        t0, status = time.monotonic(), [500]
+
+        async def send_status(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+        try:
+            await self._gate(scope, receive, send_status)
+        finally:
+            self.state.metrics.observe_http(self._handler(scope), scope.get("method", ""), status[0],
+                                            time.monotonic() - t0)
+
+    def _handler(self, scope) -> str:
+        for route in self.app.routes:
+            if route.matches(scope)[0] == Match.FULL:
+                return route.path
+        return "none"       # unknown paths share one series (instrumentator's name for them)
+
+    async def _gate(self, scope, receive, send):
         path = scope.get("path", "")
         headers = dict(scope.get("headers") or [])
         if self.keys and path.startswith("/v1"):

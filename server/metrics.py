@@ -1,4 +1,5 @@
-"""Prometheus metrics under the `tqserve:` prefix, named as vLLM names them.
+"""Prometheus metrics under the `tqserve:` prefix, named as vLLM names them
+(and vLLM's HTTP ones, http_requests_total and http_request_duration_seconds).
 
 Per-request counters and histograms are fed by the server as requests finish;
 engine-wide gauges and counters (running/waiting, KV usage, preemptions,
@@ -63,6 +64,13 @@ class Metrics:
                                            L, buckets=tb, registry=r)
         self.req_gen_tokens = Histogram(P + "request_generation_tokens",
                                         "Number of generation tokens processed.", L, buckets=tb, registry=r)
+        # HTTP level, as vLLM's server exposes them (prometheus-fastapi-instrumentator's names
+        # and labels: no prefix, the route's template as handler, status grouped as "2xx").
+        self.http_requests = Counter("http_requests", "Total number of requests by method, status and handler.",
+                                     ["handler", "method", "status"], registry=r)
+        self.http_duration = Histogram("http_request_duration_seconds",
+                                       "Latency with only few buckets by handler and method.",
+                                       ["handler", "method"], buckets=(0.1, 0.5, 1.0), registry=r)
         r.register(_EngineCollector(self))
         # Children, so the label lookup is done once.
         m = model_name
@@ -96,6 +104,10 @@ class Metrics:
             self._queue.observe(queue_time)
         self._req_prompt.observe(prompt_tokens)
         self._req_gen.observe(generation_tokens)
+
+    def observe_http(self, handler: str, method: str, status: int, seconds: float) -> None:
+        self.http_requests.labels(handler, method, f"{status // 100}xx").inc()
+        self.http_duration.labels(handler, method).observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

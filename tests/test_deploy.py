@@ -344,6 +344,7 @@ def rendered_metric_names() -> set[str]:
     kv = {"capacity_tokens": 10, "bytes_per_token": 5, "bytes_per_token_by_kind": {"full": 5},
           "hot_bytes_per_seq": 3, "compression_ratio": 4.0}
     m = Metrics("m", 512, stats=lambda: stats, kv_info=lambda: kv)
+    m.observe_http("/v1/chat/completions", "POST", 200, 0.2)     # HTTP series exist once a request came
     text = m.render().decode()
     return {re.match(r"[^{ ]+", ln).group(0) for ln in text.splitlines() if ln and not ln.startswith("#")}
 
@@ -369,7 +370,8 @@ def test_dashboard_metric_names():
                    "tqserve:kv_cache_usage_perc", "tqserve:time_to_first_token_seconds_bucket",
                    "tqserve:inter_token_latency_seconds_bucket", "tqserve:e2e_request_latency_seconds_bucket",
                    "tqserve:generation_tokens_total", "tqserve:num_preemptions_total",
-                   "tqserve:prefix_cache_hits_total", "tqserve:spec_decode_num_accepted_tokens_total"):
+                   "tqserve:prefix_cache_hits_total", "tqserve:spec_decode_num_accepted_tokens_total",
+                   "http_requests_total", "http_request_duration_seconds_bucket"):
         assert needed in joined, needed
     assert "histogram_quantile(0.99" in joined and "histogram_quantile(0.5" in joined
     ids = [p["id"] for p in dash["panels"]]

@@ -430,6 +430,33 @@ def test_metrics_parse(live):
     assert per == {"0": 5, "1": 3, "2": 1, "3": 0}
 
 
+def test_http_metrics(live):
+    """vLLM's HTTP series: http_requests_total by route template, method and status
+    class (a stream counted once it has ended), http_request_duration_seconds."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def counts():
+        fams = {f.name: f for f in text_string_to_metric_families(httpx.get(live.url + "/metrics").text)}
+        return {tuple(s.labels[k] for k in ("handler", "method", "status")): s.value
+                for s in fams["http_requests"].samples if s.name == "http_requests_total"}, \
+            {tuple(s.labels[k] for k in ("handler", "method")): s.value
+             for s in fams["http_request_duration_seconds"].samples
+             if s.name == "http_request_duration_seconds_count"}
+    before, dur_before = counts()
+    chat = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    assert httpx.post(live.url + "/v1/chat/completions", json=chat).status_code == 200
+    assert httpx.post(live.url + "/v1/chat/completions", json={**chat, "stream": True}).status_code == 200
+    assert httpx.post(live.url + "/v1/chat/completions", json={**chat, "n": 0}).status_code == 400
+    assert httpx.get(live.url + "/v1/responses/resp_nope").status_code == 404
+    assert httpx.get(live.url + "/no/such/path").status_code == 404
+    after, dur_after = counts()
+    delta = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+    assert delta == {("/v1/chat/completions", "POST", "2xx"): 2, ("/v1/chat/completions", "POST", "4xx"): 1,
+                     ("/v1/responses/{response_id}", "GET", "4xx"): 1, ("none", "GET", "4xx"): 1,
+                     ("/metrics", "GET", "2xx"): 1}
+    assert dur_after[("/v1/chat/completions", "POST")] - dur_before.get(("/v1/chat/completions", "POST"), 0) == 3
+
+
 def test_auth():
     srv = LiveServer(FakeAsyncLLM(), api_keys=["k1", "k2"])
     try:
