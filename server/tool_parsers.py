@@ -33,6 +33,7 @@ import re
 import uuid
 import warnings
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -666,12 +667,15 @@ def _dsml_call(region: str) -> tuple[str, dict] | None:
     return (m.group(1).strip(), args) if not body[pos:].strip() else None
 
 
-class _DsmlStream(ToolStream):
-    """Sends each call whole once its invoke element closes (as pythonic does)."""
+class _ElementStream(ToolStream):
+    """Blocks of call elements (DSML's <｜DSML｜tool_calls> of invokes, Qwen3-Coder's
+    <tool_call> of <function=...>): each call is sent whole once its element
+    closes (as pythonic does). read(element) -> (name, arguments) or None."""
 
-    def __init__(self, whole: bool, blocks: tuple[str, ...]):
+    def __init__(self, whole: bool, opens: tuple[str, ...], element: str, element_end: str,
+                 read: Callable[[str], tuple[str, dict] | None]):
         super().__init__(whole)
-        self._opens = tuple(f"<{DSML}{b}>" for b in blocks)
+        self._opens, self._element, self._element_end, self._read = opens, element, element_end, read
         self._state, self._close = "text", ""
         self._pending = ""       # the block's open marker and what followed: content if no call is read
         self._block_ok = False
@@ -692,15 +696,15 @@ class _DsmlStream(ToolStream):
                 continue
             rest = buf.lstrip()
             lead = buf[:len(buf) - len(rest)]
-            if rest.startswith(DSML_INVOKE):
-                j = rest.find(DSML_INVOKE_END)
+            if rest.startswith(self._element):
+                j = rest.find(self._element_end)
                 if j < 0:
                     if final:
                         self._content(self._pending + buf)
                         self._pending, self._buf = "", ""
                     return
-                end = j + len(DSML_INVOKE_END)
-                call = _dsml_call(rest[:end])
+                end = j + len(self._element_end)
+                call = self._read(rest[:end])
                 if call:
                     self._whole_call(*call)
                     self._block_ok, self._pending = True, ""
@@ -712,7 +716,7 @@ class _DsmlStream(ToolStream):
                 if not self._block_ok:
                     self._content(self._pending + lead + self._close)
                 self._pending, self._buf, self._state = "", rest[len(self._close):], "text"
-            elif not final and (not rest or DSML_INVOKE.startswith(rest) or self._close.startswith(rest)):
+            elif not final and (not rest or self._element.startswith(rest) or self._close.startswith(rest)):
                 return
             else:                                    # anything else ends the block
                 self._content(self._pending)
@@ -728,6 +732,26 @@ def _may_be_string(schema: dict) -> bool:
     return t is None or t == "string" or (isinstance(t, list) and "string" in t)
 
 
+def _deref(schema: dict, root: dict) -> dict:
+    """A property's schema with a local "#/$defs/X" (or definitions) $ref followed."""
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#/"):
+        node = root
+        for part in ref[2:].split("/"):
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            return node
+    return schema
+
+
+def _only_string(schema: dict) -> bool:
+    if "enum" in schema:
+        return all(isinstance(v, str) for v in schema["enum"])
+    if "const" in schema:
+        return isinstance(schema["const"], str)
+    return schema.get("type") == "string"
+
+
 class DeepSeekV4ToolParser(ToolParser):
     """DeepSeek-V4's DSML tool calls (<｜DSML｜tool_calls>); reads V3.2's
     <｜DSML｜function_calls> blocks too. Its markers are special tokens."""
@@ -736,7 +760,8 @@ class DeepSeekV4ToolParser(ToolParser):
     block = "tool_calls"                 # what the grammar writes
 
     def _stream(self, whole: bool) -> ToolStream:
-        return _DsmlStream(whole, ("tool_calls", "function_calls"))
+        return _ElementStream(whole, tuple(f"<{DSML}{b}>" for b in ("tool_calls", "function_calls")),
+                              DSML_INVOKE, DSML_INVOKE_END, _dsml_call)
 
     def grammar(self, choice: str | None, parallel: bool) -> str:
         """One invoke per call, parameters in the schema's order (required ones
@@ -788,6 +813,96 @@ class DeepSeekV32ToolParser(DeepSeekV4ToolParser):
     """DeepSeek-V3.2's DSML (<｜DSML｜function_calls>)."""
     name = "deepseek_v32"
     block = "function_calls"
+
+
+# --- qwen3_coder: <tool_call>\n<function=f>\n<parameter=k>\nvalue\n</parameter>\n</function>\n</tool_call>
+
+QC_FUNCTION, QC_FUNCTION_END, QC_PARAM_END = "<function=", "</function>", "</parameter>"
+_QC_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
+_QC_PARAM = re.compile(r"\s*<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
+
+
+def _qc_value(text: str, schema: dict | None):
+    """A parameter's raw text -> its value, by the property's schema type, as
+    vLLM's qwen3_coder parser converts it: "null" is None; strings (and
+    properties without a schema) stay text; other types are read as JSON
+    (booleans in Python's spelling too); what does not read stays text."""
+    if text.strip().lower() == "null":
+        return None
+    t = (schema or {}).get("type")
+    types = set(t) if isinstance(t, list) else {t}
+    if schema is None or types & {"string", None} and not types - {"string", None, "null"}:
+        return text
+    v = _load_json(text.strip())
+    if v is None and "boolean" in types and text.strip() in ("True", "False"):
+        v = text.strip() == "True"
+    return text if v is None else v
+
+
+class Qwen3CoderToolParser(ToolParser):
+    """Qwen3-Coder's XML-like calls: <tool_call> blocks of <function=NAME>
+    elements whose <parameter=KEY> values are raw text (one newline around
+    each value is part of the format), typed by the tool's schema."""
+    name = "qwen3_coder"
+
+    def _read(self, element: str) -> tuple[str, dict] | None:
+        m = _QC_FUNCTION.fullmatch(element)
+        if not m or not m.group(1).strip():
+            return None
+        name = m.group(1).strip()
+        params = self.tools.get(name, {})
+        props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
+        args, pos, body = {}, 0, m.group(2)
+        for p in _QC_PARAM.finditer(body):
+            if p.start() != pos:
+                return None
+            value = p.group(2)
+            value = value[1:] if value.startswith("\n") else value
+            value = value[:-1] if value.endswith("\n") else value
+            key = p.group(1).strip()
+            schema = props.get(key)
+            args[key] = _qc_value(value, _deref(schema, params) if isinstance(schema, dict) else None)
+            pos = p.end()
+        return (name, args) if not body[pos:].strip() else None
+
+    def _stream(self, whole: bool) -> ToolStream:
+        return _ElementStream(whole, ("<tool_call>",), QC_FUNCTION, QC_FUNCTION_END, self._read)
+
+    def grammar(self, choice: str | None, parallel: bool) -> str:
+        """One <tool_call> block per call; parameters in the schema's order
+        (required ones always, the others optional); a value that may be a
+        string as raw text (an enum's strings as literals), any value as JSON
+        valid against its schema."""
+        tools = self._chosen(choice)
+        end = _lark_str("\n" + QC_PARAM_END)
+        block = _lark_str("<tool_call>\n") + " call " + _lark_str("</tool_call>")
+        lines = [f"start: {block}" + (f" ({_lark_str(chr(10))} {block})*" if parallel else ""),
+                 "call: " + " | ".join(f"fn_{i}" for i in range(len(tools)))]
+        for i, (n, p) in enumerate(tools):
+            root, params = _split_root(p)
+            props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
+            required = set(params.get("required") or ())
+            body = []
+            for j, (k, schema) in enumerate(props.items()):
+                schema = schema if isinstance(schema, dict) else {}
+                js = json.dumps(dict(root, **schema), ensure_ascii=False)
+                # text where a string may go (an enum's strings as literals), JSON where another value may
+                kind = _deref(schema, root)
+                alts = [] if _only_string(kind) else [f"%json {js} {end}"]
+                if _may_be_string(kind):
+                    lits = [_lark_str(v + "\n" + QC_PARAM_END) for v in kind.get("enum", []) if isinstance(v, str)]
+                    alts.insert(0, f"({' | '.join(lits)})" if lits else "qraw")
+                lines.append(f"p_{i}_{j}: {_lark_str(f'<parameter={k}>' + chr(10))} ({' | '.join(alts)}) "
+                             + r'"\n"')
+                body.append(f"p_{i}_{j}" + ("" if k in required else "?"))
+            if not props:                        # free-form: any parameters, as text
+                lines.append(f'p_{i}_any: "<parameter=" /[^>\\n]+/ ">\\n" qraw "\\n"')
+                body.append(f"p_{i}_any*")
+            lines.append(f"fn_{i}: {_lark_str(f'<function={n}>' + chr(10))} {' '.join(body)} "
+                         f"{_lark_str(QC_FUNCTION_END + chr(10))}")
+        if any("qraw" in line for line in lines):   # (an unused rule is a grammar warning)
+            lines.append(f"qraw[stop={end}]: /(?s:.*)/")
+        return "\n".join(lines) + "\n"
 
 
 # --- pythonic: [get_weather(city="Paris", days=3), other(x=1)] ---------------
@@ -1050,7 +1165,7 @@ class PythonicToolParser(ToolParser):
 
 PARSERS: dict[str, type[ToolParser]] = {
     p.name: p for p in (HermesToolParser, Llama3JsonToolParser, DeepSeekV3ToolParser, DeepSeekV4ToolParser,
-                        DeepSeekV32ToolParser, PythonicToolParser)
+                        DeepSeekV32ToolParser, Qwen3CoderToolParser, PythonicToolParser)
 }
 
 
@@ -1063,6 +1178,8 @@ def default_parser(model_type: str | None, chat_template: str | None) -> str | N
         return "deepseek_v4" if f"{DSML}tool_calls" in t else "deepseek_v32"
     if DS_CALLS_BEGIN in t or DS_CALL_BEGIN in t:
         return "deepseek_v3"
+    if "<function=" in t and "<parameter=" in t:   # Qwen3-Coder (its calls sit in <tool_call> too)
+        return "qwen3_coder"
     if "<tool_call>" in t:
         return "hermes"
     if "<|python_tag|>" in t:

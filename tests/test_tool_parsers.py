@@ -53,6 +53,13 @@ def dsml(name, args):
     return f'<{DSML}invoke name="{name}">\n{params}</{DSML}invoke>\n'
 
 
+def qc(name, args):
+    """One call as Qwen3-Coder writes it: a <tool_call> block, values as text (JSON for non-strings)."""
+    params = "".join(f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}\n"
+                     "</parameter>\n" for k, v in args.items())
+    return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
+
+
 W = {"city": "Paris", "unit": "celsius"}
 UNI = {"city": "Zürich", "note": "東京 ☀️ \"quoted\" \\ back"}
 NESTED = {"guest": {"name": "Ann", "age": 3}, "tags": ["a", {"deep": [1, 2.5, None, True, {"x": "}"}]}]}
@@ -101,6 +108,14 @@ GOOD = [
     ("deepseek_v4", f"Plain <{DSML}tool text.", f"Plain <{DSML}tool text.", []),
     ("deepseek_v32", f"<{DSML}function_calls>\n" + dsml("get_weather", W) + f"</{DSML}function_calls>", None,
      [("get_weather", W)]),
+    ("qwen3_coder", qc("get_weather", W), None, [("get_weather", W)]),
+    ("qwen3_coder", "I'll look.\n" + qc("get_weather", UNI) + "\n" + qc("book", NESTED) + "\nDone.",
+     "I'll look.\n\nDone.", [("get_weather", UNI), ("book", NESTED)]),
+    ("qwen3_coder", qc("ping", CODE) + qc("ping", {"s": "a\n<b>\n", "n": "null"}), None,
+     [("ping", CODE), ("ping", {"s": "a\n<b>\n", "n": None})]),      # schema-less values stay text, null aside
+    ("qwen3_coder", qc("get_weather", {"city": "Oslo", "days": "4"}) + qc("get_weather", {"days": "four"}), None,
+     [("get_weather", {"city": "Oslo", "days": 4}), ("get_weather", {"days": "four"})]),   # typed by the schema
+    ("qwen3_coder", h("get_weather", W), h("get_weather", W), []),       # Hermes JSON is not this format
     ("pythonic", '[get_weather(city="Paris", unit="celsius")]', None, [("get_weather", W)]),
     ("pythonic", "[get_weather(city='Zürich', days=3), book(guest={'name': 'Ann', 'age': 3}, "
      "tags=['a', {'deep': [1, 2.5, None, True, {'x': '}'}]}]), ping()]\n", None,
@@ -131,6 +146,10 @@ BAD = [
     ("deepseek_v4", V4_B + f'<{DSML}invoke name="get_weather">\n<{DSML}parameter name="city" string="true">Par'),
     ("deepseek_v4", V4_B + f'<{DSML}invoke name="get_weather">\nstray text\n</{DSML}invoke>\n' + V4_E),
     ("deepseek_v4", V4_B + f'<{DSML}invoke name="">\n</{DSML}invoke>\n' + V4_E),
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"),
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\nstray\n</function>\n</tool_call>"),
+    ("qwen3_coder", "<tool_call>\n<function=>\n</function>\n</tool_call>"),
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</function>\n</tool_call>"),
     ("pythonic", "[get_weather(1)]"),
     ("pythonic", '[get_weather(city="Paris"'),
     ("pythonic", '[get_weather(city=open("x"))]'),
@@ -287,7 +306,8 @@ def test_tools_input_is_tolerant():
 
 
 def test_registry_and_default_parser():
-    assert set(PARSERS) == {"hermes", "llama3_json", "deepseek_v3", "deepseek_v4", "deepseek_v32", "pythonic"}
+    assert set(PARSERS) == {"hermes", "llama3_json", "deepseek_v3", "deepseek_v4", "deepseek_v32", "qwen3_coder",
+                            "pythonic"}
     assert PARSERS["deepseek_v3"].skip_special_tokens is False and PARSERS["deepseek_v4"].skip_special_tokens is False
     assert PARSERS["hermes"].skip_special_tokens is True
     smol = "{{'<|im_start|>' + message['role'] + '\\n'}}"
@@ -305,6 +325,8 @@ def test_registry_and_default_parser():
     assert default_parser(None, f"x <{DSML}tool_calls> y") == "deepseek_v4"
     assert default_parser("deepseek_v3", f"x <{DSML}function_calls> y") == "deepseek_v32"
     assert default_parser(None, "...<｜tool▁calls▁begin｜>...") == "deepseek_v3"
+    coder = "{{- '<tool_call>\\n<function=' + tool_call.name + '>\\n' }}{{- '<parameter=' + args_name + '>' }}"
+    assert default_parser("qwen3_moe", coder) == "qwen3_coder"      # Qwen3-Coder's template
     assert default_parser("mistral", "[INST]") is None
     assert default_parser(None, None) is None
 
@@ -349,6 +371,7 @@ WRITE = {
     "deepseek_v4": (dsml, "", lambda s: V4_B + s + V4_E),
     "deepseek_v32": (dsml, "", lambda s: f"<{DSML}function_calls>\n" + s + f"</{DSML}function_calls>"),
     "pythonic": (py_call, ", ", lambda s: "[" + s + "]"),
+    "qwen3_coder": (qc, "\n", lambda s: s),
 }
 # argument sets that break get_weather's schema (pythonic checks types, enums, required and
 # repeated keywords and their order, not ranges)
@@ -373,7 +396,10 @@ def test_grammar_enforces_calls(tk, fmt):
             assert accepts(tk, g, two) == (parallel and choice is None)
             assert not accepts(tk, g, wrap(call("get_wether", GW)))        # not a tool
             assert not accepts(tk, g, "The weather in Paris is sunny.")    # prose
+            # (qwen3_coder's values are text: a string "5" is a string)
             for bad in VIOLATIONS["pythonic" if fmt == "pythonic" else "json"]:
+                if fmt == "qwen3_coder" and bad == {"city": 5}:
+                    continue
                 assert not accepts(tk, g, wrap(call("get_weather", bad))), bad
     g = compile_grammar(tk, parser.grammar("book", False))
     assert accepts(tk, g, wrap(call("book", BK)))
@@ -444,3 +470,13 @@ def test_dsml_grammar_raw_text_only_where_a_string_may_go(tk):
     content, calls = PARSERS["deepseek_v4"](TOOLS).parse(invoke(("city", "true", "Rio de\nJaneiro <2>"),
                                                                 ("days", "false", "3")))
     assert content is None and json.loads(calls[0].arguments) == {"city": "Rio de\nJaneiro <2>", "days": 3}
+
+
+def test_qwen3_coder_values_follow_the_schema():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "p": {"$ref": "#/$defs/P"}, "on": {"type": "boolean"}, "x": {"type": "number"},
+        "s": {"type": "string"}, "o": {"type": ["object", "null"]}},
+        "$defs": {"P": {"type": "object", "properties": {"a": {"type": "integer"}}}}}}}]
+    text = qc("f", {"p": {"a": 1}, "on": "True", "x": "2.5", "s": "42", "o": "null"})
+    _, calls = PARSERS["qwen3_coder"](tools).parse(text)
+    assert json.loads(calls[0].arguments) == {"p": {"a": 1}, "on": True, "x": 2.5, "s": "42", "o": None}
