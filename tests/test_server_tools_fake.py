@@ -271,3 +271,34 @@ def test_deepseek_v4_agent_turns(server):
     with pytest.raises(openai.BadRequestError, match="reasoning_effort") as e:
         create(client, reasoning_effort="extreme")
     assert e.value.status_code == 400
+
+
+QWEN3_CODER_TEMPLATE = (   # the tool-call part of Qwen3-Coder's template (its <function=...> markers pick the parser)
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% for tc in m['tool_calls'] or [] %}\n<tool_call>\n<function={{ tc['function']['name'] }}>\n"
+    "{% for k, v in tc['function']['arguments'] | items %}<parameter={{ k }}>\n"
+    "{{ v | tojson if v is mapping or (v is sequence and v is not string) else v | string }}\n</parameter>\n"
+    "{% endfor %}</function>\n</tool_call>{% endfor %}<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
+CODER_CALL = ("I'll check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nSão Paulo\n</parameter>\n"
+              "<parameter=unit>\nc\n</parameter>\n</function>\n</tool_call>")
+
+
+@pytest.mark.parametrize("server", [CODER_CALL], indirect=True)
+def test_qwen3_coder_calls(server):
+    """Qwen3-Coder's XML-like calls through the server: the parser comes from the
+    template, whole and streamed give the same call, and the call goes back into
+    the next prompt as the model wrote it."""
+    srv, client = server
+    srv.llm.chat_template = QWEN3_CODER_TEMPLATE
+    m = create(client).choices[0]
+    assert m.finish_reason == "tool_calls" and m.message.content == "I'll check.\n"
+    call = m.message.tool_calls[0]
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "São Paulo",
+                                                                                         "unit": "c"})
+    content, _, calls, finish = reassemble(create(client, stream=True))
+    assert content == "I'll check.\n" and finish == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [("get_weather", {"city": "São Paulo",
+                                                                                                 "unit": "c"})]
+    create(client, messages=ASK + [m.message.model_dump(exclude_none=True),
+                                   {"role": "tool", "tool_call_id": call.id, "content": "18"}])
+    assert srv.llm.tokenizer.decode(srv.llm.prompts[-1]).count(CODER_CALL.split("\n", 1)[1]) == 1
