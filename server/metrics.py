@@ -59,7 +59,26 @@ class Metrics:
         self.queue_time = Histogram(P + "request_queue_time_seconds",
                                     "Histogram of time spent in WAITING phase for request.", L,
                                     buckets=LATENCY_BUCKETS, registry=r)
+        # A request's phases from its timestamps (vLLM's names): prefill = scheduled -> first
+        # token, decode = first -> last token, inference = scheduled -> last token.
+        self.prefill_time = Histogram(P + "request_prefill_time_seconds",
+                                      "Histogram of time spent in PREFILL phase for request.", L,
+                                      buckets=LATENCY_BUCKETS, registry=r)
+        self.decode_time = Histogram(P + "request_decode_time_seconds",
+                                     "Histogram of time spent in DECODE phase for request.", L,
+                                     buckets=LATENCY_BUCKETS, registry=r)
+        self.inference_time = Histogram(P + "request_inference_time_seconds",
+                                        "Histogram of time spent in RUNNING phase for request.", L,
+                                        buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram(P + "request_time_per_output_token_seconds",
+                              "Histogram of time_per_output_token_seconds per request.", L,
+                              buckets=ITL_BUCKETS, registry=r)
+        self.params_n = Histogram(P + "request_params_n", "Histogram of the n request parameter.", L,
+                                  buckets=(1, 2, 5, 10, 20), registry=r)
         tb = _token_buckets(max(max_model_len, 1))
+        self.params_max_tokens = Histogram(P + "request_params_max_tokens",
+                                           "Histogram of the max_tokens request parameter.", L, buckets=tb,
+                                           registry=r)
         self.req_prompt_tokens = Histogram(P + "request_prompt_tokens", "Number of prefill tokens processed.",
                                            L, buckets=tb, registry=r)
         self.req_gen_tokens = Histogram(P + "request_generation_tokens",
@@ -82,6 +101,9 @@ class Metrics:
         self._queue = self.queue_time.labels(m)
         self._req_prompt = self.req_prompt_tokens.labels(m)
         self._req_gen = self.req_gen_tokens.labels(m)
+        self._phases = (self.prefill_time.labels(m), self.decode_time.labels(m), self.inference_time.labels(m),
+                        self.tpot.labels(m))
+        self._params_n, self._params_max_tokens = self.params_n.labels(m), self.params_max_tokens.labels(m)
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(m, reason)
 
@@ -89,6 +111,20 @@ class Metrics:
     def observe_itl(self, seconds: float, count: int = 1) -> None:
         for _ in range(count):
             self._itl.observe(seconds)
+
+    def observe_phases(self, *, scheduled: float, first_token: float, last_token: float, tokens: int) -> None:
+        """One request's timestamps (monotonic seconds) and output tokens (one sequence's)."""
+        prefill, decode, inference, tpot = self._phases
+        prefill.observe(first_token - scheduled)
+        decode.observe(last_token - first_token)
+        inference.observe(last_token - scheduled)
+        if tokens > 1:
+            tpot.observe((last_token - first_token) / (tokens - 1))
+
+    def observe_params(self, *, n: int, max_tokens: int | None) -> None:
+        self._params_n.observe(n)
+        if max_tokens is not None:
+            self._params_max_tokens.observe(max_tokens)
 
     def observe_finished(self, *, prompt_tokens: int, generation_tokens: int,
                          finish_reasons: list[str], ttft: float | None, e2e: float,

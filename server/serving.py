@@ -110,7 +110,7 @@ async def generate(state: ServerState, prompt_ids: list[int], params: SamplingPa
             except Exception:
                 log.exception("aborting %s failed", request_id)
         if not rejected:
-            _record(state, final, len(prompt_ids), params.n, t0, first)
+            _record(state, final, len(prompt_ids), params, t0, first)
 
 
 def _aborted(out, prompt_ids: list[int], n: int, request_id: str):
@@ -123,12 +123,18 @@ def _aborted(out, prompt_ids: list[int], n: int, request_id: str):
                          out.num_cached_tokens, out.metrics)
 
 
-def _record(state: ServerState, out, n_prompt: int, n: int, t0: float, first: float | None) -> None:
+def _record(state: ServerState, out, n_prompt: int, params: SamplingParams, t0: float, first: float | None) -> None:
+    state.metrics.observe_params(n=params.n, max_tokens=params.max_tokens)
     if out is None:         # gone before the engine said anything
-        state.metrics.observe_finished(prompt_tokens=n_prompt, generation_tokens=0, finish_reasons=["abort"] * n,
-                                       ttft=None, e2e=time.monotonic() - t0, queue_time=None)
+        state.metrics.observe_finished(prompt_tokens=n_prompt, generation_tokens=0,
+                                       finish_reasons=["abort"] * params.n, ttft=None, e2e=time.monotonic() - t0,
+                                       queue_time=None)
         return
     m = out.metrics or {}
+    if all(k in m for k in ("first_scheduled_time", "first_token_time", "last_token_time")):
+        state.metrics.observe_phases(scheduled=m["first_scheduled_time"], first_token=m["first_token_time"],
+                                     last_token=m["last_token_time"],
+                                     tokens=max(len(o.token_ids) for o in out.outputs))
     now = time.monotonic()
     arrival = m.get("arrival_time", t0)
     ttft = (m["first_token_time"] - arrival) if "first_token_time" in m else (

@@ -457,6 +457,32 @@ def test_http_metrics(live):
     assert dur_after[("/v1/chat/completions", "POST")] - dur_before.get(("/v1/chat/completions", "POST"), 0) == 3
 
 
+def test_request_phase_metrics(live):
+    """vLLM's per-request phase histograms (prefill, decode, inference = both,
+    time per output token) and the n / max_tokens parameter histograms."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def values():
+        fams = {f.name: f for f in text_string_to_metric_families(httpx.get(live.url + "/metrics").text)}
+        return {f"{name}{suffix}": s.value for name in (
+            "request_prefill_time_seconds", "request_decode_time_seconds", "request_inference_time_seconds",
+            "request_time_per_output_token_seconds", "request_params_n", "request_params_max_tokens")
+            for s in fams["tqserve:" + name].samples for suffix in ("_sum", "_count")
+            if s.name == f"tqserve:{name}{suffix}"}
+    before = values()
+    body = {"model": "fake", "prompt": "x", "max_tokens": 6, "n": 2, "ignore_eos": True}
+    assert httpx.post(live.url + "/v1/completions", json=body).status_code == 200
+    d = {k: v - before[k] for k, v in values().items()}
+    for name in ("prefill", "decode", "inference"):
+        assert d[f"request_{name}_time_seconds_count"] == 1
+    assert d["request_time_per_output_token_seconds_count"] == 1
+    assert d["request_prefill_time_seconds_sum"] > 0 and d["request_decode_time_seconds_sum"] > 0
+    assert abs(d["request_prefill_time_seconds_sum"] + d["request_decode_time_seconds_sum"]
+               - d["request_inference_time_seconds_sum"]) < 1e-6
+    assert d["request_time_per_output_token_seconds_sum"] == pytest.approx(d["request_decode_time_seconds_sum"] / 5)
+    assert (d["request_params_n_sum"], d["request_params_max_tokens_sum"]) == (2, 6)
+
+
 def test_auth():
     srv = LiveServer(FakeAsyncLLM(), api_keys=["k1", "k2"])
     try:
