@@ -68,7 +68,7 @@ class RequestLog:
 # Engine requests.
 # --------------------------------------------------------------------------
 async def generate(state: ServerState, prompt_ids: list[int], params: SamplingParams,
-                    request_id: str, rlog: RequestLog, priority: int = 0) -> AsyncIterator:
+                   request_id: str, rlog: RequestLog, priority: int = 0) -> AsyncIterator:
     """llm.generate with metrics; aborts the engine request if left unfinished."""
     llm, metrics = state.llm, state.metrics
     t0 = time.monotonic()

@@ -119,7 +119,8 @@ def test_stop_reasons_and_choices(served):
     m = client.messages.create(model="fake", max_tokens=500, messages=ask, tools=[TOOL], tool_choice={"type": "none"})
     assert m.stop_reason == "end_turn" and m.content[0].text == ONE_CALL
     srv.llm.chat_template = "{{ enable_thinking }}/{{ thinking }}|{{ messages[0]['content'] }}"
-    client.messages.create(model="fake", max_tokens=5, messages=ask, thinking={"type": "enabled", "budget_tokens": 1024})
+    client.messages.create(model="fake", max_tokens=5, messages=ask,
+                           thinking={"type": "enabled", "budget_tokens": 1024})
     assert prompt(srv) == "True/True|hi"
     client.messages.create(model="fake", max_tokens=5, messages=ask, thinking={"type": "disabled"})
     assert prompt(srv) == "False/False|hi"
