@@ -46,6 +46,7 @@ class ChatTools:
     reasoning: ReasoningParser | None
     forced: str | None                    # lark grammar for tool_choice required / named function
     thinking: bool = True                 # the output starts inside the thinking (from the prompt)
+    parallel: bool = True                 # False (parallel_tool_calls): the first call only is kept
 
     @classmethod
     def for_request(cls, req, prompt_text: str, tool_parser_name: str | None,
@@ -64,7 +65,7 @@ class ChatTools:
                 forced = parser.grammar(choice.function.name, req.parallel_tool_calls, **kw)
         reasoning = REASONING_PARSERS[reasoning_parser_name]() if reasoning_parser_name else None
         thinking = reasoning is not None and reasoning.thinking_in_prompt(prompt_text)
-        return cls(parser, reasoning, forced, thinking)
+        return cls(parser, reasoning, forced, thinking, req.parallel_tool_calls)
 
     def constraint(self, req) -> dict | None:
         if self.forced is not None:
@@ -92,6 +93,7 @@ class ChatTools:
         calls = []
         if self.tool_parser is not None and content:
             content, calls = self.tool_parser.parse(content)
+            calls = calls if self.parallel else calls[:1]
         msg["content"] = content
         msg["tool_calls"] = [{"id": c.id, "type": "function",
                               "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
@@ -109,6 +111,7 @@ class ChatStream:
         self.r = tools.reasoning.stream(thinking=tools.thinking) if tools.reasoning is not None else None
         self.t = tools.tool_parser.stream() if tools.tool_parser is not None else None
         self.called = False
+        self.max_index = None if tools.parallel else 0      # calls past it are dropped
 
     def feed(self, text: str, final: bool = False) -> list[dict]:
         reasoning, content = "", text
@@ -129,6 +132,8 @@ class ChatStream:
         if content:
             deltas.append({"content": content})
         for c in calls:
+            if self.max_index is not None and c.index > self.max_index:
+                continue
             self.called = True
             d = {"index": c.index, "function": {"arguments": c.arguments}}
             if c.id is not None:

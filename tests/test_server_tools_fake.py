@@ -92,6 +92,12 @@ def test_parallel_calls_stream_like_nonstream(server):
     assert content == "" and finish == "tool_calls" and sorted(calls) == [0, 1]
     assert [(calls[i]["name"], json.loads(calls[i]["arguments"])) for i in (0, 1)] == full
     assert len({calls[0]["id"], calls[1]["id"]}) == 2
+    # parallel_tool_calls false (OpenAI's "at most one call"): the first call only, whole and streamed
+    m = create(client, parallel_tool_calls=False).choices[0]
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in m.message.tool_calls] == full[:1]
+    assert m.finish_reason == "tool_calls"
+    content, _, calls, finish = reassemble(create(client, stream=True, parallel_tool_calls=False))
+    assert finish == "tool_calls" and [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == full[:1]
 
 
 @pytest.mark.parametrize("server", [MALFORMED], indirect=True)
