@@ -25,6 +25,7 @@ MODEL = "smollm2-135m"
 MAX_BYTES = 64 << 10          # --max-request-bytes here: small, so that the 413 bodies stay small
 CTX = 1024                    # SMALL's --max-model-len
 CHAT, CMPL, TOK, DETOK = "/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"
+RESP = "/v1/responses"
 MSGS = [{"role": "user", "content": "hi"}]
 
 
@@ -306,6 +307,25 @@ CASES = [
     ("route-v2", "POST", "/v2/chat/completions", chat(), 404, None),
     ("route-root", "GET", "/", None, 404, None),
     ("route-embeddings", "POST", "/v1/embeddings", {"model": MODEL, "input": "hi"}, 404, None),
+    # --- /v1/responses (its input items become chat messages; the chat checks apply) ---
+    ("responses-no-input", "POST", RESP, {"model": MODEL}, 400, "input"),
+    ("responses-input-number", "POST", RESP, {"model": MODEL, "input": 5}, 400, "input"),
+    ("responses-item-unknown", "POST", RESP, {"model": MODEL, "input": [{"type": "web_search_call"}]}, 400, "input"),
+    ("responses-image-part", "POST", RESP, {"model": MODEL, "input": [
+        {"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400, "input"),
+    ("responses-call-no-arguments", "POST", RESP, {"model": MODEL, "input": [
+        {"type": "function_call", "call_id": "c", "name": "f"}]}, 400, "input"),
+    ("responses-temperature-high", "POST", RESP, {"model": MODEL, "input": "hi", "temperature": 3}, 400,
+     "temperature"),
+    ("responses-max-output-zero", "POST", RESP, {"model": MODEL, "input": "hi", "max_output_tokens": 0}, 400,
+     "max_output_tokens"),
+    ("responses-top-k-str", "POST", RESP, {"model": MODEL, "input": "hi", "top_k": "3"}, 400, "top_k"),
+    ("responses-background", "POST", RESP, {"model": MODEL, "input": "hi", "background": True}, 400, None),
+    ("responses-unknown-model", "POST", RESP, {"model": "nope", "input": "hi"}, 404, "model"),
+    ("responses-unknown-previous", "POST", RESP, {"model": MODEL, "input": "hi", "previous_response_id": "resp_x"},
+     404, "previous_response_id"),
+    ("responses-get-unknown", "GET", RESP + "/resp_x", None, 404, "response_id"),
+    ("responses-delete-unknown", "DELETE", RESP + "/resp_x", None, 404, "response_id"),
     # --- lax coercions (table above) ---
     *[(name, "POST", path, body, 400, param) for name, path, body, param in LAX],
 ]
