@@ -289,6 +289,14 @@ def _split_root(params: dict) -> tuple[dict, dict]:
     return root, params
 
 
+def _properties(params: dict) -> tuple[dict, list[tuple[str, dict]], set]:
+    """(%json root, [(key, schema)], required keys) of a tool's parameters, for
+    the formats whose grammar writes each parameter on its own (DSML, Qwen3-Coder)."""
+    root, params = _split_root(params)
+    props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
+    return root, [(k, v if isinstance(v, dict) else {}) for k, v in props.items()], set(params.get("required") or ())
+
+
 def _json_call_rule(name: str, params: dict, args_key: str) -> str:
     root, params = _split_root(params)
     root.update({"type": "object",
@@ -774,12 +782,9 @@ class DeepSeekV4ToolParser(ToolParser):
                  + f" {_lark_str(f'</{DSML}{self.block}>')}",
                  "call: " + " | ".join(f"fn_{i}" for i in range(len(tools)))]
         for i, (n, p) in enumerate(tools):
-            root, params = _split_root(p)
-            props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
-            required = set(params.get("required") or ())
+            root, props, required = _properties(p)
             body = []
-            for j, (k, schema) in enumerate(props.items()):
-                schema = schema if isinstance(schema, dict) else {}
+            for j, (k, schema) in enumerate(props):
                 js = json.dumps(dict(root, **schema), ensure_ascii=False)
                 alts = [f"{_dsml_param(json.dumps(k), False)} %json {js} {end}"]
                 if _may_be_string(schema):
@@ -879,12 +884,9 @@ class Qwen3CoderToolParser(ToolParser):
         lines = [f"start: {block}" + (f" ({_lark_str(chr(10))} {block})*" if parallel else ""),
                  "call: " + " | ".join(f"fn_{i}" for i in range(len(tools)))]
         for i, (n, p) in enumerate(tools):
-            root, params = _split_root(p)
-            props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
-            required = set(params.get("required") or ())
+            root, props, required = _properties(p)
             body = []
-            for j, (k, schema) in enumerate(props.items()):
-                schema = schema if isinstance(schema, dict) else {}
+            for j, (k, schema) in enumerate(props):
                 js = json.dumps(dict(root, **schema), ensure_ascii=False)
                 # text where a string may go (an enum's strings as literals), JSON where another value may
                 kind = _deref(schema, root)
