@@ -190,7 +190,7 @@ def count_tokens(state: ServerState, req) -> dict:
 
 
 def _event(kind: str, data: dict) -> str:
-    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return serving.sse({"type": kind, **data}, event=kind)
 
 
 class StreamedBlocks:

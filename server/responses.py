@@ -18,7 +18,6 @@ truncation "auto", input items other than the four above, non-text content.
 """
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -270,7 +269,7 @@ class StreamedOutput:
     def event(self, kind: str, **fields) -> str:
         data = {"type": kind, "sequence_number": self.seq, **fields}
         self.seq += 1
-        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+        return serving.sse(data, event=kind)
 
     def _add(self, item: dict) -> list[str]:
         out = self.close()
@@ -342,8 +341,9 @@ class StreamedOutput:
 
 
 async def _events(state: ServerState, turn: _Turn, deltas: serving.ChoiceDeltas, so: StreamedOutput):
-    yield so.event("response.created", response=turn.body("in_progress", []))
-    yield so.event("response.in_progress", response=turn.body("in_progress", []))
+    started = turn.body("in_progress", [])
+    yield so.event("response.created", response=started)
+    yield so.event("response.in_progress", response=started)
     async for ds in deltas:
         parts = [e for d in ds for e in so.feed(d)]
         if parts:

@@ -408,8 +408,10 @@ def usage(prompt_tokens: int, completion_tokens: int, cached: int | None = None)
     return u
 
 
-def sse(obj) -> str:
-    return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+def sse(obj, event: str | None = None) -> str:
+    """One server-sent event; `event` names it (the Responses and Messages streams do)."""
+    head = f"event: {event}\n" if event else ""
+    return head + "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"
