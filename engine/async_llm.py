@@ -15,7 +15,7 @@ from engine.errors import EngineDeadError, InvalidRequest
 from engine.output_processor import OutputProcessor, child_params
 from engine.outputs import RequestOutput
 from engine.request import EngineRequest
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, log_sampling_defaults
 
 log = logging.getLogger("tqserve.engine")
 
@@ -28,6 +28,7 @@ class AsyncLLM:
         self.tokenizer = None
         self.chat_template = None
         self.model_type: str | None = None
+        self.default_sampling: dict = {}     # EngineArgs.sampling_defaults: for what a request leaves unset
         self.info: ModelInfo | None = None
         self._stats = EngineStats()
         self._streams: dict[str, asyncio.Queue] = {}
@@ -55,6 +56,8 @@ class AsyncLLM:
         source = await loop.run_in_executor(None, open_model, self.args.model, self.args.load_format != "dummy")
         self.tokenizer, self.chat_template = source.tokenizer, source.chat_template
         self.model_type = source.config.get("model_type")
+        self.default_sampling = self.args.sampling_defaults(source)
+        log_sampling_defaults(self.default_sampling)
         self.processor = OutputProcessor(self.tokenizer)
         msg = await loop.run_in_executor(None, self._wait_ready)
         if msg[0] != "ready":

@@ -92,6 +92,13 @@ class EngineArgs:
                                            "a DeepSeek-V4 checkpoint's FP8 and FP4 weights as stored",
                                    choices=list(QUANTIZATIONS))
     seed: int = arg(0, "random seed of the engine (requests without a seed)")
+    generation_config: str = arg(
+        "auto", "sampling defaults for what a request leaves unset (vLLM's flag): auto: the model's recommended "
+                "ones (generation_config.json; a GGUF's general.sampling.* keys); vllm: none (temperature 1, no "
+                "top-k / top-p); a folder: its generation_config.json")
+    override_generation_config: dict | None = arg(
+        None, 'defaults over those, in generation_config.json\'s names: {"temperature": 0.6, "top_p": 0.95, '
+              '"top_k": 20, "min_p": 0, "repetition_penalty": 1.05, "max_new_tokens": 4096}', type=parse_json_object)
     max_rollback_tokens: int = arg(0, "how far a step may roll a sequence back (speculative decoding); sizes "
                                       "ring-buffered state (DeepSeek-V4 window / carry)")
     num_threads: int | None = arg(None, "torch threads in the engine core (default: torch's)")
@@ -155,6 +162,33 @@ class EngineArgs:
         if not self.distributed_timeout > 0:
             raise ValueError(f"distributed_timeout must be > 0, got {self.distributed_timeout}")
         self.speculative()
+        self.sampling_defaults(None)     # (raises on a bad generation config)
+
+    def sampling_defaults(self, source) -> dict:
+        """{temperature, top_p, top_k, min_p, repetition_penalty, max_tokens}: what
+        requests that leave them unset get (generation_config, then its override
+        on top); source: the opened model (ModelSource; None: the model's own
+        settings not known yet)."""
+        from pathlib import Path
+
+        from model_zoo import generation_config as gc
+        choice = self.generation_config
+        if choice == "auto":
+            out = dict(source.generation_config) if source is not None else {}
+        elif choice == "vllm":
+            out = {}
+        elif Path(choice).is_dir():
+            out = gc.from_hf_folder(Path(choice))
+        else:
+            raise ValueError(f"generation_config must be auto, vllm or a folder, got {choice!r}")
+        override = self.override_generation_config or {}
+        unknown = sorted(set(override) - set(gc.HF_KEYS))
+        if unknown:
+            raise ValueError(f"override_generation_config: unknown key {unknown[0]!r}; supported: "
+                             f"{', '.join(gc.HF_KEYS)}")
+        for key, v in override.items():
+            out[gc.HF_KEYS[key]] = gc.checked("override_generation_config", key, gc.HF_KEYS[key], v)
+        return out
 
     def topology(self):
         """Where the ranks run (parallel.distributed.Topology); raises ValueError on a bad layout."""

@@ -13,7 +13,7 @@ from engine.errors import InvalidRequest
 from engine.output_processor import OutputProcessor, child_params
 from engine.outputs import RequestOutput
 from engine.request import EngineRequest
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, log_sampling_defaults
 
 
 def is_token_prompt(p) -> bool:
@@ -25,6 +25,8 @@ class LLM:
         self.core = EngineCore(EngineArgs(model=model, **engine_args))
         self.tokenizer = self.core.source.tokenizer
         self.chat_template = self.core.source.chat_template
+        self.default_sampling = self.core.args.sampling_defaults(self.core.source)
+        log_sampling_defaults(self.default_sampling)
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
@@ -52,6 +54,11 @@ class LLM:
                                                 priority=priority))
         return rid
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate() and chat() use without sampling params: vLLM's
+        defaults under the model's recommended ones (--generation-config)."""
+        return SamplingParams(**self.default_sampling)
+
     def close(self) -> None:
         """Stop the engine's other tensor-parallel ranks, if any."""
         self.core.close()
@@ -72,7 +79,7 @@ class LLM:
         """priority: per prompt, with scheduling_policy "priority" (lower first; vLLM's argument)."""
         if isinstance(prompts, str) or is_token_prompt(prompts):
             prompts = [prompts]
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise InvalidRequest(f"{len(prompts)} prompts but {len(params)} sampling params")

@@ -1,4 +1,5 @@
 """Per-request sampling parameters, in the shape vLLM users know."""
+import logging
 from dataclasses import dataclass, field
 
 from engine.structured_output import StructuredOutputsParams
@@ -75,3 +76,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+
+def log_sampling_defaults(defaults: dict) -> None:
+    """The startup line saying which sampling settings requests get by default."""
+    if defaults:
+        logging.getLogger("tqserve.engine").info(
+            "requests that leave them unset get the model's recommended sampling settings %s "
+            "(--generation-config vllm: none)", ", ".join(f"{k}={v:g}" for k, v in defaults.items()))

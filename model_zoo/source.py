@@ -31,6 +31,8 @@ class ModelSource:
     tokenizer: "Tokenizer | None" = None
     chat_template: str | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # The authors' recommended sampling settings (model_zoo/generation_config.py).
+    generation_config: dict = field(default_factory=dict)
     # Set by the loader: yields (hf_name, float32 tensor) one at a time. Kept a
     # plain callable so that ModelSource stays a dataclass with no loader state.
     _weights_fn: Callable[[], Iterator[tuple[str, torch.Tensor]]] | None = field(default=None, repr=False)

@@ -226,9 +226,11 @@ def check_model(state: ServerState, model: str | None) -> None:
         raise APIError(404, f"The model `{model}` does not exist.", param="model")
 
 
-def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int | None,
+def sampling_params(state: ServerState, req: _SamplingFields, max_tokens: int | None, logprobs: int | None,
                     prompt_logprobs: int | None = None, structured=None,
                     skip_special_tokens: bool | None = None) -> SamplingParams:
+    """The request's sampling, with what it leaves unset from the model's
+    recommended settings (--generation-config), else vLLM's neutral values."""
     kw = dict(n=req.n, structured_outputs=structured, max_tokens=max_tokens, min_tokens=req.min_tokens,
               stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
               stop_token_ids=list(req.stop_token_ids or []),
@@ -237,11 +239,12 @@ def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int 
               logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()},
               skip_special_tokens=req.skip_special_tokens if skip_special_tokens is None else skip_special_tokens,
               seed=req.seed)
+    model = state.llm.default_sampling
     for name, default in (("temperature", 1.0), ("top_p", 1.0), ("top_k", 0), ("min_p", 0.0),
                           ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
                           ("repetition_penalty", 1.0)):
         v = getattr(req, name)
-        kw[name] = default if v is None else v
+        kw[name] = model.get(name, default) if v is None else v
     if max_tokens is not None and kw["min_tokens"] > max_tokens:
         raise APIError(400, f"min_tokens ({kw['min_tokens']}) must be <= max_tokens ({max_tokens})",
                        param="min_tokens")
@@ -249,6 +252,16 @@ def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int 
         return SamplingParams(**kw)
     except SamplingError as e:
         raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
+
+
+def default_max_tokens(state: ServerState, n_prompt: int, endpoint_default: int | None = None) -> int | None:
+    """max_tokens for a request that gives none: the endpoint's own default
+    (completions: 16; chat: up to the context) capped by the model's
+    recommended max_new_tokens and by the context left (vLLM's rule)."""
+    limits = [v for v in (endpoint_default, state.llm.default_sampling.get("max_tokens")) if v is not None]
+    if not limits:
+        return None
+    return max(1, min(*limits, state.llm.max_model_len - n_prompt))
 
 
 def check_length(state: ServerState, n_prompt: int, max_tokens: int | None, what: str = "input") -> None:
@@ -438,6 +451,8 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest, rlog: RequestLo
     rlog.prompt_tokens = len(prompt_ids)
     max_tokens = req.output_limit()
     check_length(state, len(prompt_ids), max_tokens)
+    if max_tokens is None:
+        max_tokens = default_max_tokens(state, len(prompt_ids))
     check_vocab(state, req)
     top_k = (req.top_logprobs or 0) if req.logprobs else 0
     try:
@@ -448,7 +463,7 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest, rlog: RequestLo
     so = structured.build(kw, tools.start_after(state.llm.tokenizer) if kw else [])
     # Formats whose markers are special tokens need them in the text to parse.
     skip = req.skip_special_tokens and tools.skip_special_tokens
-    params = sampling_params(req, max_tokens, top_k if req.logprobs else None, structured=so,
+    params = sampling_params(state, req, max_tokens, top_k if req.logprobs else None, structured=so,
                              skip_special_tokens=skip)
     admit(state, [rlog.id])
     return ChatRun(prompt_ids, params, tools, top_k)
@@ -657,10 +672,13 @@ async def completion(state: ServerState, request: Request, req: CompletionReques
         else:
             texts.append(None)
             ids.append(list(p))
+    if any(not p for p in ids):
+        raise APIError(400, "The prompt is empty (no tokens).", param="prompt")
+    max_tokens = req.max_tokens
+    if "max_tokens" not in req.model_fields_set:
+        max_tokens = default_max_tokens(state, max(len(p) for p in ids), max_tokens)
     for p in ids:
-        if not p:
-            raise APIError(400, "The prompt is empty (no tokens).", param="prompt")
-        check_length(state, len(p), req.max_tokens, what="prompt")
+        check_length(state, len(p), max_tokens, what="prompt")
     check_vocab(state, req, ids)
     rlog.prompt_tokens = sum(len(p) for p in ids)
     echo_lp = req.echo and req.logprobs is not None
@@ -668,7 +686,7 @@ async def completion(state: ServerState, request: Request, req: CompletionReques
     if echo_lp:
         prompt_lp = max(req.logprobs, prompt_lp or 0)
     # max_tokens 0 (echo only): the engine scores the prompt and generates nothing.
-    params = sampling_params(req, req.max_tokens, req.logprobs, prompt_lp,
+    params = sampling_params(state, req, max_tokens, req.logprobs, prompt_lp,
                              structured=structured.build(structured.constraint(req)))
     rids = [rlog.id if len(ids) == 1 else f"{rlog.id}-{i}" for i in range(len(ids))]
     admit(state, rids)

@@ -138,7 +138,7 @@ QUANTIZABLE = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 
 
 def write_tiny_gguf(path: Path, arch: str = "llama", qtype: str = "F32", extra_tensors=None,
-                    drop: tuple[str, ...] = (), seed: int = 0, tokenizer: str = "gpt2"):
+                    drop: tuple[str, ...] = (), seed: int = 0, tokenizer: str = "gpt2", sampling=None):
     """A tiny llama-layout GGUF written with gguf.GGUFWriter.
 
     Matrices are stored as `qtype` (norms stay F32, as llama.cpp does); q/k rows
@@ -147,6 +147,7 @@ def write_tiny_gguf(path: Path, arch: str = "llama", qtype: str = "F32", extra_t
     bytes. Returns (expected, originals): HF name -> the float32 values a
     correct loader must produce, computed independently of the loader (the
     un-permute by index), and the float originals before quantization.
+    sampling: general.sampling.* keys, by gguf-py's add_sampling_<name> (temp, top_k, ...).
     """
     import gguf
 
@@ -191,6 +192,8 @@ def write_tiny_gguf(path: Path, arch: str = "llama", qtype: str = "F32", extra_t
         w.add_unk_token_id(0)
     w.add_vocab_size(vocab)
     w.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    for name, v in (sampling or {}).items():
+        getattr(w, f"add_sampling_{name}")(v)
 
     expected: dict[str, np.ndarray] = {}
     originals: dict[str, np.ndarray] = {}

@@ -71,6 +71,7 @@ class FakeAsyncLLM:
         self.step_s, self.eos_after, self.load_s = step_s, eos_after, load_s
         self.tokenizer = FakeTokenizer()
         self.chat_template = CHAT_TEMPLATE
+        self.default_sampling: dict = {}       # the model's recommended sampling (--generation-config)
         self.kv_info = {"capacity_tokens": capacity_tokens, "bytes_per_token": 46080, "block_size": 16,
                         "bytes_per_token_by_kind": {"full": 46080}, "hot_bytes_per_seq": 190080,
                         "compression_ratio": 3.76}
