@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Match
 
 from engine.errors import EngineDeadError
@@ -292,5 +293,9 @@ def create_app(state: ServerState) -> FastAPI:
                 raise APIError(400, f"token id {bad[0]} is out of vocabulary (size {vocab})", param="tokens")
         return {"prompt": tok.decode(req.tokens, skip_special_tokens=False)}
 
-    return _Gate(app, state)
+    # CORS outside the gate: a browser's preflight carries no API key, and a 401
+    # or 413 needs the CORS headers for the page to read it.
+    c = state.config
+    return CORSMiddleware(_Gate(app, state), allow_origins=c.allowed_origins, allow_methods=c.allowed_methods,
+                          allow_headers=c.allowed_headers, allow_credentials=c.allow_credentials)
 

@@ -40,6 +40,18 @@ def _cli_type(parse):
     return run
 
 
+def json_list(s: str) -> list[str]:
+    """A JSON list of strings given on the command line ('["http://a.example"]')."""
+    import json
+    try:
+        v = json.loads(s)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not valid JSON ({e}): {s!r}") from None
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise ValueError(f"expected a JSON list of strings, got {s!r}")
+    return v
+
+
 def engine_fields():
     """The EngineArgs fields that are command-line flags (those with help)."""
     from engine.engine_args import EngineArgs
@@ -109,6 +121,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--responses-store-size", type=int, default=ServerConfig.responses_store_size,
                    help="finished /v1/responses kept in memory for previous_response_id and GET "
                         "(least recently used out first; 0: none)")
+    # vLLM's CORS flags (JSON lists); defaults in ServerConfig: any origin.
+    for flag, what in (("origins", "origins a browser page may call the API from"),
+                       ("methods", "HTTP methods"), ("headers", "request headers")):
+        s.add_argument(f"--allowed-{flag}", type=_cli_type(json_list), default=None,
+                       help=f'CORS: {what}, a JSON list such as \'["*"]\' [default: any]')
+    s.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies)")
+    s.add_argument("--ssl-keyfile", default=None, help="TLS: the private key (PEM) of --ssl-certfile, if not in it")
+    s.add_argument("--ssl-certfile", default=None, help="TLS: serve HTTPS with this certificate chain (PEM)")
+    s.add_argument("--ssl-ca-certs", default=None, help="TLS: CA certificates that client certificates must "
+                                                        "chain to (with --ssl-cert-reqs)")
+    s.add_argument("--ssl-cert-reqs", type=int, default=0, choices=[0, 1, 2],
+                   help="TLS: client certificates: 0 not asked, 1 optional, 2 required (Python's ssl.CERT_*)")
+    s.add_argument("--root-path", default="", help="the path prefix a reverse proxy serves the API under")
     from server import plan
     plan.add_parser(sub)
     from server import bench
@@ -136,6 +161,9 @@ def serve(args) -> int:
     model = args.model or args.model_tag or "smollm2-135m"
     if args.headless:
         return _serve_headless(args, model)
+    if (args.ssl_keyfile or args.ssl_ca_certs or args.ssl_cert_reqs) and not args.ssl_certfile:
+        log.error("--ssl-keyfile, --ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile")
+        return 2
     keys = list(args.api_key or [])
     if os.environ.get(ENV_API_KEY):
         keys.append(os.environ[ENV_API_KEY])
@@ -145,7 +173,8 @@ def serve(args) -> int:
         log.error("cannot listen on %s:%s: %s", args.host, args.port, e)
         return 1
     host = sock.getsockname()[0]
-    url = f"http://{'[' + host + ']' if ':' in host else host}:{sock.getsockname()[1]}"
+    scheme = "https" if args.ssl_certfile else "http"
+    url = f"{scheme}://{'[' + host + ']' if ':' in host else host}:{sock.getsockname()[1]}"
     log.info("listening on %s; loading %s (/health is 503 until it is ready)", url, model)
 
     loop = asyncio.new_event_loop()
@@ -226,13 +255,24 @@ async def _serve(args, model: str, keys: list[str], sock: socket.socket, url: st
                                           max_num_seqs=args.max_num_seqs,
                                           tool_call_parser=args.tool_call_parser,
                                           reasoning_parser=args.reasoning_parser,
-                                          responses_store_size=max(0, args.responses_store_size)))
+                                          responses_store_size=max(0, args.responses_store_size),
+                                          allow_credentials=args.allow_credentials,
+                                          **{f"allowed_{k}": getattr(args, f"allowed_{k}")
+                                             for k in ("origins", "methods", "headers")
+                                             if getattr(args, f"allowed_{k}") is not None}))
     # uvicorn's shutdown starts once state.drain is done (see _server_class), so its
     # grace period is only a backstop for the last chunks of responses that just
     # ended (finish_reason "abort" and [DONE] after --drain-timeout).
     config = uvicorn.Config(create_app(state), lifespan="off", access_log=False, log_config=None,
                             log_level=args.log_level, timeout_graceful_shutdown=5,
-                            timeout_keep_alive=args.timeout_keep_alive)
+                            timeout_keep_alive=args.timeout_keep_alive, root_path=args.root_path,
+                            ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+                            ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs)
+    try:
+        config.load()       # (reads the TLS files: a bad one fails here, before the model loads)
+    except OSError as e:
+        log.error("cannot use the TLS certificate or key: %s", e)
+        return 2, True
     server = _Server(config, state, args.drain_timeout)
     died = []
 

@@ -30,8 +30,9 @@ class ServerProcess:
     from its first log line, and waits for /health (unless wait=False)."""
 
     def __init__(self, log_path: Path, *args: str, env: dict | None = None, wait: bool = True,
-                 timeout: float = 300):
+                 timeout: float = 300, verify=True):
         self.log_path = log_path
+        self.verify = verify        # httpx's: a CA file for an https server
         self._log = open(log_path, "wb")
         cmd = [sys.executable, "-m", "server.cli", "serve", "--model", "smollm2-135m", "--host", "127.0.0.1",
                "--port", "0", *args]
@@ -49,7 +50,7 @@ class ServerProcess:
     def _wait_url(self, timeout: float) -> str:
         deadline = time.time() + timeout
         while time.time() < deadline:
-            m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", self.log())
+            m = re.search(r"listening on (https?://127\.0\.0\.1:\d+)", self.log())
             if m:
                 return m.group(1)
             if self.proc.poll() is not None:
@@ -64,7 +65,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.log()[-4000:]}")
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                if httpx.get(self.url + "/health", timeout=2, verify=self.verify).status_code == 200:
                     return
             except httpx.TransportError:
                 pass
