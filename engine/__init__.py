@@ -1,7 +1,8 @@
 """Request lifecycle, scheduler, sampler, model runner, engine core and its clients."""
 from engine.engine_args import EngineArgs
 from engine.errors import EngineDeadError, InvalidRequest
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
+from engine.pooling_params import PoolingError, PoolingParams
 from engine.sampling_params import SamplingError, SamplingParams
 
 
@@ -18,4 +19,5 @@ def __getattr__(name):
 
 
 __all__ = ["LLM", "AsyncLLM", "EngineArgs", "SamplingParams", "SamplingError", "RequestOutput",
-           "CompletionOutput", "InvalidRequest", "EngineDeadError"]
+           "CompletionOutput", "InvalidRequest", "EngineDeadError", "PoolingParams", "PoolingError",
+           "EmbeddingRequestOutput"]

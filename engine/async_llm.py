@@ -10,10 +10,11 @@ from collections.abc import AsyncIterator
 
 from engine.core_process import run_engine_core
 from engine.engine_args import EngineArgs
-from engine.engine_core import EngineStats, ModelInfo, check_priority, check_request
+from engine.engine_core import EngineStats, ModelInfo, check_pooling, check_priority, check_request
 from engine.errors import EngineDeadError, InvalidRequest
 from engine.output_processor import OutputProcessor, child_params
 from engine.outputs import RequestOutput
+from engine.pooling_params import PoolingParams
 from engine.request import EngineRequest
 from engine.sampling_params import SamplingParams, log_sampling_defaults
 
@@ -29,6 +30,7 @@ class AsyncLLM:
         self.chat_template = None
         self.model_type: str | None = None
         self.default_sampling: dict = {}     # EngineArgs.sampling_defaults: for what a request leaves unset
+        self.default_pooling: PoolingParams = PoolingParams()    # EngineArgs.pooling_defaults: embeddings
         self.info: ModelInfo | None = None
         self._stats = EngineStats()
         self._streams: dict[str, asyncio.Queue] = {}
@@ -57,6 +59,7 @@ class AsyncLLM:
         self.tokenizer, self.chat_template = source.tokenizer, source.chat_template
         self.model_type = source.config.get("model_type")
         self.default_sampling = self.args.sampling_defaults(source)
+        self.default_pooling = self.args.pooling_defaults(source)
         log_sampling_defaults(self.default_sampling)
         self.processor = OutputProcessor(self.tokenizer)
         msg = await loop.run_in_executor(None, self._wait_ready)
@@ -163,7 +166,9 @@ class AsyncLLM:
         return None, list(prompt)
 
     async def generate(self, prompt, params: SamplingParams, request_id: str | None = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, pooling: PoolingParams | None = None) -> AsyncIterator[RequestOutput]:
+        """pooling: an embedding request (params with max_tokens 0): its last
+        output's `embedding` is the vector."""
         if self._dead is not None:
             raise EngineDeadError("the engine core process died")
         rid = request_id or f"req-{next(self._ids)}"
@@ -172,13 +177,14 @@ class AsyncLLM:
         text, ids = self.encode(prompt)
         check_request(ids, params, self.info.max_model_len, self.info.vocab_size)
         check_priority(priority, self.args.scheduling_policy)
+        check_pooling(EngineRequest(rid, ids, params, pooling=pooling), self.info.hidden_size)
         q: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = q
         now = time.monotonic()
         cids = self.processor.add(rid, text, ids, params, now)
         for i, cid in enumerate(cids):
             self._in.put(("add", EngineRequest(cid, ids, child_params(params, i), arrival_time=now,
-                                               priority=priority)))
+                                               priority=priority, pooling=pooling)))
         finished = False
         try:
             while True:

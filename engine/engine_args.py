@@ -99,6 +99,10 @@ class EngineArgs:
     override_generation_config: dict | None = arg(
         None, 'defaults over those, in generation_config.json\'s names: {"temperature": 0.6, "top_p": 0.95, '
               '"top_k": 20, "min_p": 0, "repetition_penalty": 1.05, "max_new_tokens": 4096}', type=parse_json_object)
+    pooler_config: dict | None = arg(
+        None, 'how /v1/embeddings pools the final hidden states, over the model\'s own (sentence-transformers '
+              'modules.json, a GGUF\'s pooling_type; else last token, normalized): {"pooling_type": "last" | '
+              '"mean" | "cls", "normalize": true}', type=parse_json_object)
     max_rollback_tokens: int = arg(0, "how far a step may roll a sequence back (speculative decoding); sizes "
                                       "ring-buffered state (DeepSeek-V4 window / carry)")
     num_threads: int | None = arg(None, "torch threads in the engine core (default: torch's)")
@@ -163,6 +167,19 @@ class EngineArgs:
             raise ValueError(f"distributed_timeout must be > 0, got {self.distributed_timeout}")
         self.speculative()
         self.sampling_defaults(None)     # (raises on a bad generation config)
+        self.pooling_defaults(None)
+
+    def pooling_defaults(self, source):
+        """The PoolingParams an embedding request starts from: the model's
+        (source: ModelSource, or None), then pooler_config over it."""
+        from engine.pooling_params import PoolingParams
+        over = dict(self.pooler_config or {})
+        unknown = sorted(set(over) - {"pooling_type", "normalize"})
+        if unknown:
+            raise ValueError(f"pooler_config: unknown key {unknown[0]!r}; supported: pooling_type, normalize")
+        if not isinstance(over.get("pooling_type", ""), str):
+            raise ValueError(f"pooler_config: pooling_type must be a string, got {over['pooling_type']!r}")
+        return PoolingParams(**{**(source.pooler_config if source is not None else {}), **over})
 
     def sampling_defaults(self, source) -> dict:
         """{temperature, top_p, top_k, min_p, repetition_penalty, max_tokens}: what

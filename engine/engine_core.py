@@ -33,6 +33,7 @@ class EngineCoreOutput:
     stopped_on_token: bool = False      # the last new token is the eos / stop token (not shown as text)
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None
+    embedding: list[float] | None = None    # a pooling request's vector (with its finish)
 
 
 @dataclass
@@ -65,6 +66,7 @@ class ModelInfo:
     num_blocks: list[int]
     kv_total_bytes: int
     vocab_size: int
+    hidden_size: int = 0              # the final hidden states' width (what embeddings pool)
     hot_bytes_per_seq: int = 0        # TurboQuant hot tokens a running sequence holds
     compression_ratio: float = 1.0    # 16-bit KV bytes per token / stored bytes per token
 
@@ -92,6 +94,17 @@ def check_request(prompt_token_ids: list[int], params, max_model_len: int, vocab
                              f"the prompt has {n} tokens and max_tokens is {mt}, {n + mt} in total")
     if vocab_size and (min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size):
         raise InvalidRequest(f"prompt token ids must be in [0, {vocab_size})")
+
+
+def check_pooling(er: EngineRequest, hidden_size: int) -> None:
+    """Raise InvalidRequest for an embedding request that cannot run."""
+    p = er.pooling
+    if p is None:
+        return
+    if er.params.max_tokens != 0 or er.params.n != 1:
+        raise InvalidRequest("an embedding request generates nothing: give it max_tokens 0 and n 1")
+    if p.dimensions is not None and hidden_size and p.dimensions > hidden_size:
+        raise InvalidRequest(f"dimensions must be at most the model's {hidden_size}, got {p.dimensions}")
 
 
 class EngineCore(Worker):
@@ -140,6 +153,7 @@ class EngineCore(Worker):
             bytes_per_token_by_kind=self.plan.bytes_per_token_by_kind(), block_size=args.block_size,
             num_blocks=list(self.plan.num_blocks), kv_total_bytes=self.plan.total_bytes,
             vocab_size=int(self.source.config.get("vocab_size", 0)),
+            hidden_size=int(self.source.config.get("hidden_size", 0)),
             hot_bytes_per_seq=self.plan.hot_bytes_per_seq, compression_ratio=self.plan.compression_ratio)
 
     def _init_speculation(self) -> None:
@@ -171,6 +185,7 @@ class EngineCore(Worker):
             raise InvalidRequest(f"request id {er.request_id!r} is already running")
         if not er.eos_token_ids:
             er.eos_token_ids = self.info.eos_token_ids
+        check_pooling(er, self.info.hidden_size)
         req = Request(er, self.max_model_len)
         so = er.params.structured_outputs
         if so is not None:
@@ -298,9 +313,11 @@ class EngineCore(Worker):
                     # KV stays for the positions of the tokens now in token_ids.
                     rejected[req.request_id] = len(s.spec_token_ids) + 1 - len(out.new_token_ids)
                     self._count_spec(len(s.spec_token_ids), len(toks) - 1)
-            elif req.request_id in results:        # max_tokens == 0: prompt only (scoring)
+            elif req.request_id in results:        # max_tokens == 0: prompt only (scoring, embeddings)
                 req.finish_reason = "length"
                 out = EngineCoreOutput(req.request_id)
+                if req.pooling is not None:
+                    out.embedding = req.pooling.finish(req.pooled, req.num_prompt_tokens)
             if out is not None:
                 if req.num_output_tokens <= len(out.new_token_ids):
                     out.num_cached_tokens = req.num_cached_tokens

@@ -8,10 +8,11 @@ import sys
 import time
 
 from engine.engine_args import EngineArgs
-from engine.engine_core import EngineCore, check_priority, check_request
+from engine.engine_core import EngineCore, check_pooling, check_priority, check_request
 from engine.errors import InvalidRequest
 from engine.output_processor import OutputProcessor, child_params
-from engine.outputs import RequestOutput
+from engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from engine.pooling_params import PoolingParams
 from engine.request import EngineRequest
 from engine.sampling_params import SamplingParams, log_sampling_defaults
 
@@ -26,6 +27,7 @@ class LLM:
         self.tokenizer = self.core.source.tokenizer
         self.chat_template = self.core.source.chat_template
         self.default_sampling = self.core.args.sampling_defaults(self.core.source)
+        self.default_pooling = self.core.args.pooling_defaults(self.core.source)
         log_sampling_defaults(self.default_sampling)
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
@@ -39,19 +41,22 @@ class LLM:
             raise InvalidRequest("this model has no tokenizer: give prompts as token ids")
         return prompt, self.tokenizer.encode(prompt)
 
-    def add_request(self, prompt, params: SamplingParams, request_id: str | None = None, priority: int = 0) -> str:
+    def add_request(self, prompt, params: SamplingParams, request_id: str | None = None, priority: int = 0,
+                    pooling: PoolingParams | None = None) -> str:
+        """pooling: an embedding request (params with max_tokens 0)."""
         text, ids = self.encode(prompt)
         check_priority(priority, self.core.args.scheduling_policy)
-        return self._add(text, ids, params, request_id, priority)
+        return self._add(text, ids, params, request_id, priority, pooling)
 
-    def _add(self, text, ids, params, request_id=None, priority: int = 0) -> str:
+    def _add(self, text, ids, params, request_id=None, priority: int = 0, pooling=None) -> str:
         rid = request_id or str(next(self._ids))
         check_request(ids, params, self.core.max_model_len, self.core.info.vocab_size)
+        check_pooling(EngineRequest(rid, ids, params, pooling=pooling), self.core.info.hidden_size)
         now = time.monotonic()
         cids = self.processor.add(rid, text, ids, params, now)
         for i, cid in enumerate(cids):
             self.core.add_request(EngineRequest(cid, ids, child_params(params, i), arrival_time=now,
-                                                priority=priority))
+                                                priority=priority, pooling=pooling))
         return rid
 
     def get_default_sampling_params(self) -> SamplingParams:
@@ -92,6 +97,11 @@ class LLM:
             check_request(ids, sp, self.core.max_model_len, self.core.info.vocab_size)
             check_priority(pr, self.core.args.scheduling_policy)
         order = [self._add(text, ids, sp, priority=pr) for (text, ids), sp, pr in zip(encoded, params, priority)]
+        done = self._run(order, use_tqdm)
+        return [done[r] for r in order]
+
+    def _run(self, order: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
+        """Step until nothing is left; the finished outputs by request id."""
         done: dict[str, RequestOutput] = {}
         t0 = time.monotonic()
         while self.core.has_work():
@@ -103,7 +113,23 @@ class LLM:
                       end="", file=sys.stderr, flush=True)
         if use_tqdm:
             print(file=sys.stderr)
-        return [done[r] for r in order]
+        return done
+
+    def embed(self, prompts, pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = False) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (text or token ids), pooled as the model's
+        files say unless pooling_params (vLLM's LLM.embed)."""
+        if isinstance(prompts, str) or is_token_prompt(prompts):
+            prompts = [prompts]
+        pooling = pooling_params or self.default_pooling
+        params = SamplingParams(max_tokens=0)
+        encoded = [self.encode(p) for p in prompts]
+        for _, ids in encoded:
+            check_request(ids, params, self.core.max_model_len, self.core.info.vocab_size)
+        order = [self._add(text, ids, params, pooling=pooling) for text, ids in encoded]
+        done = self._run(order, use_tqdm)
+        return [EmbeddingRequestOutput(r, done[r].prompt_token_ids, EmbeddingOutput(done[r].embedding))
+                for r in order]
 
     def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
              **template_kwargs) -> RequestOutput:

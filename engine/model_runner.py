@@ -104,6 +104,7 @@ class StepPlan:
     max_query_len: int
     dsv4_seqs: list | None = None    # DeepSeek-V4's pool: (start, block tables) per sequence
     prompt_rows: list[tuple[int, int]] = field(default_factory=list)   # hidden rows scoring prompt tokens
+    pool_rows: list[tuple[int, int]] = field(default_factory=list)     # hidden rows summed for embeddings
     graph_batch: int = 0             # > 0: a decode step padded to this captured size, replayed as a CUDA graph
     graph_rows: int = 0              # the graph's rows per sequence (1, or 1 + k for a verification step)
     patches: int = 0                 # input ids the previous step samples (asynchronous scheduling; see _send)
@@ -119,6 +120,8 @@ class StepHandle:
     jobs: list                       # prompt-logprob jobs (request, first position, end)
     logits: torch.Tensor | None
     prompt: list[torch.Tensor]
+    pool_jobs: list = field(default_factory=list)         # embedding jobs (request, chunk start)
+    pooled: list[torch.Tensor] = field(default_factory=list)   # their rows' summed states
     out: Sampled | None = None       # without drafts: the tokens, on their way to the host
 
 
@@ -351,11 +354,12 @@ class ModelRunner:
             self.kv.allocate(req.request_id, req.token_ids, req.num_computed_tokens, n)
 
     def prepare(self, out: SchedulerOutput, prev: StepHandle | None = None
-                ) -> tuple[StepPlan, list[Request], list[tuple[Request, int, int]]]:
+                ) -> tuple[StepPlan, list[Request], list[tuple[Request, int, int]], list[tuple[Request, int]]]:
         """The leader's half of a step: the plan every rank runs, the requests
-        that sample (in logits-row order) and the prompt-logprob jobs
-        (request, first position, end) in plan.prompt_rows order. prev: the
-        step still in flight whose tokens this one's placeholders are."""
+        that sample (in logits-row order), the prompt-logprob jobs (request,
+        first position, end) in plan.prompt_rows order and the embedding jobs
+        (request, chunk start) in plan.pool_rows order. prev: the step still
+        in flight whose tokens this one's placeholders are."""
         # Decodes first, as the attention metadata expects.
         sched = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)
         groups = range(len(self.groups))
@@ -368,9 +372,13 @@ class ModelRunner:
             # packed tables (DSV4Rows); others as per-sequence views of it,
             # built from the manager's lists (DSV4PagedCache.batch).
             plan.dsv4_seqs = [(s.start, [t[i] for t in tables]) for i, s in enumerate(sched)]
-        jobs = []
+        jobs, pool_jobs = [], []
         for i, s in enumerate(sched):
             req = s.req
+            if req.pooling is not None and (span := req.pooling.rows(s.start, s.num_new_tokens,
+                                                                     req.num_prompt_tokens)):
+                plan.pool_rows.append((plan.qsl[i] + span[0] - s.start, plan.qsl[i] + span[1] - s.start))
+                pool_jobs.append((req, s.start))
             if req.prompt_logprobs is None or s.start >= req.num_prompt_tokens:
                 continue
             # Position p predicts token p + 1; only prompt tokens are scored.
@@ -382,7 +390,7 @@ class ModelRunner:
                 plan.prompt_rows.append((plan.qsl[i] + first, plan.qsl[i] + n))
                 jobs.append((req, s.start + first, s.start + n))
         self.sched = sched
-        return plan, sampled, jobs
+        return plan, sampled, jobs, pool_jobs
 
     def _uniform(self, sched: list[ScheduledRequest]) -> bool:
         """A DeepSeek-V4 step its pool runs batched: every sequence the same
@@ -401,7 +409,7 @@ class ModelRunner:
         if g is None:
             return 0, 0
         for s in sched:
-            if s.num_new_tokens - len(s.spec_token_ids) != 1 or (
+            if s.num_new_tokens - len(s.spec_token_ids) != 1 or s.req.pooling is not None or (
                     s.req.prompt_logprobs is not None and s.start < s.req.num_prompt_tokens - 1):
                 return 0, 0
         q = max((s.num_new_tokens for s in sched), default=1)
@@ -466,10 +474,11 @@ class ModelRunner:
         return ids, pos, meta, rows
 
     @torch.inference_mode()
-    def forward(self, plan: StepPlan) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    def forward(self, plan: StepPlan) -> tuple[torch.Tensor | None, list[torch.Tensor], list[torch.Tensor]]:
         """What every rank runs (its collectives in the same order on all):
         the model over the step, the logits of the plan's prompt-logprob rows,
-        then of its sampling rows (None when nothing samples)."""
+        then of its sampling rows (None when nothing samples); and the sums
+        of the plan's pool rows' states (no collective: every rank has them)."""
         d = self._send(plan)
         self._copy(plan, d, snapshots=False)
         if plan.graph_batch:
@@ -483,7 +492,7 @@ class ModelRunner:
                 hidden = self.model.collapse(hidden)
             self._copy(plan, d, snapshots=True)
             rows = d[4]
-            return (self.model.compute_logits(hidden[rows]) if len(rows) else None), []
+            return (self.model.compute_logits(hidden[rows]) if len(rows) else None), [], []
         input_ids, positions, meta, rows = self.inputs(plan, d)
         if self.keep_streams:
             streams = self.model.forward_streams(input_ids, positions, meta)
@@ -493,7 +502,8 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, meta)
         self._copy(plan, d, snapshots=True)
         prompt = [self.model.compute_logits(hidden[a:b]) for a, b in plan.prompt_rows]
-        return (self.model.compute_logits(hidden[rows]) if len(rows) else None), prompt
+        pooled = [hidden[a:b].float().sum(0) for a, b in plan.pool_rows]
+        return (self.model.compute_logits(hidden[rows]) if len(rows) else None), prompt, pooled
 
     def execute(self, out: SchedulerOutput) -> dict[str, tuple[list[int], list[dict | None]]]:
         """Run one step. Returns {request_id: (tokens, logprobs)} for requests
@@ -508,18 +518,18 @@ class ModelRunner:
         placeholders are (read on the device, so prev need not be collected).
         sample=False: the forward only; sample_step() samples it later (after
         prev's tokens reach the requests on the host)."""
-        plan, sampled, jobs = self.prepare(out, prev)
+        plan, sampled, jobs, pool_jobs = self.prepare(out, prev)
         if plan.patches:
             self.prev_tokens = self.sample_step(prev).tokens
         if self.share_tokens:
             plan.shared_tokens = len(sampled)
         if self.followers is None:
-            logits, prompt = self.forward(plan)
+            logits, prompt, pooled = self.forward(plan)
         else:
             with self.followers.lock:      # no heartbeat between the plan and its collectives
                 self.followers.send_plan(plan)
-                logits, prompt = self.forward(plan)
-        h = StepHandle(plan, sampled, jobs, logits, prompt)
+                logits, prompt, pooled = self.forward(plan)
+        h = StepHandle(plan, sampled, jobs, logits, prompt, pool_jobs, pooled)
         if sample:
             self.sample_step(h)
         return h
@@ -547,6 +557,9 @@ class ModelRunner:
     def collect(self, h: StepHandle) -> dict[str, tuple[list[int], list[dict | None]]]:
         """A launched step's results, as execute() returns them (waits for its tokens)."""
         sampled, logits = h.sampled, h.logits
+        for (req, start), v in zip(h.pool_jobs, h.pooled):
+            # A chunk from position 0 starts the pool again (after a preemption too).
+            req.pooled = v if start == 0 or req.pooled is None else req.pooled + v
         with torch.inference_mode():
             for (req, a, b), lg in zip(h.jobs, h.prompt):
                 logp = torch.log_softmax(lg.float(), dim=-1)

@@ -30,6 +30,7 @@ class ParentState:
     prompt_logprobs: list | None = None
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    embedding: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -44,7 +45,7 @@ class ParentState:
                                          o.finish_reason, o.stop_reason))
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,
                              self.prompt_logprobs, self.finished, self.num_cached_tokens,
-                             dict(self.metrics))
+                             dict(self.metrics), self.embedding)
 
 
 def child_ids(request_id: str, n: int) -> list[str]:
@@ -122,6 +123,8 @@ class OutputProcessor:
                 p.num_cached_tokens = max(p.num_cached_tokens, eo.num_cached_tokens)
             if eo.prompt_logprobs is not None and p.prompt_logprobs is None:
                 p.prompt_logprobs = eo.prompt_logprobs
+            if eo.embedding is not None:
+                p.embedding = eo.embedding
             if eo.new_token_ids:
                 m.setdefault("first_token_time", now)
                 m["last_token_time"] = now

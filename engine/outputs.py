@@ -26,3 +26,18 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)     # arrival/first_token/finish times, queue time
+    embedding: list[float] | None = None            # a pooling request's vector (engine/pooling_params.py)
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What LLM.embed returns per prompt (vLLM's shape: out.outputs.embedding)."""
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True

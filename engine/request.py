@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
 
@@ -26,6 +27,7 @@ class EngineRequest:
     eos_token_ids: list[int] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0             # --scheduling-policy priority: lower runs first (vLLM's meaning)
+    pooling: PoolingParams | None = None   # an embedding: the prompt's pooled states, no tokens (max_tokens 0)
 
 
 class Request:
@@ -56,6 +58,9 @@ class Request:
         self.stopped_on_token = False     # the last token is the eos / stop token that ended it
         # Prompt logprobs are computed chunk by chunk and sent once complete.
         self.prompt_logprobs: list | None = [None] if er.params.prompt_logprobs is not None else None
+        # Embeddings: the sum of the pooled rows' states so far (ModelRunner.collect).
+        self.pooling = er.pooling
+        self.pooled: torch.Tensor | None = None
         # Grammar-constrained requests: set by the engine core (structured_output.GrammarState).
         self.grammar = None
         # Draft tokens the next step verifies (speculative decoding); never in token_ids.
@@ -105,6 +110,12 @@ class Request:
         self._arr_len = min(self._arr_len, num_tokens)
         if self.grammar is not None:
             self.grammar.rollback(self.token_ids, self.num_output_tokens)
+
+    @property
+    def reuses_prefix(self) -> bool:
+        """Whether a prefix-cache hit may skip computing the prompt's first
+        positions: not when their logprobs or their states are wanted."""
+        return self.params.prompt_logprobs is None and not (self.pooling and self.pooling.uses_every_position)
 
     def needs_own_tokens(self) -> bool:
         """Whether sampling its next token reads its previous tokens on the

@@ -138,7 +138,7 @@ class Scheduler:
                 req = self.waiting.peek()
                 hit = 0
                 if req.num_computed_tokens == 0:
-                    if req.params.prompt_logprobs is None:
+                    if req.reuses_prefix:
                         hit = self.kv.find_prefix_hit(req.request_id, req.token_ids)
                 n = self._chunk(hit, req.num_tokens - hit, budget, self.kv.shared_prefix(req.request_id))
                 if not self.kv.allocate(req.request_id, req.token_ids, hit, n, num_prefix_hit=hit):

@@ -66,9 +66,9 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from model_zoo import generation_config
+from model_zoo import generation_config as gen_config, pooler_config as pool_config
 from model_zoo.chat_template import FALLBACK_TEMPLATES
-from model_zoo.source import ModelLoadError, ModelSource
+from model_zoo.source import ModelLoadError, ModelSource, optional_config
 from model_zoo.gguf_file import GGUFFile
 from model_zoo.tokenizer import Tokenizer, TokenizerError
 
@@ -645,14 +645,6 @@ def _unmapped(path: Path, name: str, arch: str) -> ModelLoadError:
     return ModelLoadError(f"{path}: tensor {name} has no Hugging Face name for architecture {arch}")
 
 
-def _sampling_defaults(meta: dict, path: Path) -> dict:
-    try:
-        return generation_config.from_gguf(meta, str(path))
-    except generation_config.GenerationConfigError as e:
-        log.warning("ignoring the recommended sampling settings: %s", e)
-        return {}
-
-
 def open_gguf(path: str | Path) -> ModelSource:
     path = Path(path)
     reader = _open_reader(path)
@@ -831,7 +823,9 @@ def open_gguf(path: str | Path) -> ModelSource:
         tokenizer=tokenizer,
         chat_template=chat_template,
         eos_token_ids=eos_ids(meta, tokenizer),
-        generation_config=_sampling_defaults(meta, path),
+        generation_config=optional_config("recommended sampling settings", gen_config.from_gguf, meta,
+                                          str(path)),
+        pooler_config=pool_config.from_gguf(meta, arch),
         _weights_fn=weights,
         # what the streams yield: stacked experts come one expert at a time
         num_tensors=sum(count(hf, ts) for hf, ts in plan.items()) + len(absent),

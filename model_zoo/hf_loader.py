@@ -11,20 +11,17 @@ dummy) one with no weight files loads too.
 from __future__ import annotations
 
 import json
-import logging
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
-from model_zoo import generation_config
+from model_zoo import generation_config as gen_config, pooler_config as pool_config
 from model_zoo.chat_template import FALLBACK_TEMPLATES
-from model_zoo.source import ModelLoadError, ModelSource
+from model_zoo.source import ModelLoadError, ModelSource, optional_config
 from parallel.quant.base import QuantizedTensor
 from model_zoo.tokenizer import Tokenizer, load_tokenizer_config
-
-log = logging.getLogger("tqserve.hf")
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -126,15 +123,6 @@ def stored_formats(header: dict[str, tuple[Path, str, list[int]]]) -> dict[str, 
             if sshape == [n, cols // 32] and cols % 32 == 0:
                 out[name] = ("mxfp4", sname)
     return out
-
-
-def _sampling_defaults(folder: Path) -> dict:
-    # A broken generation_config.json costs the recommended defaults, not the model.
-    try:
-        return generation_config.from_hf_folder(folder)
-    except generation_config.GenerationConfigError as e:
-        log.warning("ignoring the generation config: %s", e)
-        return {}
 
 
 def _chat_template(folder: Path, tokenizer_config: dict) -> str | None:
@@ -275,7 +263,8 @@ def open_hf_dir(folder: str | Path, weights: bool = True) -> ModelSource:
         tokenizer=tokenizer,
         chat_template=_chat_template(folder, tokenizer_config) or FALLBACK_TEMPLATES.get(config.get("model_type")),
         eos_token_ids=eos,
-        generation_config=_sampling_defaults(folder),
+        generation_config=optional_config("generation config", gen_config.from_hf_folder, folder),
+        pooler_config=optional_config("pooling config", pool_config.from_hf_folder, folder),
         _weights_fn=read_weights if weights else None,
         num_tensors=len(entries),
         stored={name: fmt for name, (fmt, _) in stored.items()},

@@ -7,6 +7,7 @@ definitions only ever see HF names and HF config keys.
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from dataclasses import dataclass, field
@@ -31,8 +32,10 @@ class ModelSource:
     tokenizer: "Tokenizer | None" = None
     chat_template: str | None = None
     eos_token_ids: list[int] = field(default_factory=list)
-    # The authors' recommended sampling settings (model_zoo/generation_config.py).
+    # The authors' recommended sampling settings (model_zoo/generation_config.py)
+    # and embedding pooling (model_zoo/pooler_config.py).
     generation_config: dict = field(default_factory=dict)
+    pooler_config: dict = field(default_factory=dict)
     # Set by the loader: yields (hf_name, float32 tensor) one at a time. Kept a
     # plain callable so that ModelSource stays a dataclass with no loader state.
     _weights_fn: Callable[[], Iterator[tuple[str, torch.Tensor]]] | None = field(default=None, repr=False)
@@ -61,6 +64,16 @@ class ModelSource:
             yield name, tensor
             progress.step()
         progress.done()
+
+
+def optional_config(what: str, read: Callable[..., dict], *args) -> dict:
+    """read(*args), or {} with a warning when the file is broken: it costs the
+    model's recommended settings, not the model."""
+    try:
+        return read(*args)
+    except ValueError as e:
+        logging.getLogger("tqserve.loader").warning("ignoring the %s: %s", what, e)
+        return {}
 
 
 class Progress:

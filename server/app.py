@@ -18,10 +18,10 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Match
 
 from engine.errors import EngineDeadError
-from server import messages_api, responses, serving
+from server import embeddings, messages_api, responses, serving
 from server.errors import APIError, api_error_response, error_response, from_validation_error
 from server.protocol import (ChatCompletionRequest, CompletionRequest, CountTokensRequest, DetokenizeRequest,
-                             MessagesRequest, ResponsesRequest, TokenizeRequest)
+                             EmbeddingRequest, MessagesRequest, ResponsesRequest, TokenizeRequest)
 from server.state import ServerState
 
 log = logging.getLogger("tqserve.server")
@@ -188,6 +188,10 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await generation(request, "cmpl-", "completion", CompletionRequest, serving.completion)
+
+    @app.post("/v1/embeddings")
+    async def embeddings_create(request: Request):
+        return await generation(request, "embd-", "embeddings", EmbeddingRequest, embeddings.create_embeddings)
 
     @app.post("/v1/responses")
     async def responses_create(request: Request):

@@ -39,6 +39,8 @@ MIN_SEED, MAX_SEED = -2**63, 2**63 - 1
 # Each prompt of a completions batch (times n) is its own engine request and
 # the queue limit (--max-queue) is checked per HTTP request: bound the fan-out.
 MAX_PROMPTS_X_N = 256
+# OpenAI's bound on /v1/embeddings inputs (clients batch up to it: LangChain sends 1,000).
+MAX_EMBEDDING_INPUTS = 2048
 _TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")      # a logit_bias key: a token id in ASCII digits
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
@@ -298,6 +300,15 @@ class ChatCompletionRequest(_SamplingFields):
 Prompt = str | list[str] | TokenIds | list[TokenIds]
 
 
+def prompt_list(p: Prompt) -> list[str | list[int]]:
+    """A Prompt as its list of prompts (a text or a token-id list each)."""
+    if isinstance(p, str):
+        return [p]
+    if p and all(isinstance(x, int) for x in p):
+        return [list(p)]
+    return list(p)
+
+
 class CompletionRequest(_SamplingFields):
     prompt: Prompt
     max_tokens: int | None = Field(16, ge=0)
@@ -324,12 +335,7 @@ class CompletionRequest(_SamplingFields):
         return self
 
     def prompts(self) -> list[str | list[int]]:
-        p = self.prompt
-        if isinstance(p, str):
-            return [p]
-        if p and all(isinstance(x, int) for x in p):
-            return [list(p)]
-        return list(p)
+        return prompt_list(self.prompt)
 
 
 class TokenizeRequest(_Body):
@@ -352,6 +358,41 @@ class TokenizeRequest(_Body):
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: TokenIds
+
+
+class EmbeddingRequest(_Body):
+    """POST /v1/embeddings: OpenAI's fields, plus vLLM's extras."""
+    model: str | None = None
+    input: Prompt
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)   # keep the last k tokens (-1: the context)
+    normalize: bool | None = None                             # None: the model's pooling says
+    add_special_tokens: bool = True
+    priority: int = 0
+
+    @field_validator("input")
+    @classmethod
+    def _check_input(cls, v):
+        inputs = prompt_list(v)
+        if not inputs:
+            raise ValueError("input must not be empty")
+        if any(not p for p in inputs):
+            raise ValueError("input must not contain empty strings or token lists")
+        if len(inputs) > MAX_EMBEDDING_INPUTS:
+            raise ValueError(f"input may hold at most {MAX_EMBEDDING_INPUTS} items, got {len(inputs)}")
+        return v
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _check_truncate(cls, v):
+        if v == 0:
+            raise ValueError("truncate_prompt_tokens must be -1 or at least 1")
+        return v
+
+    def inputs(self) -> list[str | list[int]]:
+        return prompt_list(self.input)
 
 
 # --------------------------------------------------------------------------

@@ -68,8 +68,9 @@ class RequestLog:
 # Engine requests.
 # --------------------------------------------------------------------------
 async def generate(state: ServerState, prompt_ids: list[int], params: SamplingParams,
-                   request_id: str, rlog: RequestLog, priority: int = 0) -> AsyncIterator:
-    """llm.generate with metrics; aborts the engine request if left unfinished."""
+                   request_id: str, rlog: RequestLog, priority: int = 0, pooling=None) -> AsyncIterator:
+    """llm.generate with metrics; aborts the engine request if left unfinished.
+    pooling (engine.PoolingParams): an embedding request."""
     llm, metrics = state.llm, state.metrics
     t0 = time.monotonic()
     first = last = None
@@ -77,7 +78,7 @@ async def generate(state: ServerState, prompt_ids: list[int], params: SamplingPa
     final = None
     rejected = False
     state.start_request(request_id)
-    gen = llm.generate(prompt_ids, params, request_id, priority)
+    gen = llm.generate(prompt_ids, params, request_id, priority, pooling=pooling)
     try:
         try:
             async for out in gen:
@@ -264,12 +265,13 @@ def default_max_tokens(state: ServerState, n_prompt: int, endpoint_default: int 
     return max(1, min(*limits, state.llm.max_model_len - n_prompt))
 
 
-def check_length(state: ServerState, n_prompt: int, max_tokens: int | None, what: str = "input") -> None:
+def check_length(state: ServerState, n_prompt: int, max_tokens: int | None, what: str = "input",
+                 param: str | None = None) -> None:
     ctx = state.llm.max_model_len
     if n_prompt > ctx or (n_prompt == ctx and max_tokens != 0):
         raise APIError(400, f"This model's maximum context length is {ctx} tokens. However, your "
                             f"request has {n_prompt} {what} tokens. Please reduce the length of the input.",
-                       param="messages" if what == "input" else "prompt")
+                       param=param or ("messages" if what == "input" else "prompt"))
     if max_tokens is not None and n_prompt + max_tokens > ctx:
         raise APIError(400, f"This model's maximum context length is {ctx} tokens. However, you "
                             f"requested {n_prompt + max_tokens} tokens ({n_prompt} in the {what}, "
@@ -277,15 +279,24 @@ def check_length(state: ServerState, n_prompt: int, max_tokens: int | None, what
                             f"or max_tokens.", param="max_tokens")
 
 
-def check_vocab(state: ServerState, req: _SamplingFields, prompts: list[list[int]] = ()) -> None:
+def _vocab(state: ServerState) -> int | None:
     tok = state.llm.tokenizer
-    vocab = getattr(tok, "vocab_size", None) if tok is not None else None
-    if not vocab:
-        return
-    for p in prompts:
+    return getattr(tok, "vocab_size", None) if tok is not None else None
+
+
+def check_prompt_vocab(state: ServerState, prompts: list[list[int]], param: str = "prompt") -> None:
+    vocab = _vocab(state)
+    for p in prompts if vocab else ():
         bad = [t for t in p if t >= vocab]
         if bad:
-            raise APIError(400, f"token id {bad[0]} is out of vocabulary (size {vocab})", param="prompt")
+            raise APIError(400, f"token id {bad[0]} is out of vocabulary (size {vocab})", param=param)
+
+
+def check_vocab(state: ServerState, req: _SamplingFields, prompts: list[list[int]] = ()) -> None:
+    check_prompt_vocab(state, prompts)
+    vocab = _vocab(state)
+    if not vocab:
+        return
     for t in (req.stop_token_ids or []):
         if t >= vocab:
             raise APIError(400, f"stop_token_ids: token id {t} is out of vocabulary (size {vocab})",

@@ -126,7 +126,7 @@ class _KV:
 
 def _build(runner, sched):
     """(input_ids, positions, metadata, query_start_loc, logits rows, sampled requests)."""
-    plan, sampled, _ = runner.prepare(SchedulerOutput(sched))
+    plan, sampled, _, _ = runner.prepare(SchedulerOutput(sched))
     ids, pos, meta, rows = runner.inputs(plan)
     return ids, pos, meta, plan.qsl, rows, sampled
 
@@ -162,7 +162,7 @@ def _sched(specs, vocab=1000, per_seq=()):
     out, tables = [], {}
     for rid, known, start, n, tbl in specs:
         req = SimpleNamespace(request_id=rid, token_ids=list(range(7 * len(rid), 7 * len(rid) + known)),
-                              num_tokens=known, num_placeholders=0, prompt_logprobs=None)
+                              num_tokens=known, num_placeholders=0, prompt_logprobs=None, pooling=None)
         out.append(ScheduledRequest(req, n, start))
         tables[rid] = tbl
     return out, _KV(tables, per_seq)

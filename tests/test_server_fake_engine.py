@@ -15,10 +15,12 @@ import time
 
 import httpx
 import pytest
+import torch
 
 from engine.engine_core import EngineCoreOutput
 from engine.errors import InvalidRequest
 from engine.output_processor import OutputProcessor, child_params
+from engine.pooling_params import PoolingParams
 
 CORPUS = ("the quick brown fox jumps over the lazy dog. pack my box with five dozen liquor jugs! "
           "how vexingly quick daft zebras jump; sphinx of black quartz, judge my vow. ")
@@ -72,6 +74,8 @@ class FakeAsyncLLM:
         self.tokenizer = FakeTokenizer()
         self.chat_template = CHAT_TEMPLATE
         self.default_sampling: dict = {}       # the model's recommended sampling (--generation-config)
+        self.default_pooling = PoolingParams()  # embeddings: a request's vector is EMBED_DIM values from its ids
+        self.poolings: list = []               # every embedding request's PoolingParams
         self.kv_info = {"capacity_tokens": capacity_tokens, "bytes_per_token": 46080, "block_size": 16,
                         "bytes_per_token_by_kind": {"full": 46080}, "hot_bytes_per_seq": 190080,
                         "compression_ratio": 3.76}
@@ -99,10 +103,14 @@ class FakeAsyncLLM:
         return {"num_running": len(self.running), "num_waiting": len(self.waiting),
                 "kv_cache_usage": used / self.kv_info["capacity_tokens"], **self.counters}
 
-    async def generate(self, prompt, params, request_id, priority=0):
+    async def generate(self, prompt, params, request_id, priority=0, pooling=None):
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.params.append(params)
         self.prompts.append(ids)
+        if pooling is not None:
+            self.poolings.append(pooling)
+            if (pooling.dimensions or 0) > EMBED_DIM:
+                raise InvalidRequest(f"dimensions must be at most the model's {EMBED_DIM}, got {pooling.dimensions}")
         if len(ids) >= self.max_model_len:
             raise InvalidRequest(f"maximum context length is {self.max_model_len} tokens, "
                                  f"but the prompt has {len(ids)} tokens")
@@ -115,7 +123,7 @@ class FakeAsyncLLM:
             rng = random.Random(p.seed) if p.seed is not None else random.Random()
             start = sum(ids) % len(CORPUS) if p.greedy else rng.randrange(len(CORPUS))
             self.waiting.append({"id": cid, "prompt": ids, "params": p, "pos": start, "out": [],
-                                 "arrival": now})
+                                 "arrival": now, "pooling": pooling})
         finished = False
         try:
             while True:
@@ -152,6 +160,8 @@ class FakeAsyncLLM:
                 if not r["out"] and p.prompt_logprobs is not None:
                     eo.prompt_logprobs = [None] + [{t: -1.0 - (t % 7) / 10} for t in r["prompt"][1:]]
                 done_len = p.max_tokens is not None and len(r["out"]) >= p.max_tokens
+                if r["pooling"] is not None:
+                    eo.embedding = fake_embedding(r["prompt"], r["pooling"])
                 if not done_len:
                     if self.script is not None:
                         tok = self.script[len(r["out"])] + 4 if len(r["out"]) < len(self.script) else 3
@@ -186,6 +196,15 @@ class FakeAsyncLLM:
                 q = self.streams.get(res.request_id)
                 if q is not None:
                     q.put_nowait(res)
+
+
+EMBED_DIM = 8
+
+
+def fake_embedding(ids: list[int], pooling) -> list[float]:
+    """What the stand-in engine pools: position-weighted sums of the ids."""
+    v = [sum((t + 1) * (k + 1) * (i + 1) % 13 for i, t in enumerate(ids)) + 1.0 for k in range(EMBED_DIM)]
+    return pooling.finish(torch.tensor(v), len(ids))
 
 
 # --------------------------------------------------------------------------

@@ -25,7 +25,7 @@ MODEL = "smollm2-135m"
 MAX_BYTES = 64 << 10          # --max-request-bytes here: small, so that the 413 bodies stay small
 CTX = 1024                    # SMALL's --max-model-len
 CHAT, CMPL, TOK, DETOK = "/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"
-RESP = "/v1/responses"
+RESP, EMB = "/v1/responses", "/v1/embeddings"
 MSGS = [{"role": "user", "content": "hi"}]
 
 
@@ -306,7 +306,24 @@ CASES = [
     ("route-unknown", "GET", "/v1/nothing", None, 404, None),
     ("route-v2", "POST", "/v2/chat/completions", chat(), 404, None),
     ("route-root", "GET", "/", None, 404, None),
-    ("route-embeddings", "POST", "/v1/embeddings", {"model": MODEL, "input": "hi"}, 404, None),
+    ("route-audio", "POST", "/v1/audio/transcriptions", {"model": MODEL}, 404, None),
+    # --- /v1/embeddings ---
+    ("embeddings-no-input", "POST", EMB, {"model": MODEL}, 400, "input"),
+    ("embeddings-input-number", "POST", EMB, {"model": MODEL, "input": 5}, 400, "input"),
+    ("embeddings-input-mixed", "POST", EMB, {"model": MODEL, "input": ["a", [1]]}, 400, "input"),
+    ("embeddings-input-empty-list", "POST", EMB, {"model": MODEL, "input": []}, 400, "input"),
+    ("embeddings-input-empty-string", "POST", EMB, {"model": MODEL, "input": ["a", ""]}, 400, "input"),
+    ("embeddings-negative-id", "POST", EMB, {"model": MODEL, "input": [[1, -1]]}, 400, "input"),
+    ("embeddings-id-out-of-vocab", "POST", EMB, {"model": MODEL, "input": [49152]}, 400, "input"),
+    ("embeddings-too-long", "POST", EMB, {"model": MODEL, "input": [1] * (CTX + 1)}, 400, "input"),
+    ("embeddings-dimensions-zero", "POST", EMB, {"model": MODEL, "input": "a", "dimensions": 0}, 400, "dimensions"),
+    ("embeddings-dimensions-str", "POST", EMB, {"model": MODEL, "input": "a", "dimensions": "8"}, 400, "dimensions"),
+    ("embeddings-format", "POST", EMB, {"model": MODEL, "input": "a", "encoding_format": "int8"}, 400,
+     "encoding_format"),
+    ("embeddings-truncate-zero", "POST", EMB, {"model": MODEL, "input": "a", "truncate_prompt_tokens": 0}, 400,
+     "truncate_prompt_tokens"),
+    ("embeddings-normalize-str", "POST", EMB, {"model": MODEL, "input": "a", "normalize": "yes"}, 400, "normalize"),
+    ("embeddings-unknown-model", "POST", EMB, {"model": "nope", "input": "a"}, 404, "model"),
     # --- /v1/responses (its input items become chat messages; the chat checks apply) ---
     ("responses-no-input", "POST", RESP, {"model": MODEL}, 400, "input"),
     ("responses-input-number", "POST", RESP, {"model": MODEL, "input": 5}, 400, "input"),

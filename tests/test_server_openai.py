@@ -206,6 +206,30 @@ def test_perplexity_matches_transformers(server, client):
     assert abs(ppl_ours - ppl_ref) / ppl_ref < 0.01, (ppl_ours, ppl_ref)
 
 
+def test_embeddings_match_transformers(server, client):
+    torch = pytest.importorskip("torch")
+    texts = ["The capital of France is Paris.", SHAKESPEARE.read_text()[:600], "Hi"]
+    r = client.embeddings.create(model=MODEL, input=texts)
+    ids = [httpx.post(server.url + "/tokenize", json={"prompt": t}).json()["tokens"] for t in texts]
+    assert r.usage.prompt_tokens == sum(map(len, ids)) and [d.index for d in r.data] == [0, 1, 2]
+    model = hf_gguf_model("smollm2-135m")
+    for d, p in zip(r.data, ids):
+        with torch.no_grad():
+            ref = model.model(torch.tensor([p])).last_hidden_state[0, -1].float()
+        ours = torch.tensor(d.embedding)
+        assert len(d.embedding) == 576 and abs(ours.norm().item() - 1) < 1e-5
+        # Last-token pooling, normalized (the default); Q4_1 blocks as transformers dequantizes them.
+        assert torch.nn.functional.cosine_similarity(ours, ref, dim=0).item() > 0.995
+    alone = client.embeddings.create(model=MODEL, input=texts[1], encoding_format="float").data[0].embedding
+    assert max(abs(a - b) for a, b in zip(alone, r.data[1].embedding)) < 1e-3
+    cut = client.embeddings.create(model=MODEL, input=ids[0], dimensions=32, encoding_format="float")
+    full = torch.tensor(r.data[0].embedding)
+    want = torch.nn.functional.normalize(full[:32], dim=0)
+    assert torch.allclose(torch.tensor(cut.data[0].embedding), want, atol=1e-3)
+    with pytest.raises(openai.BadRequestError, match="at most the model's 576"):
+        client.embeddings.create(model=MODEL, input="Hi", dimensions=577)
+
+
 # --------------------------------------------------------------------------
 # Errors (auth off here; auth on in test_server_ops.py)
 # --------------------------------------------------------------------------

@@ -1,0 +1,74 @@
+"""POST /v1/embeddings: each input is one engine request that pools the
+prompt's final hidden states (engine/pooling_params.py) instead of
+generating; they run in the same steps as generation requests."""
+import base64
+import dataclasses
+import struct
+import time
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from engine.sampling_params import SamplingParams
+from server.errors import APIError
+from server.protocol import EmbeddingRequest
+from server.serving import (RequestLog, _merge, admit, check_length, check_model, check_prompt_vocab, generate,
+                            run_to_end)
+from server.state import ServerState
+
+
+def _prompt_ids(state: ServerState, req: EmbeddingRequest) -> list[list[int]]:
+    tok = state.llm.tokenizer
+    ids = []
+    for p in req.inputs():
+        if isinstance(p, str):
+            if tok is None:
+                raise APIError(400, "This model has no tokenizer; send the input as token ids.", param="input")
+            p = tok.encode(p, add_special_tokens=req.add_special_tokens)
+            if not p:
+                raise APIError(400, "An input is empty (no tokens).", param="input")
+        ids.append(list(p))
+    keep = req.truncate_prompt_tokens
+    if keep is not None:
+        keep = state.llm.max_model_len if keep == -1 else keep
+        ids = [p[-keep:] for p in ids]      # vLLM's truncation: the last tokens stay
+    for p in ids:
+        check_length(state, len(p), 0, what="input", param="input")
+    check_prompt_vocab(state, ids, param="input")
+    return ids
+
+
+def _encode(vec: list[float], fmt: str):
+    # base64: the little-endian float32 bytes, as OpenAI's clients decode them.
+    return vec if fmt == "float" else base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode()
+
+
+async def create_embeddings(state: ServerState, request: Request, req: EmbeddingRequest,
+                            rlog: RequestLog) -> JSONResponse:
+    check_model(state, req.model)
+    admit(state, [])
+    ids = _prompt_ids(state, req)
+    rlog.prompt_tokens = sum(map(len, ids))
+    pooling = state.llm.default_pooling
+    pooling = dataclasses.replace(pooling, dimensions=req.dimensions,
+                                  normalize=pooling.normalize if req.normalize is None else req.normalize)
+    params = SamplingParams(max_tokens=0)
+    rids = [rlog.id if len(ids) == 1 else f"{rlog.id}-{i}" for i in range(len(ids))]
+    admit(state, rids)
+    merged = _merge([generate(state, p, params, rid, rlog, req.priority, pooling) for p, rid in zip(ids, rids)])
+
+    async def run():
+        finals = [None] * len(ids)
+        async for i, out in merged:
+            finals[i] = out
+        return finals
+    finals = await run_to_end(request, merged, run())
+    if any(f is None or f.embedding is None for f in finals):     # aborted by a drain's end
+        raise APIError(503, "The server is shutting down.", headers={"Retry-After": "5"})
+    data = [{"object": "embedding", "index": i, "embedding": _encode(f.embedding, req.encoding_format)}
+            for i, f in enumerate(finals)]
+    n = rlog.prompt_tokens
+    rlog.done(200)
+    return JSONResponse({"object": "list", "data": data, "model": req.model or state.model_name,
+                         "created": int(time.time()), "usage": {"prompt_tokens": n, "total_tokens": n},
+                         "id": rlog.id})
