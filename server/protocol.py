@@ -18,7 +18,7 @@ import json
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 # Request limits. OpenAI allows 4 stop strings and 300 logit_bias entries;
@@ -216,6 +216,12 @@ class _SamplingFields(_Body):
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    # vLLM's names for structured_outputs before v0.11; clients still send them.
+    guided_json: dict[str, Any] | str | bool | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None    # accepted: llguidance compiles every kind here
 
     @field_validator("logit_bias")
     @classmethod
@@ -254,6 +260,21 @@ class _SamplingFields(_Body):
     def _check_stream_options(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        legacy = {k: v for k, v in (("json", self.guided_json), ("regex", self.guided_regex),
+                                    ("choice", self.guided_choice), ("grammar", self.guided_grammar))
+                  if v is not None}
+        if legacy:
+            if self.structured_outputs is not None:
+                raise ValueError("give either structured_outputs or guided_*, not both")
+            if len(legacy) > 1:
+                raise ValueError(f"give one of guided_json, guided_regex, guided_choice, guided_grammar; got "
+                                 f"{', '.join('guided_' + k for k in legacy)}")
+            try:
+                self.structured_outputs = StructuredOutputs.model_validate(legacy)
+            except ValidationError as e:
+                err = e.errors(include_url=False)[0]
+                raise ValueError(f"guided_{'.'.join(map(str, err['loc']))}: "
+                                 f"{err['msg'].removeprefix('Value error, ')}") from None
         if self.structured_outputs is not None and self.response_format is not None \
                 and self.response_format.type != "text":
             raise ValueError("give either response_format or structured_outputs, not both")

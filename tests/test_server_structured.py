@@ -81,9 +81,9 @@ def test_parse_20_schemas_x_many_prompts(served):
 def test_each_constraint_kind(served):
     model, _, client = served
 
-    def complete(extra, prompt="Answer:", **kw):
+    def complete(extra, prompt="Answer:", extra_body=None):
         r = client.completions.create(model=model, prompt=prompt, temperature=0, max_tokens=60,
-                                      extra_body={"structured_outputs": extra}, **kw)
+                                      extra_body=extra_body or {"structured_outputs": extra})
         return r.choices[0]
 
     c = complete({"choice": ["alpha", "beta", "gamma delta"]})
@@ -99,6 +99,13 @@ def test_each_constraint_kind(served):
     r = client.chat.completions.create(model=model, messages=ask("Pick one."), temperature=0, max_tokens=10,
                                        extra_body={"structured_outputs": {"choice": ["left", "right"]}})
     assert r.choices[0].message.content in ("left", "right")
+    # vLLM's older field names (guided_*), still sent by many clients.
+    c = complete(None, prompt="A licence plate:", extra_body={"guided_regex": r"[A-Z]{2}-[0-9]{4}",
+                                                              "guided_decoding_backend": "xgrammar"})
+    assert re.fullmatch(r"[A-Z]{2}-[0-9]{4}", c.text)
+    r = client.chat.completions.create(model=model, messages=ask("Pick one."), temperature=0, max_tokens=10,
+                                       extra_body={"guided_choice": ["up", "down"]})
+    assert r.choices[0].message.content in ("up", "down")
 
 
 @pytest.mark.parametrize("body, match", [
@@ -109,6 +116,9 @@ def test_each_constraint_kind(served):
     ({"structured_outputs": {"choice": []}}, "choice"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "exactly one"),
     ({"structured_outputs": {"json": '{"type": "object", "properties": '}}, "json"),
+    ({"guided_regex": "(unclosed"}, "regex"),
+    ({"guided_choice": ["a"], "guided_regex": "b"}, "give one of guided_json"),
+    ({"guided_choice": ["a"], "structured_outputs": {"regex": "b"}}, "not both"),
 ])
 def test_bad_constraints_are_400(served, body, match):
     model, srv, client = served
