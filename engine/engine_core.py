@@ -67,6 +67,7 @@ class ModelInfo:
     kv_total_bytes: int
     vocab_size: int
     hidden_size: int = 0              # the final hidden states' width (what embeddings pool)
+    generates: bool = True            # False: no language-model head (an embedding checkpoint)
     hot_bytes_per_seq: int = 0        # TurboQuant hot tokens a running sequence holds
     compression_ratio: float = 1.0    # 16-bit KV bytes per token / stored bytes per token
 
@@ -96,11 +97,16 @@ def check_request(prompt_token_ids: list[int], params, max_model_len: int, vocab
         raise InvalidRequest(f"prompt token ids must be in [0, {vocab_size})")
 
 
-def check_pooling(er: EngineRequest, hidden_size: int) -> None:
-    """Raise InvalidRequest for an embedding request that cannot run."""
+def check_pooling(er: EngineRequest, info: ModelInfo) -> None:
+    """Raise InvalidRequest for an embedding request that cannot run, or a
+    generation request to a model that only embeds."""
     p = er.pooling
     if p is None:
+        if not info.generates:
+            raise InvalidRequest("this model has no language-model head (an embedding checkpoint): it serves "
+                                 "embeddings only")
         return
+    hidden_size = info.hidden_size
     if er.params.max_tokens != 0 or er.params.n != 1:
         raise InvalidRequest("an embedding request generates nothing: give it max_tokens 0 and n 1")
     if p.dimensions is not None and hidden_size and p.dimensions > hidden_size:
@@ -116,6 +122,9 @@ class EngineCore(Worker):
         args = self.args
         self._init_scheduler(self.caches)
         self._init_speculation()
+        if not self.source.generates:
+            log.warning("%s has no language-model head (an embedding checkpoint): embedding requests only",
+                        args.model)
         per_seq = "".join(f" + {b} B/sequence of {what}" for b, what in (
             (self.plan.state_bytes_per_seq, "fixed state"), (self.plan.hot_bytes_per_seq, "hot tokens")) if b)
         log.info("engine ready in %.1fs: %s on %s%s, max_model_len %d, KV %d tokens x %s B/token (%s)%s, "
@@ -154,6 +163,7 @@ class EngineCore(Worker):
             num_blocks=list(self.plan.num_blocks), kv_total_bytes=self.plan.total_bytes,
             vocab_size=int(self.source.config.get("vocab_size", 0)),
             hidden_size=int(self.source.config.get("hidden_size", 0)),
+            generates=self.source.generates,
             hot_bytes_per_seq=self.plan.hot_bytes_per_seq, compression_ratio=self.plan.compression_ratio)
 
     def _init_speculation(self) -> None:
@@ -185,7 +195,7 @@ class EngineCore(Worker):
             raise InvalidRequest(f"request id {er.request_id!r} is already running")
         if not er.eos_token_ids:
             er.eos_token_ids = self.info.eos_token_ids
-        check_pooling(er, self.info.hidden_size)
+        check_pooling(er, self.info)
         req = Request(er, self.max_model_len)
         so = er.params.structured_outputs
         if so is not None:

@@ -184,6 +184,12 @@ def open_hf_dir(folder: str | Path, weights: bool = True) -> ModelSource:
     config = fill_derived_config(_read_json(folder / "config.json", "model config"))
     files = weight_files(folder) if weights else []
     entries = _tensor_names(files)
+    rename = backbone_names([n for _, n in entries])
+    generates = _has_head(config, {rename.get(n, n) for _, n in entries}) if entries else True
+    if not generates:
+        # The head reads the embedding matrix: its logits mean nothing, and the
+        # engine refuses generation (ModelInfo.generates); embeddings are right.
+        config["tie_word_embeddings"] = True
     header = _header(files)
     stored = stored_formats(header)
 
@@ -224,7 +230,7 @@ def open_hf_dir(folder: str | Path, weights: bool = True) -> ModelSource:
                     # Floating weights become fp32; quantized payloads (FP8 e4m3,
                     # packed FP4/int bytes, E8M0 scales) keep their dtype for
                     # the model's own dequantization.
-                    yield name, tensor.to(torch.float32) if tensor.dtype in _FLOATS else tensor
+                    yield rename.get(name, name), tensor.to(torch.float32) if tensor.dtype in _FLOATS else tensor
 
     scales = {sname for _, sname in stored.values()}
 
@@ -252,9 +258,9 @@ def open_hf_dir(folder: str | Path, weights: bool = True) -> ModelSource:
                         n, k = header[name][2]
                         if fmt == "mxfp4" and header[name][1] != "F4":
                             k *= 2
-                        yield name, QuantizedTensor(fmt, t, (n, k), get(header[sname][0], sname))
+                        yield rename.get(name, name), QuantizedTensor(fmt, t, (n, k), get(header[sname][0], sname))
                     else:
-                        yield name, t.to(torch.float32) if t.dtype in _FLOATS else t
+                        yield rename.get(name, name), t.to(torch.float32) if t.dtype in _FLOATS else t
 
     return ModelSource(
         path=folder,
@@ -267,6 +273,28 @@ def open_hf_dir(folder: str | Path, weights: bool = True) -> ModelSource:
         pooler_config=optional_config("pooling config", pool_config.from_hf_folder, folder),
         _weights_fn=read_weights if weights else None,
         num_tensors=len(entries),
-        stored={name: fmt for name, (fmt, _) in stored.items()},
+        stored={rename.get(name, name): fmt for name, (fmt, _) in stored.items()},
         _stored_fn=read_stored if stored else None,
+        generates=generates,
     )
+
+
+# Families whose model ties the head to the embedding when config.json does not say.
+_TIED_BY_DEFAULT = ("gemma3", "gemma3_text", "gemma4", "gemma4_text")
+
+
+def backbone_names(names: list[str]) -> dict[str, str]:
+    """{stored name: HF name} for a checkpoint saved from the bare backbone
+    (transformers' AutoModel, as sentence-transformers saves embedding models
+    such as Qwen3-Embedding): embed_tokens.weight, layers.N..., norm.weight,
+    which the CausalLM classes name model.embed_tokens.weight, ...; {} otherwise."""
+    if any(n.startswith("model.") for n in names) or not any(n.startswith("layers.") for n in names):
+        return {}
+    return {n: "model." + n for n in names if not n.startswith("lm_head.")}
+
+
+def _has_head(config: dict, names: set[str]) -> bool:
+    """Whether the checkpoint can generate: its head is stored or tied. An
+    embedding checkpoint may be untied and headless (Qwen3-Embedding-8B)."""
+    tied = config.get("tie_word_embeddings", config.get("model_type") in _TIED_BY_DEFAULT)
+    return bool(tied) or "lm_head.weight" in names or config.get("model_type") == "deepseek_v4"

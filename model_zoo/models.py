@@ -48,6 +48,11 @@ def model_class(config: dict) -> type[nn.Module]:
     if archs:
         if archs[0] in ARCHITECTURES:
             return ARCHITECTURES[archs[0]]
+        # A bare backbone (Qwen3Model: an embedding checkpoint saved by AutoModel)
+        # is its CausalLM's model without the head (hf_loader.backbone_names).
+        causal = archs[0].removesuffix("Model") + "ForCausalLM"
+        if archs[0].endswith("Model") and causal in ARCHITECTURES:
+            return ARCHITECTURES[causal]
         name = archs[0]
     else:
         if config.get("model_type") in MODEL_TYPES:

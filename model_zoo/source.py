@@ -50,6 +50,8 @@ class ModelSource:
     _stored_fn: Callable[[], Iterator[tuple[str, object]]] | None = field(default=None, repr=False)
     # The same stream with the stored tensors as empty meta tensors (GGUF).
     _stored_meta_fn: Callable[[], Iterator[tuple[str, object]]] | None = field(default=None, repr=False)
+    # False: a checkpoint without a language-model head (an embedding model): embeddings only.
+    generates: bool = True
 
     def weights(self, stored: bool = False, meta: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """HF-named float32 tensors, read and converted lazily, with progress

@@ -208,3 +208,30 @@ def test_http_bad_requests(fake_server, body, status, words):
     assert r.status_code == status and words in r.json()["error"]["message"], r.text
     assert r.json()["error"]["type"] in ("invalid_request_error", "NotFoundError", "not_found_error")
     assert len(srv.llm.params) <= n + 1 and not srv.llm.running and not srv.llm.waiting
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_backbone_only_checkpoints(tmp_path, tied):
+    """As Qwen3-Embedding ships: the bare backbone's names (embed_tokens.weight,
+    layers.N..., norm.weight), the 0.6B tied, the 8B untied and headless."""
+    from transformers import Qwen3Config, Qwen3Model
+    torch.manual_seed(1)
+    cfg = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                      tie_word_embeddings=tied, architectures=["Qwen3ForCausalLM"])
+    backbone = Qwen3Model(cfg).float()
+    backbone.save_pretrained(tmp_path, safe_serialization=True)
+    write_st(tmp_path)
+    source = open_model(tmp_path, weights=True)
+    assert source.generates == tied and source.config["tie_word_embeddings"]
+    llm = LLM(str(tmp_path), dtype="float32", kv_cache_memory=8 << 20)
+    ps = token_prompts(3, 3, 40, seed=6)
+    model = type("M", (), {"model": backbone})()
+    for p, o in zip(ps, llm.embed(ps)):
+        assert close(o.outputs.embedding, reference(model, p, PoolingParams()))
+    if tied:
+        assert len(llm.generate([ps[0]], SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids) == 3
+    else:
+        with pytest.raises(InvalidRequest, match="embeddings only"):
+            llm.generate([ps[0]], SamplingParams(max_tokens=3))
+        assert not llm.core.has_work()
