@@ -18,19 +18,22 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Match
 
 from engine.errors import EngineDeadError
-from server import embeddings, messages_api, responses, serving
+from server import embeddings, messages_api, responses, scoring, serving
 from server.errors import APIError, api_error_response, error_response, from_validation_error
 from server.protocol import (ChatCompletionRequest, CompletionRequest, CountTokensRequest, DetokenizeRequest,
-                             EmbeddingRequest, MessagesRequest, ResponsesRequest, TokenizeRequest)
+                             EmbeddingRequest, MessagesRequest, RerankRequest, ResponsesRequest, ScoreRequest,
+                             TokenizeRequest)
 from server.state import ServerState
 
 log = logging.getLogger("tqserve.server")
 
 VERSION = "0.1.0"
+# Routes outside /v1 that run the model: behind the API key too.
+COMPUTE_ROUTES = ("/score", "/rerank")
 
 
 class _Gate:
-    """Pure ASGI middleware (streaming-safe): API key on /v1, Content-Length limit."""
+    """Pure ASGI middleware (streaming-safe): API key on /v1, /v2 and COMPUTE_ROUTES, Content-Length limit."""
 
     def __init__(self, app, state: ServerState):
         self.app = app
@@ -62,7 +65,7 @@ class _Gate:
     async def _gate(self, scope, receive, send):
         path = scope.get("path", "")
         headers = dict(scope.get("headers") or [])
-        if self.keys and path.startswith("/v1"):
+        if self.keys and (path.startswith(("/v1", "/v2")) or path in COMPUTE_ROUTES):
             auth = headers.get(b"authorization", b"")
             # Bearer (OpenAI's clients) or x-api-key (Anthropic's)
             token = auth[7:].strip() if auth[:7].lower() == b"bearer " else headers.get(b"x-api-key", b"").strip()
@@ -192,6 +195,18 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/embeddings")
     async def embeddings_create(request: Request):
         return await generation(request, "embd-", "embeddings", EmbeddingRequest, embeddings.create_embeddings)
+
+    async def score(request: Request):
+        return await generation(request, "score-", "score", ScoreRequest, scoring.create_score)
+
+    async def rerank(request: Request):
+        return await generation(request, "rerank-", "rerank", RerankRequest, scoring.create_rerank)
+
+    # vLLM's paths (its /rerank and /v2/rerank are Jina's and Cohere's spellings).
+    for path in ("/v1/score", "/score"):
+        app.add_api_route(path, score, methods=["POST"])
+    for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
+        app.add_api_route(path, rerank, methods=["POST"])
 
     @app.post("/v1/responses")
     async def responses_create(request: Request):

@@ -17,25 +17,47 @@ from server.serving import (RequestLog, _merge, admit, check_length, check_model
 from server.state import ServerState
 
 
-def _prompt_ids(state: ServerState, req: EmbeddingRequest) -> list[list[int]]:
+def prompt_ids(state: ServerState, inputs: list, add_special_tokens: bool = True, keep: int | None = None,
+               param: str = "input") -> list[list[int]]:
+    """Texts or token-id lists as checked token ids; keep: the last k tokens
+    of each (vLLM's truncate_prompt_tokens; -1: the context)."""
     tok = state.llm.tokenizer
     ids = []
-    for p in req.inputs():
+    for p in inputs:
         if isinstance(p, str):
             if tok is None:
-                raise APIError(400, "This model has no tokenizer; send the input as token ids.", param="input")
-            p = tok.encode(p, add_special_tokens=req.add_special_tokens)
+                raise APIError(400, "This model has no tokenizer; send the input as token ids.", param=param)
+            p = tok.encode(p, add_special_tokens=add_special_tokens)
             if not p:
-                raise APIError(400, "An input is empty (no tokens).", param="input")
+                raise APIError(400, "An input is empty (no tokens).", param=param)
         ids.append(list(p))
-    keep = req.truncate_prompt_tokens
     if keep is not None:
         keep = state.llm.max_model_len if keep == -1 else keep
         ids = [p[-keep:] for p in ids]      # vLLM's truncation: the last tokens stay
     for p in ids:
-        check_length(state, len(p), 0, what="input", param="input")
-    check_prompt_vocab(state, ids, param="input")
+        check_length(state, len(p), 0, what="input", param=param)
+    check_prompt_vocab(state, ids, param=param)
     return ids
+
+
+async def embed(state: ServerState, request: Request, ids: list[list[int]], pooling, rlog: RequestLog,
+                priority: int = 0) -> list[list[float]]:
+    """One vector per prompt, each an engine request (in the same steps as
+    others); a client gone aborts them all."""
+    params = SamplingParams(max_tokens=0)
+    rids = [rlog.id if len(ids) == 1 else f"{rlog.id}-{i}" for i in range(len(ids))]
+    admit(state, rids)
+    merged = _merge([generate(state, p, params, rid, rlog, priority, pooling) for p, rid in zip(ids, rids)])
+
+    async def run():
+        finals = [None] * len(ids)
+        async for i, out in merged:
+            finals[i] = out
+        return finals
+    finals = await run_to_end(request, merged, run())
+    if any(f is None or f.embedding is None for f in finals):     # aborted by a drain's end
+        raise APIError(503, "The server is shutting down.", headers={"Retry-After": "5"})
+    return [f.embedding for f in finals]
 
 
 def _encode(vec: list[float], fmt: str):
@@ -47,26 +69,14 @@ async def create_embeddings(state: ServerState, request: Request, req: Embedding
                             rlog: RequestLog) -> JSONResponse:
     check_model(state, req.model)
     admit(state, [])
-    ids = _prompt_ids(state, req)
+    ids = prompt_ids(state, req.inputs(), req.add_special_tokens, req.truncate_prompt_tokens)
     rlog.prompt_tokens = sum(map(len, ids))
     pooling = state.llm.default_pooling
     pooling = dataclasses.replace(pooling, dimensions=req.dimensions,
                                   normalize=pooling.normalize if req.normalize is None else req.normalize)
-    params = SamplingParams(max_tokens=0)
-    rids = [rlog.id if len(ids) == 1 else f"{rlog.id}-{i}" for i in range(len(ids))]
-    admit(state, rids)
-    merged = _merge([generate(state, p, params, rid, rlog, req.priority, pooling) for p, rid in zip(ids, rids)])
-
-    async def run():
-        finals = [None] * len(ids)
-        async for i, out in merged:
-            finals[i] = out
-        return finals
-    finals = await run_to_end(request, merged, run())
-    if any(f is None or f.embedding is None for f in finals):     # aborted by a drain's end
-        raise APIError(503, "The server is shutting down.", headers={"Retry-After": "5"})
-    data = [{"object": "embedding", "index": i, "embedding": _encode(f.embedding, req.encoding_format)}
-            for i, f in enumerate(finals)]
+    vectors = await embed(state, request, ids, pooling, rlog, req.priority)
+    data = [{"object": "embedding", "index": i, "embedding": _encode(v, req.encoding_format)}
+            for i, v in enumerate(vectors)]
     n = rlog.prompt_tokens
     rlog.done(200)
     return JSONResponse({"object": "list", "data": data, "model": req.model or state.model_name,

@@ -416,6 +416,59 @@ class EmbeddingRequest(_Body):
         return prompt_list(self.input)
 
 
+class ScoreRequest(_Body):
+    """POST /v1/score (vLLM's): text_1 against each of text_2, or pairwise."""
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    priority: int = 0
+
+    @model_validator(mode="after")
+    def _pairs(self):
+        one, two = self.texts()
+        if not one or not two or not all(one) or not all(two):
+            raise ValueError("text_1 and text_2 must be non-empty strings or lists of them")
+        if len(one) > 1 and len(one) != len(two):
+            raise ValueError(f"text_1 has {len(one)} texts and text_2 {len(two)}: give one text_1, or as many "
+                             f"as text_2")
+        if len(two) > MAX_EMBEDDING_INPUTS:
+            raise ValueError(f"text_2 may hold at most {MAX_EMBEDDING_INPUTS} texts, got {len(two)}")
+        if self.truncate_prompt_tokens == 0:
+            raise ValueError("truncate_prompt_tokens must be -1 or at least 1")
+        return self
+
+    def texts(self) -> tuple[list[str], list[str]]:
+        as_list = lambda t: [t] if isinstance(t, str) else list(t)      # noqa: E731
+        return as_list(self.text_1), as_list(self.text_2)
+
+
+class RerankDocument(_Body):
+    text: str
+
+
+class RerankRequest(_Body):
+    """POST /v1/rerank (vLLM's, in Jina's and Cohere's shape)."""
+    model: str | None = None
+    query: str = Field(min_length=1)
+    documents: list[str | RerankDocument] = Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)
+    top_n: int | None = Field(None, ge=0)       # 0 or None: all
+    return_documents: bool = True
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    priority: int = 0
+
+    @model_validator(mode="after")
+    def _texts(self):
+        if not all(self.texts()):
+            raise ValueError("documents must not be empty")
+        if self.truncate_prompt_tokens == 0:
+            raise ValueError("truncate_prompt_tokens must be -1 or at least 1")
+        return self
+
+    def texts(self) -> list[str]:
+        return [d if isinstance(d, str) else d.text for d in self.documents]
+
+
 # --------------------------------------------------------------------------
 # /v1/responses (OpenAI's Responses API; server/responses.py turns it into a chat request)
 # --------------------------------------------------------------------------

@@ -235,3 +235,53 @@ def test_backbone_only_checkpoints(tmp_path, tied):
         with pytest.raises(InvalidRequest, match="embeddings only"):
             llm.generate([ps[0]], SamplingParams(max_tokens=3))
         assert not llm.core.has_work()
+
+
+def cosine(a: list[float], b: list[float]) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
+
+
+def test_score_and_rerank(fake_server):
+    srv, client = fake_server
+    import httpx
+    tok = srv.llm.tokenizer
+    emb = {t: fake_embedding(tok.encode(t), PoolingParams()) for t in ("q", "apple pie", "pear", "stone")}
+    r = httpx.post(srv.url + "/v1/score", json={"model": "fake", "text_1": "q", "text_2": ["apple pie", "pear"]})
+    body = r.json()
+    assert r.status_code == 200 and body["object"] == "list" and body["id"].startswith("score-")
+    assert [d["score"] for d in body["data"]] == pytest.approx([cosine(emb["q"], emb["apple pie"]),
+                                                                cosine(emb["q"], emb["pear"])])
+    # Each distinct text is embedded once: q, apple pie, pear.
+    assert body["usage"]["prompt_tokens"] == sum(len(tok.encode(t)) for t in ("q", "apple pie", "pear"))
+    pairwise = httpx.post(srv.url + "/score", json={"text_1": ["pear", "stone"], "text_2": ["stone", "pear"]}).json()
+    assert [d["score"] for d in pairwise["data"]] == pytest.approx([cosine(emb["pear"], emb["stone"])] * 2)
+    docs = ["apple pie", {"text": "pear"}, "stone"]
+    want = sorted(((cosine(emb["q"], emb[t]), i) for i, t in enumerate(["apple pie", "pear", "stone"])), reverse=True)
+    for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
+        res = httpx.post(srv.url + path, json={"query": "q", "documents": docs, "top_n": 2}).json()
+        assert [x["index"] for x in res["results"]] == [i for _, i in want[:2]]
+        assert [x["relevance_score"] for x in res["results"]] == pytest.approx([s for s, _ in want[:2]])
+        assert res["results"][0]["document"]["text"] == ["apple pie", "pear", "stone"][want[0][1]]
+    bare = httpx.post(srv.url + "/v1/rerank", json={"query": "q", "documents": docs, "return_documents": False})
+    assert len(bare.json()["results"]) == 3 and "document" not in bare.json()["results"][0]
+    for path, body, words in (("/v1/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "give one text_1"),
+                              ("/v1/score", {"text_1": "a", "text_2": []}, "non-empty"),
+                              ("/v1/rerank", {"query": "q", "documents": []}, "documents"),
+                              ("/v1/rerank", {"query": "", "documents": ["a"]}, "query"),
+                              ("/v1/rerank", {"query": "q", "documents": ["a", ""]}, "must not be empty"),
+                              ("/v1/rerank", {"query": "q", "documents": ["a"], "model": "x"}, "does not exist")):
+        r = httpx.post(srv.url + path, json=body)
+        assert r.status_code in (400, 404) and words in r.json()["error"]["message"], (path, body, r.text)
+
+
+def test_score_routes_need_the_key():
+    import httpx
+    srv = LiveServer(FakeAsyncLLM(), api_keys=["k"])
+    try:
+        for path in ("/v1/score", "/score", "/rerank", "/v2/rerank"):
+            body = {"text_1": "a", "text_2": "b"} if "score" in path else {"query": "a", "documents": ["b"]}
+            assert httpx.post(srv.url + path, json=body).status_code == 401
+            assert httpx.post(srv.url + path, json=body, headers={"Authorization": "Bearer k"}).status_code == 200
+    finally:
+        srv.stop()

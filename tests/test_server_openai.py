@@ -228,6 +228,12 @@ def test_embeddings_match_transformers(server, client):
     assert torch.allclose(torch.tensor(cut.data[0].embedding), want, atol=1e-3)
     with pytest.raises(openai.BadRequestError, match="at most the model's 576"):
         client.embeddings.create(model=MODEL, input="Hi", dimensions=577)
+    # Rerank: cosine similarities of the same embeddings, best first.
+    res = httpx.post(server.url + "/v1/rerank", json={"query": texts[2], "documents": texts[:2]}, timeout=60).json()
+    vec = [torch.tensor(d.embedding, dtype=torch.float64) for d in r.data]
+    want = {i: float(vec[2] @ vec[i]) for i in range(2)}
+    assert [x["index"] for x in res["results"]] == sorted(want, key=lambda i: -want[i])
+    assert all(abs(x["relevance_score"] - want[x["index"]]) < 1e-3 for x in res["results"])
 
 
 # --------------------------------------------------------------------------

@@ -1,0 +1,54 @@
+"""POST /v1/score and /v1/rerank (vLLM's; Jina's and Cohere's rerank shape)
+for embedding models: a pair's score is the cosine similarity of the two
+texts' embeddings (server/embeddings.py), each distinct text embedded once.
+Cross-encoder and yes/no-token rerankers (Qwen3-Reranker) are not served."""
+import dataclasses
+import time
+
+import torch
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from server.embeddings import embed, prompt_ids
+from server.protocol import RerankRequest, ScoreRequest
+from server.serving import RequestLog, admit, check_model
+from server.state import ServerState
+
+
+async def _similarities(state: ServerState, request: Request, pairs: list[tuple[str, str]], keep: int | None,
+                        rlog: RequestLog, priority: int, param: str) -> list[float]:
+    texts = list(dict.fromkeys(t for pair in pairs for t in pair))
+    ids = prompt_ids(state, texts, keep=keep, param=param)
+    rlog.prompt_tokens = sum(map(len, ids))
+    pooling = dataclasses.replace(state.llm.default_pooling, normalize=True, dimensions=None)
+    vectors = dict(zip(texts, (torch.tensor(v, dtype=torch.float64)
+                               for v in await embed(state, request, ids, pooling, rlog, priority))))
+    return [float(vectors[a] @ vectors[b]) for a, b in pairs]
+
+
+async def create_score(state: ServerState, request: Request, req: ScoreRequest, rlog: RequestLog) -> JSONResponse:
+    check_model(state, req.model)
+    admit(state, [])
+    one, two = req.texts()
+    pairs = list(zip(one * len(two) if len(one) == 1 else one, two))
+    scores = await _similarities(state, request, pairs, req.truncate_prompt_tokens, rlog, req.priority, "text_1")
+    n = rlog.prompt_tokens
+    rlog.done(200)
+    return JSONResponse({"id": rlog.id, "object": "list", "created": int(time.time()),
+                         "model": req.model or state.model_name,
+                         "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
+                         "usage": {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0}})
+
+
+async def create_rerank(state: ServerState, request: Request, req: RerankRequest, rlog: RequestLog) -> JSONResponse:
+    check_model(state, req.model)
+    admit(state, [])
+    docs = req.texts()
+    scores = await _similarities(state, request, [(req.query, d) for d in docs], req.truncate_prompt_tokens,
+                                 rlog, req.priority, "documents")
+    order = sorted(range(len(docs)), key=lambda i: -scores[i])[:req.top_n or None]
+    results = [{"index": i, "relevance_score": scores[i], **({"document": {"text": docs[i]}}
+                                                            if req.return_documents else {})} for i in order]
+    rlog.done(200)
+    return JSONResponse({"id": rlog.id, "model": req.model or state.model_name, "results": results,
+                         "usage": {"total_tokens": rlog.prompt_tokens}})
