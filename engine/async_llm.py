@@ -166,9 +166,11 @@ class AsyncLLM:
         return None, list(prompt)
 
     async def generate(self, prompt, params: SamplingParams, request_id: str | None = None,
-                       priority: int = 0, pooling: PoolingParams | None = None) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, pooling: PoolingParams | None = None,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """pooling: an embedding request (params with max_tokens 0): its last
-        output's `embedding` is the vector."""
+        output's `embedding` is the vector. cache_salt: only requests with the
+        same salt share prefix-cache blocks."""
         if self._dead is not None:
             raise EngineDeadError("the engine core process died")
         rid = request_id or f"req-{next(self._ids)}"
@@ -184,7 +186,7 @@ class AsyncLLM:
         cids = self.processor.add(rid, text, ids, params, now)
         for i, cid in enumerate(cids):
             self._in.put(("add", EngineRequest(cid, ids, child_params(params, i), arrival_time=now,
-                                               priority=priority, pooling=pooling)))
+                                               priority=priority, pooling=pooling, cache_salt=cache_salt)))
         finished = False
         try:
             while True:

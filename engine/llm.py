@@ -42,13 +42,14 @@ class LLM:
         return prompt, self.tokenizer.encode(prompt)
 
     def add_request(self, prompt, params: SamplingParams, request_id: str | None = None, priority: int = 0,
-                    pooling: PoolingParams | None = None) -> str:
-        """pooling: an embedding request (params with max_tokens 0)."""
+                    pooling: PoolingParams | None = None, cache_salt: str | None = None) -> str:
+        """pooling: an embedding request (params with max_tokens 0); cache_salt:
+        only requests with the same salt share prefix-cache blocks."""
         text, ids = self.encode(prompt)
         check_priority(priority, self.core.args.scheduling_policy)
-        return self._add(text, ids, params, request_id, priority, pooling)
+        return self._add(text, ids, params, request_id, priority, pooling, cache_salt)
 
-    def _add(self, text, ids, params, request_id=None, priority: int = 0, pooling=None) -> str:
+    def _add(self, text, ids, params, request_id=None, priority: int = 0, pooling=None, cache_salt=None) -> str:
         rid = request_id or str(next(self._ids))
         check_request(ids, params, self.core.max_model_len, self.core.info.vocab_size)
         check_pooling(EngineRequest(rid, ids, params, pooling=pooling), self.core.info)
@@ -56,7 +57,7 @@ class LLM:
         cids = self.processor.add(rid, text, ids, params, now)
         for i, cid in enumerate(cids):
             self.core.add_request(EngineRequest(cid, ids, child_params(params, i), arrival_time=now,
-                                                priority=priority, pooling=pooling))
+                                                priority=priority, pooling=pooling, cache_salt=cache_salt))
         return rid
 
     def get_default_sampling_params(self) -> SamplingParams:

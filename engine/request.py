@@ -28,6 +28,7 @@ class EngineRequest:
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0             # --scheduling-policy priority: lower runs first (vLLM's meaning)
     pooling: PoolingParams | None = None   # an embedding: the prompt's pooled states, no tokens (max_tokens 0)
+    cache_salt: str | None = None # vLLM's: only requests with the same salt share prefix-cache blocks
 
 
 class Request:
@@ -60,6 +61,7 @@ class Request:
         self.prompt_logprobs: list | None = [None] if er.params.prompt_logprobs is not None else None
         # Embeddings: the sum of the pooled rows' states so far (ModelRunner.collect).
         self.pooling = er.pooling
+        self.cache_salt = er.cache_salt
         self.pooled: torch.Tensor | None = None
         # Grammar-constrained requests: set by the engine core (structured_output.GrammarState).
         self.grammar = None

@@ -137,6 +137,8 @@ class Scheduler:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting.peek()
                 hit = 0
+                if req.cache_salt:        # (every admission: a preemption freed its blocks' record)
+                    self.kv.set_salt(req.request_id, req.cache_salt)
                 if req.num_computed_tokens == 0:
                     if req.reuses_prefix:
                         hit = self.kv.find_prefix_hit(req.request_id, req.token_ids)

@@ -96,6 +96,7 @@ class _ReqBlocks:
     # The last one registered that a newer one supersedes: (group, snapshot id, hash).
     superseded: tuple[int, int, int] | None = None
     shared: int = 0          # tokens whose blocks find_prefix_hit found cached (state aside)
+    root: int = 0            # the hash chain's start: a request's cache salt (set_salt)
 
     def mirror(self, gi: int, spans) -> None:
         """Copy table gi's entries in spans [(a, b), ...] into its array."""
@@ -161,7 +162,7 @@ class KVCacheManager:
         bs, la = self.block_size, self.lookahead
         while len(rb.hashes) < num_full:
             i = len(rb.hashes)
-            parent = rb.hashes[-1] if rb.hashes else 0
+            parent = rb.hashes[-1] if rb.hashes else rb.root
             rb.hashes.append(hash((parent, tuple(token_ids[i * bs:(i + 1) * bs + la]))))
         return rb.hashes
 
@@ -192,6 +193,16 @@ class KVCacheManager:
     def _wanted(g: KVGroup, j: int, first: int, need_total: int) -> bool:
         """Whether new table entry j gets a block (a hot group skips a chunk's middle)."""
         return not g.hot or j in (0, first, need_total - 1)
+
+    def set_salt(self, req_id: str, salt: str | None) -> None:
+        """Start the request's hash chain from its cache salt (vLLM's
+        cache_salt), before its blocks are looked up or registered: only
+        requests with the same salt share prefix blocks (a tenant's prompts
+        are not found, nor timed, by another's)."""
+        rb = self._blocks(req_id)
+        root = hash(("cache_salt", salt)) if salt else 0
+        if root != rb.root:
+            rb.root, rb.hashes = root, []
 
     def find_prefix_hit(self, req_id: str, token_ids: list[int]) -> int:
         """Number of leading tokens whose KV (and state) is cached in every

@@ -209,6 +209,7 @@ class _SamplingFields(_Body):
     ignore_eos: bool = False
     speculative: bool = True        # false: this request never drafts (speculative decoding)
     priority: int = 0               # vLLM's: lower is scheduled first (--scheduling-policy priority)
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)   # vLLM's: prefix-cache isolation
     min_tokens: int = Field(0, ge=0)
     skip_special_tokens: bool = True
     user: str | None = None
@@ -507,7 +508,7 @@ class ResponsesReasoning(_Body):
 # request as they are, which validates them.
 SAMPLING_EXTRAS = ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed",
                     "stop", "stop_token_ids", "logit_bias", "ignore_eos", "min_tokens", "priority",
-                    "speculative", "skip_special_tokens", "chat_template_kwargs")
+                    "speculative", "skip_special_tokens", "chat_template_kwargs", "cache_salt")
 
 
 class ResponsesRequest(_Body):

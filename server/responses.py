@@ -224,7 +224,7 @@ async def create_response(state: ServerState, request: Request, req: ResponsesRe
         history = prev.messages
     chat, conversation = chat_request(req, history)
     run = serving.prepare_chat(state, chat, rlog)
-    gen = serving.generate(state, run.prompt_ids, run.params, rlog.id, rlog, chat.priority)
+    gen = serving.generate(state, run.prompt_ids, run.params, rlog.id, rlog, chat.priority, cache_salt=chat.cache_salt)
     turn = _Turn(rlog.id, req, req.model or state.model_name, int(time.time()), conversation)
     if req.stream:
         first = await serving.first_output(request, gen)

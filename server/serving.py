@@ -68,7 +68,8 @@ class RequestLog:
 # Engine requests.
 # --------------------------------------------------------------------------
 async def generate(state: ServerState, prompt_ids: list[int], params: SamplingParams,
-                   request_id: str, rlog: RequestLog, priority: int = 0, pooling=None) -> AsyncIterator:
+                   request_id: str, rlog: RequestLog, priority: int = 0, pooling=None,
+                   cache_salt: str | None = None) -> AsyncIterator:
     """llm.generate with metrics; aborts the engine request if left unfinished.
     pooling (engine.PoolingParams): an embedding request."""
     llm, metrics = state.llm, state.metrics
@@ -78,7 +79,7 @@ async def generate(state: ServerState, prompt_ids: list[int], params: SamplingPa
     final = None
     rejected = False
     state.start_request(request_id)
-    gen = llm.generate(prompt_ids, params, request_id, priority, pooling=pooling)
+    gen = llm.generate(prompt_ids, params, request_id, priority, pooling=pooling, cache_salt=cache_salt)
     try:
         try:
             async for out in gen:
@@ -484,7 +485,7 @@ async def chat_completion(state: ServerState, request: Request, req: ChatComplet
                           rlog: RequestLog) -> Response:
     run = prepare_chat(state, req, rlog)
     prompt_ids, tools, top_k = run.prompt_ids, run.tools, run.top_k
-    gen = generate(state, prompt_ids, run.params, rlog.id, rlog, req.priority)
+    gen = generate(state, prompt_ids, run.params, rlog.id, rlog, req.priority, cache_salt=req.cache_salt)
     created = int(time.time())
     model = req.model or state.model_name
     if req.stream:
@@ -701,7 +702,8 @@ async def completion(state: ServerState, request: Request, req: CompletionReques
                              structured=structured.build(structured.constraint(req)))
     rids = [rlog.id if len(ids) == 1 else f"{rlog.id}-{i}" for i in range(len(ids))]
     admit(state, rids)
-    gens = [generate(state, p, params, rid, rlog, req.priority) for p, rid in zip(ids, rids)]
+    gens = [generate(state, p, params, rid, rlog, req.priority, cache_salt=req.cache_salt)
+            for p, rid in zip(ids, rids)]
     merged = _merge(gens)
     created = int(time.time())
     model = req.model or state.model_name

@@ -200,3 +200,40 @@ def test_sliding_window_blocks_stay_bounded(tmp_path):
     assert max(full_used) >= (30 + 149) // 4
     ref = hf_greedy(hf, p, 40)
     assert llm.generate([p], greedy(40))[0].outputs[0].token_ids == ref
+
+
+def test_cache_salt_isolates_prefix_blocks(tiny_dir):
+    """vLLM's cache_salt: only requests with the same salt share prefix-cache
+    blocks, also after a preemption re-admits one."""
+    path, _ = tiny_dir
+    llm = LLM(path, block_size=4)
+    base = prompts(1, 50, 51, seed=7)[0]
+
+    def run(salt):
+        before = llm.core.get_stats().prefix_cache_hits_total
+        rid = llm.add_request(base, greedy(), cache_salt=salt)
+        out = llm._run([rid], False)[rid]
+        return llm.core.get_stats().prefix_cache_hits_total - before, out.outputs[0].token_ids
+
+    hits, want = run("tenant-a")
+    assert hits == 0
+    assert run("tenant-a") == (48, want)          # the same salt: its blocks
+    assert run("tenant-b") == (0, want)           # another salt, or none: not found
+    assert run(None) == (0, want)
+    assert run(None) == (48, want)
+    assert run("tenant-b") == (48, want)
+    # Salted requests through preemptions: the same tokens.
+    small = LLM(path, block_size=4, kv_cache_memory=160 * 512, max_model_len=120)
+    ps = prompts(8, 30, 60, seed=3)
+    ref = LLM(path, block_size=4).generate(ps, greedy(40))
+    rids = [small.add_request(p, greedy(40), cache_salt=f"t{i % 2}") for i, p in enumerate(ps)]
+    done = small._run(rids, False)
+    assert small.core.get_stats().num_preemptions_total > 0
+    assert [done[r].outputs[0].token_ids for r in rids] == [o.outputs[0].token_ids for o in ref]
+    found = []
+    for salt in ("t0", "t0", "t1"):
+        hits = small.core.get_stats().prefix_cache_hits_total
+        rid = small.add_request(ps[0], greedy(1), cache_salt=salt)
+        small._run([rid], False)
+        found.append(small.core.get_stats().prefix_cache_hits_total - hits)
+    assert found[1] > 0 and found[2] == 0, found

@@ -76,6 +76,7 @@ class FakeAsyncLLM:
         self.default_sampling: dict = {}       # the model's recommended sampling (--generation-config)
         self.default_pooling = PoolingParams()  # embeddings: a request's vector is EMBED_DIM values from its ids
         self.poolings: list = []               # every embedding request's PoolingParams
+        self.cache_salts: list = []            # every request's cache_salt
         self.kv_info = {"capacity_tokens": capacity_tokens, "bytes_per_token": 46080, "block_size": 16,
                         "bytes_per_token_by_kind": {"full": 46080}, "hot_bytes_per_seq": 190080,
                         "compression_ratio": 3.76}
@@ -103,10 +104,11 @@ class FakeAsyncLLM:
         return {"num_running": len(self.running), "num_waiting": len(self.waiting),
                 "kv_cache_usage": used / self.kv_info["capacity_tokens"], **self.counters}
 
-    async def generate(self, prompt, params, request_id, priority=0, pooling=None):
+    async def generate(self, prompt, params, request_id, priority=0, pooling=None, cache_salt=None):
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.params.append(params)
         self.prompts.append(ids)
+        self.cache_salts.append(cache_salt)
         if pooling is not None:
             self.poolings.append(pooling)
             if (pooling.dimensions or 0) > EMBED_DIM:
@@ -517,3 +519,16 @@ def test_auth():
         assert httpx.get(srv.url + "/health").status_code == 200
     finally:
         srv.stop()
+
+
+def test_cache_salt_reaches_the_engine(live, client):
+    msgs = [{"role": "user", "content": "hi"}]
+    client.chat.completions.create(model="fake", messages=msgs, max_tokens=2, extra_body={"cache_salt": "t1"})
+    client.completions.create(model="fake", prompt=["a", "b"], max_tokens=2, extra_body={"cache_salt": "t2"})
+    client.responses.create(model="fake", input="hi", max_output_tokens=2, extra_body={"cache_salt": "t3"})
+    httpx.post(live.url + "/v1/messages", json={"model": "fake", "max_tokens": 2, "messages": msgs,
+                                                "cache_salt": "t4"}, timeout=30).raise_for_status()
+    client.chat.completions.create(model="fake", messages=msgs, max_tokens=2)
+    assert live.llm.cache_salts[-6:] == ["t1", "t2", "t2", "t3", "t4", None]
+    r = httpx.post(live.url + "/v1/chat/completions", json={"model": "fake", "messages": msgs, "cache_salt": ""})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
