@@ -288,7 +288,8 @@ def backbone_names(names: list[str]) -> dict[str, str]:
     (transformers' AutoModel, as sentence-transformers saves embedding models
     such as Qwen3-Embedding): embed_tokens.weight, layers.N..., norm.weight,
     which the CausalLM classes name model.embed_tokens.weight, ...; {} otherwise."""
-    if any(n.startswith("model.") for n in names) or not any(n.startswith("layers.") for n in names):
+    # (DeepSeek-V4's own layout is flat too, with embed.weight: dsv4_checkpoint names it.)
+    if "embed_tokens.weight" not in names or any(n.startswith("model.") for n in names):
         return {}
     return {n: "model." + n for n in names if not n.startswith("lm_head.")}
 
