@@ -28,11 +28,12 @@ def free_port() -> int:
 class ServerProcess:
     """Starts `python -m server.cli serve --port 0 ...` on 127.0.0.1, learns the URL
     from its first log line, and waits for /health (unless wait=False)."""
+    verify = True           # httpx's: a CA file or SSL context for an https server
 
     def __init__(self, log_path: Path, *args: str, env: dict | None = None, wait: bool = True,
                  timeout: float = 300, verify=True):
         self.log_path = log_path
-        self.verify = verify        # httpx's: a CA file for an https server
+        self.verify = verify
         self._log = open(log_path, "wb")
         cmd = [sys.executable, "-m", "server.cli", "serve", "--model", "smollm2-135m", "--host", "127.0.0.1",
                "--port", "0", *args]
