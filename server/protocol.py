@@ -210,6 +210,7 @@ class _SamplingFields(_Body):
     speculative: bool = True        # false: this request never drafts (speculative decoding)
     priority: int = 0               # vLLM's: lower is scheduled first (--scheduling-policy priority)
     cache_salt: str | None = Field(None, min_length=1, max_length=256)   # vLLM's: prefix-cache isolation
+    return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids in the response
     min_tokens: int = Field(0, ge=0)
     skip_special_tokens: bool = True
     user: str | None = None

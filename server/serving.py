@@ -500,11 +500,13 @@ async def chat_completion(state: ServerState, request: Request, req: ChatComplet
         lp = ({"content": chat_logprobs(state, o.token_ids, o.logprobs or [], top_k)}
               if req.logprobs else None)
         choices.append({"index": o.index, "message": msg, "logprobs": lp,
-                        "finish_reason": _finish(o.finish_reason, called), "stop_reason": o.stop_reason})
+                        "finish_reason": _finish(o.finish_reason, called), "stop_reason": o.stop_reason,
+                        **({"token_ids": list(o.token_ids)} if req.return_token_ids else {})})
     n_out = sum(len(o.token_ids) for o in final.outputs)
     rlog.output_tokens = n_out
     body = {"id": rlog.id, "object": "chat.completion", "created": created, "model": model,
-            "choices": choices, "usage": usage(len(prompt_ids), n_out, final.num_cached_tokens)}
+            "choices": choices, "usage": usage(len(prompt_ids), n_out, final.num_cached_tokens),
+            **({"prompt_token_ids": list(prompt_ids)} if req.return_token_ids else {})}
     rlog.done(200)
     return JSONResponse(body)
 
@@ -608,10 +610,17 @@ async def _chat_stream(state, req, rlog, gen, first, created, model, top_k, tool
     finished = [False] * req.n
     streams = [tools.stream() for _ in range(req.n)]
 
-    def chunk(index, delta, logprobs=None, finish_reason=None, stop_reason=None, n_out=0):
+    ids_sent = [False]      # return_token_ids: the prompt's ids go in the first chunk
+    prompt_ids = list(first.prompt_token_ids) if first is not None else []
+
+    def chunk(index, delta, logprobs=None, finish_reason=None, stop_reason=None, n_out=0, token_ids=()):
         c = {"id": rlog.id, "object": "chat.completion.chunk", "created": created, "model": model,
              "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                           "finish_reason": finish_reason, **({"stop_reason": stop_reason} if finish_reason else {})}]}
+        if req.return_token_ids:
+            c["choices"][0]["token_ids"] = list(token_ids)
+            if not ids_sent[0]:
+                c["prompt_token_ids"], ids_sent[0] = list(prompt_ids), True
         if continuous:
             c["usage"] = usage(n_prompt, n_out)
         elif include_usage:
@@ -638,11 +647,11 @@ async def _chat_stream(state, req, rlog, gen, first, created, model, top_k, tool
             if req.logprobs and new_ids:
                 lp = {"content": chat_logprobs(state, new_ids, (o.logprobs or [])[sent_tok[i]:], top_k)}
             deltas = streams[i].feed(text, final=o.finish_reason is not None)
-            if lp and not deltas:
+            if (lp or (req.return_token_ids and new_ids)) and not deltas:
                 deltas = [{"content": ""}]
             for d in deltas:
-                parts.append(chunk(i, d, lp, n_out=n_out))
-                lp = None
+                parts.append(chunk(i, d, lp, n_out=n_out, token_ids=new_ids))
+                lp, new_ids = None, ()
             sent_text[i] = len(o.text)
             sent_tok[i] = len(o.token_ids)
             if o.finish_reason is not None:
@@ -747,6 +756,8 @@ async def completion(state: ServerState, request: Request, req: CompletionReques
                       "finish_reason": reason, "stop_reason": o.stop_reason}
             if req.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = _vllm_prompt_logprobs(state, ids[i], final.prompt_logprobs)
+            if req.return_token_ids:
+                choice.update(prompt_token_ids=list(ids[i]), token_ids=list(tids))
             choices.append(choice)
     rlog.output_tokens = n_out
     body = {"id": rlog.id, "object": "text_completion", "created": created, "model": model,
@@ -782,11 +793,17 @@ async def _completion_stream(state, req, rlog, merged, first, ids, echo_text, cr
     finished = [False] * slots
     n_out_by_prompt = [0] * len(ids)
     cached = [0] * len(ids)
+    ids_sent = [False] * slots
 
-    def chunk(index, text, lp, finish_reason=None, stop_reason=None):
+    def chunk(index, text, lp, finish_reason=None, stop_reason=None, token_ids=()):
         c = {"id": rlog.id, "object": "text_completion", "created": created, "model": model,
              "choices": [{"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason,
                           "stop_reason": stop_reason}]}
+        if req.return_token_ids:
+            # Each choice's first chunk carries its prompt's ids.
+            c["choices"][0]["token_ids"] = list(token_ids)
+            if not ids_sent[index]:
+                c["choices"][0]["prompt_token_ids"], ids_sent[index] = list(ids[index // n]), True
         if continuous:
             c["usage"] = usage(rlog.prompt_tokens, sum(n_out_by_prompt))
         elif include_usage:
@@ -828,9 +845,9 @@ async def _completion_stream(state, req, rlog, merged, first, ids, echo_text, cr
             sent_tok[s] = len(tids)
             if reason is not None and (out.finished or o.finish_reason is not None):
                 finished[s] = True
-                parts.append(chunk(s, new_text, lp, reason, o.stop_reason))
-            elif new_text or lp:
-                parts.append(chunk(s, new_text, lp))
+                parts.append(chunk(s, new_text, lp, reason, o.stop_reason, new_ids))
+            elif new_text or lp or (req.return_token_ids and new_ids):
+                parts.append(chunk(s, new_text, lp, token_ids=new_ids))
         if parts:
             yield "".join(parts)
         try:

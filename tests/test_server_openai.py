@@ -443,3 +443,36 @@ def test_messages_api_matches_chat(client, server):
     assert m.usage.input_tokens + m.usage.cache_read_input_tokens == c.usage.prompt_tokens
     with a.messages.stream(model=MODEL, max_tokens=16, messages=QUESTION, extra_body=greedy) as s:
         assert "".join(s.text_stream) == m.content[0].text
+
+
+def test_return_token_ids(server, client):
+    """vLLM's return_token_ids (agent RL trains on the sampled ids, not a re-tokenization)."""
+    extra = {"return_token_ids": True}
+    full = chat(client, max_tokens=24, extra_body=extra).model_dump()
+    ids = full["choices"][0]["token_ids"]
+    assert len(full["prompt_token_ids"]) == full["usage"]["prompt_tokens"]
+    assert len(ids) == full["usage"]["completion_tokens"]
+    detok = httpx.post(server.url + "/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert detok.startswith(full["choices"][0]["message"]["content"])     # (+ "<|im_end|>" when it stopped)
+    chunks = [c.model_dump() for c in chat(client, max_tokens=24, stream=True, extra_body=extra)]
+    assert chunks[0]["prompt_token_ids"] == full["prompt_token_ids"]
+    assert all("prompt_token_ids" not in c or c["prompt_token_ids"] is None for c in chunks[1:])
+    assert [t for c in chunks for ch in c["choices"] for t in ch["token_ids"]] == ids
+    plain = chat(client).model_dump()          # not asked: not sent
+    assert plain["choices"][0].get("token_ids") is None and plain.get("prompt_token_ids") is None
+    prompts = ["The sea", "Once upon a time"]
+    r = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0, n=2,
+                                  extra_body=extra).model_dump()
+    for c in r["choices"]:
+        want = httpx.post(server.url + "/tokenize", json={"prompt": prompts[c["index"] // 2]}).json()["tokens"]
+        assert c["prompt_token_ids"] == want and len(c["token_ids"]) == 6
+        assert httpx.post(server.url + "/detokenize", json={"tokens": c["token_ids"]}).json()["prompt"] == c["text"]
+    got: dict = {}
+    for c in client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0, n=2, stream=True,
+                                       extra_body=extra):
+        ch = c.model_dump()["choices"][0]
+        slot = got.setdefault(ch["index"], {"ids": [], "prompt": []})
+        slot["ids"] += ch["token_ids"]
+        slot["prompt"] += ch.get("prompt_token_ids") or []
+    assert {i: (g["prompt"], g["ids"]) for i, g in got.items()} == \
+        {c["index"]: (c["prompt_token_ids"], c["token_ids"]) for c in r["choices"]}
