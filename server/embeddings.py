@@ -13,7 +13,7 @@ from engine.sampling_params import SamplingParams
 from server.errors import APIError
 from server.protocol import EmbeddingRequest
 from server.serving import (RequestLog, _merge, admit, check_length, check_model, check_prompt_vocab, generate,
-                            run_to_end)
+                            last_outputs)
 from server.state import ServerState
 
 
@@ -48,13 +48,7 @@ async def embed(state: ServerState, request: Request, ids: list[list[int]], pool
     rids = [rlog.id if len(ids) == 1 else f"{rlog.id}-{i}" for i in range(len(ids))]
     admit(state, rids)
     merged = _merge([generate(state, p, params, rid, rlog, priority, pooling) for p, rid in zip(ids, rids)])
-
-    async def run():
-        finals = [None] * len(ids)
-        async for i, out in merged:
-            finals[i] = out
-        return finals
-    finals = await run_to_end(request, merged, run())
+    finals = await last_outputs(request, merged, len(ids))
     if any(f is None or f.embedding is None for f in finals):     # aborted by a drain's end
         raise APIError(503, "The server is shutting down.", headers={"Retry-After": "5"})
     return [f.embedding for f in finals]

@@ -589,6 +589,17 @@ async def last_output(request: Request, gen):
     return await run_to_end(request, gen, to_end())
 
 
+async def last_outputs(request: Request, merged, n: int) -> list:
+    """The final output of each of n engine requests merged by _merge (a
+    client gone aborts them all)."""
+    async def to_end():
+        finals = [None] * n
+        async for i, out in merged:
+            finals[i] = out
+        return finals
+    return await run_to_end(request, merged, to_end())
+
+
 async def run_to_end(request: Request, gen, coro):
     try:
         return await until_disconnect(request, coro)
@@ -728,12 +739,7 @@ async def completion(state: ServerState, request: Request, req: CompletionReques
                                                             created, model), merged, rlog),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
 
-    async def run():
-        finals = [None] * len(ids)
-        async for i, out in merged:
-            finals[i] = out
-        return finals
-    finals = await run_to_end(request, merged, run())
+    finals = await last_outputs(request, merged, len(ids))
     choices = []
     n_out = 0
     cached = 0
