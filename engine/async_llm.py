@@ -210,8 +210,11 @@ class AsyncLLM:
     async def abort(self, request_id: str) -> None:
         """Stop a request; its generate() yields a last output whose
         unfinished choices have finish_reason "abort"."""
-        final = self.processor.aborted_output(request_id)
-        self._abort_parent(request_id)
+        # (The core is told about the choices that were running: aborted_output
+        # used to mark them first, and the core then ran them on to their end.)
+        final, running = self.processor.abort(request_id)
+        if running and self._dead is None:
+            self._in.put(("abort", running))
         q = self._streams.get(request_id)
         if q is not None and final is not None:
             q.put_nowait(final)

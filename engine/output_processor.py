@@ -83,18 +83,23 @@ class OutputProcessor:
             self.child_to_parent[cid] = request_id
         return ids
 
-    def aborted_output(self, request_id: str) -> RequestOutput | None:
-        """The parent's output with every unfinished child marked "abort"."""
+    def abort(self, request_id: str) -> tuple[RequestOutput | None, list[str]]:
+        """Forget a parent, ending it: its output with every unfinished child
+        marked "abort", and those children's ids (for the core to abort)."""
         p = self.parents.get(request_id)
         if p is None:
-            return None
-        for c in p.children.values():
+            return None, []
+        unfinished = []
+        for cid, c in p.children.items():
             if c.out.finish_reason is None:
+                unfinished.append(cid)
                 c.out.finish_reason = "abort"
                 c.out.text += c.hold
                 c.hold = ""
         p.metrics["finished_time"] = time.monotonic()
-        return p.output()
+        final = p.output()
+        self.remove(request_id)
+        return final, unfinished
 
     def remove(self, request_id: str) -> list[str]:
         """Forget a parent; returns its unfinished child ids (to abort)."""

@@ -218,7 +218,11 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.delete("/v1/responses/{response_id}")
     async def responses_delete(response_id: str):
-        return responses.delete_response(state, response_id)
+        return await responses.delete_response(state, response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def responses_cancel(response_id: str):
+        return await responses.cancel_response(state, response_id)
 
     @app.post("/v1/messages")
     async def messages_create(request: Request):

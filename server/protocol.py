@@ -535,8 +535,10 @@ class ResponsesRequest(_Body):
 
     @model_validator(mode="after")
     def _check(self):
-        if self.background:
-            raise ValueError("background responses are not supported: leave background false")
+        if self.background and not self.store:
+            raise ValueError("background responses are kept to be read: background needs store true")
+        if self.background and self.stream:
+            raise ValueError("a background response is not streamed here: poll GET /v1/responses/{id}")
         if self.truncation == "auto":
             raise ValueError('truncation "auto" is not supported: a prompt over the context length is a 400')
         if self.text and self.text.format and self.text.format.type == "json_schema" \

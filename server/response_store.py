@@ -10,6 +10,7 @@ from dataclasses import dataclass
 class StoredResponse:
     body: dict
     messages: list[dict]      # the conversation through this response, as chat messages (no instructions)
+    request_id: str | None = None   # a background response still running: its engine request (to cancel)
 
 
 class ResponseStore:
@@ -26,6 +27,13 @@ class ResponseStore:
         self._items.move_to_end(rid)
         while len(self._items) > self.size:
             self._items.popitem(last=False)
+
+    def peek(self, rid: str) -> StoredResponse | None:
+        """As get, without counting as a use."""
+        return self._items.get(rid)
+
+    def __contains__(self, rid: str) -> bool:
+        return rid in self._items
 
     def get(self, rid: str) -> StoredResponse | None:
         stored = self._items.get(rid)

@@ -13,11 +13,15 @@ With `store` (OpenAI's default), a finished response and its conversation stay
 in a bounded in-memory store (least recently used out first, see
 --responses-store-size): `previous_response_id` continues from it (its
 instructions are not carried over, as OpenAI's), GET and DELETE
-/v1/responses/{id} read and drop it. Not supported (a 400): background mode,
-truncation "auto", input items other than the four above, non-text content.
+/v1/responses/{id} read and drop it. `background` answers at once with a
+"queued" response that runs on (GET shows it in_progress, then its end;
+POST /v1/responses/{id}/cancel stops it: "cancelled"). Not supported (a 400):
+streaming a background response, truncation "auto", input items other than
+the four above, non-text content.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from dataclasses import dataclass
@@ -185,7 +189,7 @@ class _Turn:
         fmt = req.text.format if req.text and req.text.format else None
         return {
             "id": self.id, "object": "response", "created_at": self.created, "status": status,
-            "background": False, "error": None, "incomplete_details": incomplete,
+            "background": req.background, "error": None, "incomplete_details": incomplete,
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": self.model,
             "output": output, "parallel_tool_calls": req.parallel_tool_calls,
             "previous_response_id": req.previous_response_id,
@@ -221,11 +225,21 @@ async def create_response(state: ServerState, request: Request, req: ResponsesRe
         if prev is None:
             raise APIError(404, f"Previous response with id '{req.previous_response_id}' not found.",
                            param="previous_response_id")
+        if prev.request_id is not None:
+            raise APIError(400, f"Response '{req.previous_response_id}' is still in progress.",
+                           param="previous_response_id")
         history = prev.messages
     chat, conversation = chat_request(req, history)
     run = serving.prepare_chat(state, chat, rlog)
     gen = serving.generate(state, run.prompt_ids, run.params, rlog.id, rlog, chat.priority, cache_salt=chat.cache_salt)
     turn = _Turn(rlog.id, req, req.model or state.model_name, int(time.time()), conversation)
+    if req.background:
+        queued = turn.body("queued", [])
+        state.responses.put(turn.id, StoredResponse(queued, conversation, request_id=rlog.id))
+        task = asyncio.ensure_future(_background(state, turn, run, gen, rlog))
+        state.background[turn.id] = task        # (a reference: the loop keeps only weak ones)
+        task.add_done_callback(lambda _: state.background.pop(turn.id, None))
+        return JSONResponse(queued)
     if req.stream:
         first = await serving.first_output(request, gen)
         so = StreamedOutput()
@@ -245,6 +259,40 @@ async def create_response(state: ServerState, request: Request, req: ResponsesRe
     body = _finish(state, turn, status, items, _usage(state, final, items), incomplete)
     rlog.done(200)
     return JSONResponse(body)
+
+
+async def _background(state: ServerState, turn: _Turn, run, gen, rlog: serving.RequestLog) -> None:
+    """A background response run to its end with no client; its body in the
+    store follows it (in_progress, then completed / incomplete / cancelled)."""
+    final = None
+    try:
+        async for out in gen:
+            if final is None:
+                _update(state, turn.id, turn.body("in_progress", []))
+            final = out
+    except Exception as e:      # noqa: BLE001 - recorded as the response's error
+        body = turn.body("failed", [])
+        body["error"] = {"code": "server_error", "message": f"{type(e).__name__}: {e}"}
+        _update(state, turn.id, body, done=True)
+        rlog.done(500)
+        return
+    finally:
+        await gen.aclose()
+    o = final.outputs[0]
+    status, incomplete = _status(o.finish_reason)
+    msg, _ = run.tools.message(o.text)
+    items = output_items(msg, "incomplete" if status == "incomplete" else "completed")
+    if turn.id in state.responses:       # (not if deleted meanwhile)
+        _finish(state, turn, status, items, _usage(state, final, items), incomplete)
+    rlog.done(200)
+
+
+def _update(state: ServerState, rid: str, body: dict, done: bool = False) -> None:
+    stored = state.responses.peek(rid)
+    if stored is not None:
+        stored.body = body
+        if done:
+            stored.request_id = None
 
 
 def _finish(state: ServerState, turn: _Turn, status: str, items: list[dict], usage: dict,
@@ -363,7 +411,26 @@ def get_response(state: ServerState, response_id: str) -> dict:
     return stored.body
 
 
-def delete_response(state: ServerState, response_id: str) -> dict:
-    if not state.responses.delete(response_id):
+async def delete_response(state: ServerState, response_id: str) -> dict:
+    stored = state.responses.peek(response_id)
+    if stored is None:
         raise APIError(404, f"Response with id '{response_id}' not found.", param="response_id")
+    if stored.request_id is not None:        # a background one still running stops too
+        await state.llm.abort(stored.request_id)
+    state.responses.delete(response_id)
     return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+
+async def cancel_response(state: ServerState, response_id: str) -> dict:
+    """Stop a background response (OpenAI's POST /v1/responses/{id}/cancel):
+    it ends "cancelled" with what it had; one that has ended is returned as it is."""
+    stored = state.responses.peek(response_id)
+    if stored is None:
+        raise APIError(404, f"Response with id '{response_id}' not found.", param="response_id")
+    if not stored.body.get("background"):
+        raise APIError(400, "Only a background response can be cancelled.", param="response_id")
+    task = state.background.get(response_id)
+    if stored.request_id is not None and task is not None:
+        await state.llm.abort(stored.request_id)
+        await asyncio.shield(task)
+    return state.responses.peek(response_id).body

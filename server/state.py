@@ -44,6 +44,7 @@ class ServerState:
         self.metrics = Metrics(config.model_names[0], stats=self.engine_stats, kv_info=self.kv_info)
         self._tok_str_cache: dict[int, str] = {}
         self.responses = ResponseStore(config.responses_store_size)
+        self.background: dict[str, asyncio.Task] = {}     # /v1/responses running in the background, by id
 
     # --- engine views (safe while loading) -------------------------------
     def engine_stats(self) -> dict:

@@ -104,3 +104,28 @@ def test_async_client_concurrency_and_abort():
         finally:
             await eng.shutdown()
     asyncio.run(main())
+
+
+def test_abort_stops_the_request_in_the_core():
+    """AsyncLLM.abort (a drain's end, a cancelled background response): the
+    stream ends "abort" and the core stops the request (it used to run on to
+    max_tokens, its outputs dropped)."""
+    async def main():
+        eng = AsyncLLM(EngineArgs(model="smollm2-135m", **ARGS))
+        await eng.start()
+        try:
+            gen = eng.generate("Tell me everything.", SamplingParams(temperature=0, max_tokens=900, ignore_eos=True),
+                               "long")
+            first = await gen.__anext__()
+            assert not first.finished and eng.stats()["num_running"] == 1
+            await eng.abort("long")
+            last = [o async for o in gen][-1]
+            assert last.finished and last.outputs[0].finish_reason == "abort"
+            for _ in range(100):                 # bounded: 10 s
+                if eng.stats()["num_running"] == 0:
+                    break
+                await asyncio.sleep(0.1)
+            assert eng.stats()["num_running"] == 0
+        finally:
+            await eng.shutdown()
+    asyncio.run(main())

@@ -142,7 +142,12 @@ class FakeAsyncLLM:
                 await self.abort(request_id)
 
     async def abort(self, request_id):
-        for cid in self.processor.remove(request_id):
+        # As AsyncLLM.abort: the stream's last output, its unfinished choices "abort".
+        final, running = self.processor.abort(request_id)
+        q = self.streams.get(request_id)
+        if q is not None and final is not None:
+            q.put_nowait(final)
+        for cid in running:
             self.aborted.append(cid)
             self.running.pop(cid, None)
             self.waiting = [r for r in self.waiting if r["id"] != cid]

@@ -5,6 +5,7 @@ prompt as /v1/chat/completions renders), output items and stream events as
 the client's own stream accumulator accepts them, stored responses and
 previous_response_id, errors in OpenAI's shape."""
 import json
+import time
 
 import openai
 import pytest
@@ -198,7 +199,8 @@ def test_formats_choices_and_extras_reach_the_engine(served):
 
 
 @pytest.mark.parametrize("body, match", [
-    ({"background": True}, "background"),
+    ({"background": True, "store": False}, "background needs store"),
+    ({"background": True, "stream": True}, "not streamed"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input_image"),
     ({"input": [{"type": "web_search_call"}]}, "web_search_call"),
     ({"input": [{"role": "narrator", "content": "x"}]}, "role"),
@@ -245,3 +247,48 @@ def test_client_gone_aborts(served):
         time.sleep(0.05)
     assert len(srv.llm.aborted) == before + 2
     assert srv.call(lambda: len(srv.llm.running)) == 0 and srv.state.inflight == 0
+
+
+def _wait(client, rid, states, limit=20.0):
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        r = client.responses.retrieve(rid)
+        if r.status in states:
+            return r
+        time.sleep(0.02)
+    raise AssertionError(f"{rid} still {r.status}")
+
+
+def test_background_responses(served):
+    srv, client = served
+    srv.llm.script = None             # the stand-in's own text: a function of the prompt
+    fg = client.responses.create(model="fake", input="hi", temperature=0, max_output_tokens=20)
+    bg = client.responses.create(model="fake", input="hi", temperature=0, max_output_tokens=20, background=True)
+    assert bg.status == "queued" and bg.background and bg.output == []
+    done = _wait(client, bg.id, ("completed", "incomplete"))
+    assert done.output_text == fg.output_text and done.usage.output_tokens == fg.usage.output_tokens
+    assert done.background and not fg.background
+    # A long one: in progress, not a base to continue from yet, then cancelled in the engine too.
+    srv.llm.step_s = 0.02
+    long = client.responses.create(model="fake", input="go on", temperature=0, max_output_tokens=2000,
+                                   background=True, extra_body={"ignore_eos": True})
+    _wait(client, long.id, ("in_progress",))
+    with pytest.raises(openai.BadRequestError, match="still in progress"):
+        client.responses.create(model="fake", input="and?", previous_response_id=long.id)
+    cancelled = client.responses.cancel(long.id)
+    assert cancelled.status == "cancelled" and client.responses.retrieve(long.id).status == "cancelled"
+    assert long.id in srv.llm.aborted and srv.call(lambda: not srv.llm.running)
+    assert client.responses.cancel(long.id).status == "cancelled"           # again: as it is
+    with pytest.raises(openai.BadRequestError, match="Only a background response"):
+        client.responses.cancel(fg.id)
+    # Deleting one that runs stops it.
+    gone = client.responses.create(model="fake", input="more", temperature=0, max_output_tokens=2000,
+                                   background=True, extra_body={"ignore_eos": True})
+    _wait(client, gone.id, ("in_progress",))
+    client.responses.delete(gone.id)
+    deadline = time.monotonic() + 10
+    while gone.id not in srv.llm.aborted and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert gone.id in srv.llm.aborted and not srv.state.background
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(gone.id)
