@@ -476,3 +476,43 @@ def test_return_token_ids(server, client):
         slot["prompt"] += ch.get("prompt_token_ids") or []
     assert {i: (g["prompt"], g["ids"]) for i, g in got.items()} == \
         {c["index"]: (c["prompt_token_ids"], c["token_ids"]) for c in r["choices"]}
+
+
+def test_embeddings_beside_chats_leak_nothing(server, client):
+    """Embeddings, reranks and streamed chats at once: every result as alone,
+    and afterwards no request runs and every KV block is back."""
+    lines = [ln for ln in SHAKESPEARE.read_text().splitlines() if len(ln) > 30][200:212]
+    alone = [d.embedding for d in client.embeddings.create(model=MODEL, input=lines[:6]).data]
+
+    async def chat_one(ac, i):
+        stream = await ac.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": lines[i]}], max_tokens=10, temperature=0,
+            stream=True, extra_body={"ignore_eos": True})
+        return sum([len(c.choices[0].delta.content or "") for c in [x async for x in stream] if c.choices]) > 0
+
+    async def embed_one(ac, i):
+        r = await ac.embeddings.create(model=MODEL, input=lines[i:i + 3])
+        return i, [d.embedding for d in r.data]
+
+    async def run():
+        ac = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=300)
+        async with httpx.AsyncClient(timeout=300) as h:
+            rerank = h.post(server.url + "/v1/rerank", json={"query": lines[0], "documents": lines[1:6]})
+            return await asyncio.gather(*[chat_one(ac, i) for i in range(6)], *[embed_one(ac, i) for i in (0, 3)],
+                                        rerank)
+
+    out = asyncio.run(run())
+    assert all(out[:6])
+    for i, vecs in out[6:8]:
+        for v, w in zip(vecs, alone[i:i + 3]):
+            assert max(abs(a - b) for a, b in zip(v, w)) < 1e-3
+    assert out[8].status_code == 200 and len(out[8].json()["results"]) == 5
+    t_end = time.time() + 30
+    while True:
+        after = server.metrics()
+        if (metric(after, "tqserve:num_requests_running") == 0 and metric(after, "tqserve:kv_cache_usage_perc") == 0
+                or time.time() > t_end):
+            break
+        time.sleep(0.2)
+    assert metric(after, "tqserve:num_requests_running") == 0 and metric(after, "tqserve:num_requests_waiting") == 0
+    assert metric(after, "tqserve:kv_cache_usage_perc") == 0
