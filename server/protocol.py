@@ -292,6 +292,9 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: retrieved documents for templates that lay them out (Command R, Granite), each
+    # a {"title": ..., "text": ...} mapping of strings.
+    documents: list[dict[str, str]] | None = Field(None, max_length=256)
     # OpenAI's values plus DeepSeek-V4's "max"; reaches the chat template as a kwarg (as vLLM)
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     tools: list[Tool] | None = Field(None, max_length=128)

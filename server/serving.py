@@ -376,8 +376,10 @@ def joined_text(content, where: str, kinds: tuple[str, ...], param: str) -> str:
 def _template_kwargs(req) -> dict:
     # reasoning_effort reaches the template as vLLM passes it; chat_template_kwargs win
     effort = getattr(req, "reasoning_effort", None)     # /tokenize's chat form has none
-    effort = {} if effort is None else {"reasoning_effort": effort}
-    return {**effort, **(req.chat_template_kwargs or {})}
+    extra = {} if effort is None else {"reasoning_effort": effort}
+    if getattr(req, "documents", None) is not None:
+        extra["documents"] = req.documents
+    return {**extra, **(req.chat_template_kwargs or {})}
 
 
 def _template_tools(tools) -> list[dict] | None:

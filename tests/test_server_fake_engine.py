@@ -537,3 +537,22 @@ def test_cache_salt_reaches_the_engine(live, client):
     assert live.llm.cache_salts[-6:] == ["t1", "t2", "t2", "t3", "t4", None]
     r = httpx.post(live.url + "/v1/chat/completions", json={"model": "fake", "messages": msgs, "cache_salt": ""})
     assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
+
+
+def test_documents_reach_the_template(live, client):
+    """vLLM's `documents` (RAG templates: Command R, Granite) reach the chat template."""
+    template = live.llm.chat_template
+    live.llm.chat_template = ("{% for d in documents or [] %}[{{ d.title }}: {{ d.text }}]{% endfor %}"
+                              "{{ messages[0]['content'] }}")
+    try:
+        docs = [{"title": "Tides", "text": "The moon pulls."}, {"title": "Wind", "text": "Air moves."}]
+        client.chat.completions.create(model="fake", messages=[{"role": "user", "content": "Why?"}], max_tokens=1,
+                                       extra_body={"documents": docs})
+        assert live.llm.tokenizer.decode(live.llm.prompts[-1]) == "[Tides: The moon pulls.][Wind: Air moves.]Why?"
+        client.chat.completions.create(model="fake", messages=[{"role": "user", "content": "Why?"}], max_tokens=1)
+        assert live.llm.tokenizer.decode(live.llm.prompts[-1]) == "Why?"
+        r = httpx.post(live.url + "/v1/chat/completions", json={
+            "model": "fake", "messages": [{"role": "user", "content": "x"}], "documents": [{"title": 1}]})
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith("documents")
+    finally:
+        live.llm.chat_template = template
