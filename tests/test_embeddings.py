@@ -285,3 +285,21 @@ def test_score_routes_need_the_key():
             assert httpx.post(srv.url + path, json=body, headers={"Authorization": "Bearer k"}).status_code == 200
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("kw", [dict(async_scheduling=True),
+                                dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3})])
+def test_with_async_scheduling_and_drafts(qwen3, kw):
+    d, model = qwen3
+    ps = token_prompts(6, 3, 60, seed=9)
+    llm = LLM(str(d), dtype="float32", kv_cache_memory=8 << 20, max_num_batched_tokens=16, **kw)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(str(d), dtype="float32", kv_cache_memory=8 << 20).generate(
+        ps[:3], greedy)]
+    mean = PoolingParams("mean", normalize=False)
+    gen = [llm.add_request(p, greedy) for p in ps[:3]]
+    emb = [llm.add_request(p, SamplingParams(max_tokens=0), pooling=mean) for p in ps[3:]]
+    done = llm._run(gen + emb, False)
+    assert [done[r].outputs[0].token_ids for r in gen] == want
+    for r, p in zip(emb, ps[3:]):
+        assert close(done[r].embedding, reference(model, p, mean))
