@@ -229,9 +229,13 @@ async def create_response(state: ServerState, request: Request, req: ResponsesRe
             raise APIError(400, f"Response '{req.previous_response_id}' is still in progress.",
                            param="previous_response_id")
         history = prev.messages
+    if req.background and state.responses.size <= 0:
+        raise APIError(400, "This server keeps no responses (--responses-store-size 0), so a background one "
+                            "could never be read.", param="background")
     chat, conversation = chat_request(req, history)
     run = serving.prepare_chat(state, chat, rlog)
-    gen = serving.generate(state, run.prompt_ids, run.params, rlog.id, rlog, chat.priority, cache_salt=chat.cache_salt)
+    gen = serving.generate(state, run.prompt_ids, run.params, rlog.id, rlog, chat.priority,
+                           cache_salt=chat.cache_salt)
     turn = _Turn(rlog.id, req, req.model or state.model_name, int(time.time()), conversation)
     if req.background:
         queued = turn.body("queued", [])

@@ -292,3 +292,11 @@ def test_background_responses(served):
     assert gone.id in srv.llm.aborted and not srv.state.background
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(gone.id)
+
+
+@pytest.mark.parametrize("served", [(ONE_CALL, {"responses_store_size": 0})], indirect=True)
+def test_background_needs_a_store(served):
+    srv, client = served
+    with pytest.raises(openai.BadRequestError, match="keeps no responses"):
+        client.responses.create(model="fake", input="hi", background=True)
+    assert not srv.llm.params          # nothing reached the engine
