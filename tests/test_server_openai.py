@@ -301,6 +301,21 @@ def test_info_routes(server):
 # --------------------------------------------------------------------------
 # Load: 32 streaming clients, 8 of them leave early; KV back to 0; metrics add up.
 # --------------------------------------------------------------------------
+def idle_metrics(server, limit: float = 30) -> dict:
+    """/metrics once every engine request is gone and its blocks are back
+    (asserted; waited for at most `limit` seconds)."""
+    t_end = time.time() + limit
+    while True:
+        m = server.metrics()
+        if (metric(m, "tqserve:num_requests_running") == 0 and metric(m, "tqserve:kv_cache_usage_perc") == 0
+                or time.time() > t_end):
+            break
+        time.sleep(0.2)
+    assert metric(m, "tqserve:num_requests_running") == 0 and metric(m, "tqserve:num_requests_waiting") == 0
+    assert metric(m, "tqserve:kv_cache_usage_perc") == 0
+    return m
+
+
 def test_concurrent_streams_disconnects_and_metrics(server):
     lines = [ln for ln in SHAKESPEARE.read_text().splitlines() if len(ln) > 30]
     before = server.metrics()
@@ -331,17 +346,7 @@ def test_concurrent_streams_disconnects_and_metrics(server):
     assert len(finished) == 24 and all(f == "length" for _, _, f in finished)
     assert all(u.completion_tokens == 12 for _, u, _ in finished)
 
-    # Every engine request is gone and its blocks are back.
-    t_end = time.time() + 30
-    while True:
-        after = server.metrics()
-        if (metric(after, "tqserve:num_requests_running") == 0 and metric(after, "tqserve:kv_cache_usage_perc") == 0
-                or time.time() > t_end):
-            break
-        time.sleep(0.2)
-    assert metric(after, "tqserve:num_requests_running") == 0
-    assert metric(after, "tqserve:num_requests_waiting") == 0
-    assert metric(after, "tqserve:kv_cache_usage_perc") == 0
+    after = idle_metrics(server)
 
     def delta(name, **labels):
         return metric(after, name, **labels) - metric(before, name, **labels)
@@ -507,12 +512,4 @@ def test_embeddings_beside_chats_leak_nothing(server, client):
         for v, w in zip(vecs, alone[i:i + 3]):
             assert max(abs(a - b) for a, b in zip(v, w)) < 1e-3
     assert out[8].status_code == 200 and len(out[8].json()["results"]) == 5
-    t_end = time.time() + 30
-    while True:
-        after = server.metrics()
-        if (metric(after, "tqserve:num_requests_running") == 0 and metric(after, "tqserve:kv_cache_usage_perc") == 0
-                or time.time() > t_end):
-            break
-        time.sleep(0.2)
-    assert metric(after, "tqserve:num_requests_running") == 0 and metric(after, "tqserve:num_requests_waiting") == 0
-    assert metric(after, "tqserve:kv_cache_usage_perc") == 0
+    idle_metrics(server)
