@@ -179,7 +179,7 @@ class AsyncLLM:
         text, ids = self.encode(prompt)
         check_request(ids, params, self.info.max_model_len, self.info.vocab_size)
         check_priority(priority, self.args.scheduling_policy)
-        check_pooling(EngineRequest(rid, ids, params, pooling=pooling), self.info)
+        check_pooling(params, pooling, self.info)
         q: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = q
         now = time.monotonic()

@@ -177,8 +177,6 @@ class EngineArgs:
         unknown = sorted(set(over) - {"pooling_type", "normalize"})
         if unknown:
             raise ValueError(f"pooler_config: unknown key {unknown[0]!r}; supported: pooling_type, normalize")
-        if not isinstance(over.get("pooling_type", ""), str):
-            raise ValueError(f"pooler_config: pooling_type must be a string, got {over['pooling_type']!r}")
         return PoolingParams(**{**(source.pooler_config if source is not None else {}), **over})
 
     def sampling_defaults(self, source) -> dict:

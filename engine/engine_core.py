@@ -97,20 +97,18 @@ def check_request(prompt_token_ids: list[int], params, max_model_len: int, vocab
         raise InvalidRequest(f"prompt token ids must be in [0, {vocab_size})")
 
 
-def check_pooling(er: EngineRequest, info: ModelInfo) -> None:
-    """Raise InvalidRequest for an embedding request that cannot run, or a
-    generation request to a model that only embeds."""
-    p = er.pooling
-    if p is None:
+def check_pooling(params, pooling, info: ModelInfo) -> None:
+    """Raise InvalidRequest for an embedding request (pooling: PoolingParams)
+    that cannot run, or a generation request (None) to a model that only embeds."""
+    if pooling is None:
         if not info.generates:
             raise InvalidRequest("this model has no language-model head (an embedding checkpoint): it serves "
                                  "embeddings only")
         return
-    hidden_size = info.hidden_size
-    if er.params.max_tokens != 0 or er.params.n != 1:
+    if params.max_tokens != 0 or params.n != 1:
         raise InvalidRequest("an embedding request generates nothing: give it max_tokens 0 and n 1")
-    if p.dimensions is not None and hidden_size and p.dimensions > hidden_size:
-        raise InvalidRequest(f"dimensions must be at most the model's {hidden_size}, got {p.dimensions}")
+    if pooling.dimensions is not None and info.hidden_size and pooling.dimensions > info.hidden_size:
+        raise InvalidRequest(f"dimensions must be at most the model's {info.hidden_size}, got {pooling.dimensions}")
 
 
 class EngineCore(Worker):
@@ -195,7 +193,7 @@ class EngineCore(Worker):
             raise InvalidRequest(f"request id {er.request_id!r} is already running")
         if not er.eos_token_ids:
             er.eos_token_ids = self.info.eos_token_ids
-        check_pooling(er, self.info)
+        check_pooling(er.params, er.pooling, self.info)
         req = Request(er, self.max_model_len)
         so = er.params.structured_outputs
         if so is not None:

@@ -52,7 +52,7 @@ class LLM:
     def _add(self, text, ids, params, request_id=None, priority: int = 0, pooling=None, cache_salt=None) -> str:
         rid = request_id or str(next(self._ids))
         check_request(ids, params, self.core.max_model_len, self.core.info.vocab_size)
-        check_pooling(EngineRequest(rid, ids, params, pooling=pooling), self.core.info)
+        check_pooling(params, pooling, self.core.info)
         now = time.monotonic()
         cids = self.processor.add(rid, text, ids, params, now)
         for i, cid in enumerate(cids):

@@ -23,6 +23,8 @@ class PoolingParams:
     dimensions: int | None = None    # keep the first d (Matryoshka embeddings; normalized after the cut)
 
     def __post_init__(self):
+        if not isinstance(self.pooling_type, str):
+            raise PoolingError(f"pooling_type must be a string, got {self.pooling_type!r}")
         self.pooling_type = self.pooling_type.lower()
         if self.pooling_type not in POOLING_TYPES:
             raise PoolingError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}")

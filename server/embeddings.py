@@ -12,8 +12,8 @@ from fastapi.responses import JSONResponse
 from engine.sampling_params import SamplingParams
 from server.errors import APIError
 from server.protocol import EmbeddingRequest
-from server.serving import (RequestLog, _merge, admit, check_length, check_model, check_prompt_vocab, generate,
-                            last_outputs)
+from server.serving import (RequestLog, _merge, admit, check_length, check_model, check_prompt_vocab,
+                            encode_prompts, generate, last_outputs)
 from server.state import ServerState
 
 
@@ -21,16 +21,7 @@ def prompt_ids(state: ServerState, inputs: list, add_special_tokens: bool = True
                param: str = "input") -> list[list[int]]:
     """Texts or token-id lists as checked token ids; keep: the last k tokens
     of each (vLLM's truncate_prompt_tokens; -1: the context)."""
-    tok = state.llm.tokenizer
-    ids = []
-    for p in inputs:
-        if isinstance(p, str):
-            if tok is None:
-                raise APIError(400, "This model has no tokenizer; send the input as token ids.", param=param)
-            p = tok.encode(p, add_special_tokens=add_special_tokens)
-            if not p:
-                raise APIError(400, "An input is empty (no tokens).", param=param)
-        ids.append(list(p))
+    ids = encode_prompts(state, inputs, add_special_tokens, param)
     if keep is not None:
         keep = state.llm.max_model_len if keep == -1 else keep
         ids = [p[-keep:] for p in ids]      # vLLM's truncation: the last tokens stay

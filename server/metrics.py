@@ -50,39 +50,30 @@ class Metrics:
                                          L, registry=r)
         self.request_success = Counter(P + "request_success", "Count of successfully processed requests.",
                                        L + ["finished_reason"], registry=r)
-        self.ttft = Histogram(P + "time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                              L, buckets=TTFT_BUCKETS, registry=r)
-        self.itl = Histogram(P + "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-                             L, buckets=ITL_BUCKETS, registry=r)
-        self.e2e = Histogram(P + "e2e_request_latency_seconds",
-                             "Histogram of e2e request latency in seconds.", L, buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_time = Histogram(P + "request_queue_time_seconds",
-                                    "Histogram of time spent in WAITING phase for request.", L,
-                                    buckets=LATENCY_BUCKETS, registry=r)
+        def hist(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(P + name, doc, L, buckets=buckets, registry=r)
+        self.ttft = hist("time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                        LATENCY_BUCKETS)
+        self.queue_time = hist("request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
+                               LATENCY_BUCKETS)
         # A request's phases from its timestamps (vLLM's names): prefill = scheduled -> first
         # token, decode = first -> last token, inference = scheduled -> last token.
-        self.prefill_time = Histogram(P + "request_prefill_time_seconds",
-                                      "Histogram of time spent in PREFILL phase for request.", L,
-                                      buckets=LATENCY_BUCKETS, registry=r)
-        self.decode_time = Histogram(P + "request_decode_time_seconds",
-                                     "Histogram of time spent in DECODE phase for request.", L,
-                                     buckets=LATENCY_BUCKETS, registry=r)
-        self.inference_time = Histogram(P + "request_inference_time_seconds",
-                                        "Histogram of time spent in RUNNING phase for request.", L,
-                                        buckets=LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram(P + "request_time_per_output_token_seconds",
-                              "Histogram of time_per_output_token_seconds per request.", L,
-                              buckets=ITL_BUCKETS, registry=r)
-        self.params_n = Histogram(P + "request_params_n", "Histogram of the n request parameter.", L,
-                                  buckets=(1, 2, 5, 10, 20), registry=r)
+        self.prefill_time = hist("request_prefill_time_seconds",
+                                 "Histogram of time spent in PREFILL phase for request.", LATENCY_BUCKETS)
+        self.decode_time = hist("request_decode_time_seconds",
+                                "Histogram of time spent in DECODE phase for request.", LATENCY_BUCKETS)
+        self.inference_time = hist("request_inference_time_seconds",
+                                   "Histogram of time spent in RUNNING phase for request.", LATENCY_BUCKETS)
+        self.tpot = hist("request_time_per_output_token_seconds",
+                         "Histogram of time_per_output_token_seconds per request.", ITL_BUCKETS)
+        self.params_n = hist("request_params_n", "Histogram of the n request parameter.", (1, 2, 5, 10, 20))
         tb = _token_buckets(max(max_model_len, 1))
-        self.params_max_tokens = Histogram(P + "request_params_max_tokens",
-                                           "Histogram of the max_tokens request parameter.", L, buckets=tb,
-                                           registry=r)
-        self.req_prompt_tokens = Histogram(P + "request_prompt_tokens", "Number of prefill tokens processed.",
-                                           L, buckets=tb, registry=r)
-        self.req_gen_tokens = Histogram(P + "request_generation_tokens",
-                                        "Number of generation tokens processed.", L, buckets=tb, registry=r)
+        self.params_max_tokens = hist("request_params_max_tokens", "Histogram of the max_tokens request parameter.",
+                                      tb)
+        self.req_prompt_tokens = hist("request_prompt_tokens", "Number of prefill tokens processed.", tb)
+        self.req_gen_tokens = hist("request_generation_tokens", "Number of generation tokens processed.", tb)
         # HTTP level, as vLLM's server exposes them (prometheus-fastapi-instrumentator's names
         # and labels: no prefix, the route's template as handler, status grouped as "2xx").
         self.http_requests = Counter("http_requests", "Total number of requests by method, status and handler.",

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 class StoredResponse:
     body: dict
     messages: list[dict]      # the conversation through this response, as chat messages (no instructions)
-    request_id: str | None = None   # a background response still running: its engine request (to cancel)
 
 
 class ResponseStore:

@@ -225,7 +225,7 @@ async def create_response(state: ServerState, request: Request, req: ResponsesRe
         if prev is None:
             raise APIError(404, f"Previous response with id '{req.previous_response_id}' not found.",
                            param="previous_response_id")
-        if prev.request_id is not None:
+        if _running(state, req.previous_response_id):
             raise APIError(400, f"Response '{req.previous_response_id}' is still in progress.",
                            param="previous_response_id")
         history = prev.messages
@@ -239,7 +239,7 @@ async def create_response(state: ServerState, request: Request, req: ResponsesRe
     turn = _Turn(rlog.id, req, req.model or state.model_name, int(time.time()), conversation)
     if req.background:
         queued = turn.body("queued", [])
-        state.responses.put(turn.id, StoredResponse(queued, conversation, request_id=rlog.id))
+        state.responses.put(turn.id, StoredResponse(queued, conversation))
         task = asyncio.ensure_future(_background(state, turn, run, gen, rlog))
         state.background[turn.id] = task        # (a reference: the loop keeps only weak ones)
         task.add_done_callback(lambda _: state.background.pop(turn.id, None))
@@ -277,7 +277,7 @@ async def _background(state: ServerState, turn: _Turn, run, gen, rlog: serving.R
     except Exception as e:      # noqa: BLE001 - recorded as the response's error
         body = turn.body("failed", [])
         body["error"] = {"code": "server_error", "message": f"{type(e).__name__}: {e}"}
-        _update(state, turn.id, body, done=True)
+        _update(state, turn.id, body)
         rlog.done(500)
         return
     finally:
@@ -291,12 +291,16 @@ async def _background(state: ServerState, turn: _Turn, run, gen, rlog: serving.R
     rlog.done(200)
 
 
-def _update(state: ServerState, rid: str, body: dict, done: bool = False) -> None:
+def _update(state: ServerState, rid: str, body: dict) -> None:
     stored = state.responses.peek(rid)
     if stored is not None:
         stored.body = body
-        if done:
-            stored.request_id = None
+
+
+def _running(state: ServerState, rid: str) -> asyncio.Task | None:
+    """The task of a background response still running (its id is its engine request's)."""
+    task = state.background.get(rid)
+    return task if task is not None and not task.done() else None
 
 
 def _finish(state: ServerState, turn: _Turn, status: str, items: list[dict], usage: dict,
@@ -419,8 +423,8 @@ async def delete_response(state: ServerState, response_id: str) -> dict:
     stored = state.responses.peek(response_id)
     if stored is None:
         raise APIError(404, f"Response with id '{response_id}' not found.", param="response_id")
-    if stored.request_id is not None:        # a background one still running stops too
-        await state.llm.abort(stored.request_id)
+    if _running(state, response_id):          # a background one still running stops too
+        await state.llm.abort(response_id)
     state.responses.delete(response_id)
     return {"id": response_id, "object": "response.deleted", "deleted": True}
 
@@ -433,8 +437,8 @@ async def cancel_response(state: ServerState, response_id: str) -> dict:
         raise APIError(404, f"Response with id '{response_id}' not found.", param="response_id")
     if not stored.body.get("background"):
         raise APIError(400, "Only a background response can be cancelled.", param="response_id")
-    task = state.background.get(response_id)
-    if stored.request_id is not None and task is not None:
-        await state.llm.abort(stored.request_id)
+    task = _running(state, response_id)
+    if task is not None:
+        await state.llm.abort(response_id)
         await asyncio.shield(task)
     return state.responses.peek(response_id).body

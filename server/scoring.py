@@ -3,9 +3,9 @@ for embedding models: a pair's score is the cosine similarity of the two
 texts' embeddings (server/embeddings.py), each distinct text embedded once.
 Cross-encoder and yes/no-token rerankers (Qwen3-Reranker) are not served."""
 import dataclasses
+import math
 import time
 
-import torch
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
@@ -20,10 +20,10 @@ async def _similarities(state: ServerState, request: Request, pairs: list[tuple[
     texts = list(dict.fromkeys(t for pair in pairs for t in pair))
     ids = prompt_ids(state, texts, keep=keep, param=param)
     rlog.prompt_tokens = sum(map(len, ids))
+    # Unit vectors: their dot product is the cosine.
     pooling = dataclasses.replace(state.llm.default_pooling, normalize=True, dimensions=None)
-    vectors = dict(zip(texts, (torch.tensor(v, dtype=torch.float64)
-                               for v in await embed(state, request, ids, pooling, rlog, priority))))
-    return [float(vectors[a] @ vectors[b]) for a, b in pairs]
+    vectors = dict(zip(texts, await embed(state, request, ids, pooling, rlog, priority)))
+    return [math.fsum(x * y for x, y in zip(vectors[a], vectors[b])) for a, b in pairs]
 
 
 async def create_score(state: ServerState, request: Request, req: ScoreRequest, rlog: RequestLog) -> JSONResponse:

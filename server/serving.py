@@ -223,6 +223,23 @@ async def until_disconnect(request: Request, awaitable):
 # --------------------------------------------------------------------------
 # Request -> engine inputs.
 # --------------------------------------------------------------------------
+def encode_prompts(state: ServerState, prompts: list, add_special_tokens: bool = True,
+                   param: str = "prompt") -> list[list[int]]:
+    """Texts (tokenized as the model's tokenizer adds special tokens) or
+    token-id lists as token ids; an empty one is a 400."""
+    tok = state.llm.tokenizer
+    ids = []
+    for p in prompts:
+        if isinstance(p, str):
+            if tok is None:
+                raise APIError(400, f"This model has no tokenizer; send the {param} as token ids.", param=param)
+            p = tok.encode(p, add_special_tokens=add_special_tokens)
+        ids.append(list(p))
+    if any(not p for p in ids):
+        raise APIError(400, f"The {param} is empty (no tokens).", param=param)
+    return ids
+
+
 def check_model(state: ServerState, model: str | None) -> None:
     if model is not None and model not in state.config.model_names:
         raise APIError(404, f"The model `{model}` does not exist.", param="model")
@@ -692,22 +709,9 @@ async def completion(state: ServerState, request: Request, req: CompletionReques
                      rlog: RequestLog) -> Response:
     check_model(state, req.model)
     admit(state, [])
-    tok = state.llm.tokenizer
     prompts = req.prompts()
-    texts: list[str | None] = []
-    ids: list[list[int]] = []
-    for p in prompts:
-        if isinstance(p, str):
-            if tok is None:
-                raise APIError(400, "This model has no tokenizer; send the prompt as token ids.",
-                               param="prompt")
-            texts.append(p)
-            ids.append(tok.encode(p, add_special_tokens=True))
-        else:
-            texts.append(None)
-            ids.append(list(p))
-    if any(not p for p in ids):
-        raise APIError(400, "The prompt is empty (no tokens).", param="prompt")
+    texts = [p if isinstance(p, str) else None for p in prompts]
+    ids = encode_prompts(state, prompts)
     max_tokens = req.max_tokens
     if "max_tokens" not in req.model_fields_set:
         max_tokens = default_max_tokens(state, max(len(p) for p in ids), max_tokens)

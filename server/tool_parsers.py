@@ -740,6 +740,16 @@ def _may_be_string(schema: dict) -> bool:
     return t is None or t == "string" or (isinstance(t, list) and "string" in t)
 
 
+def _text_value(schema: dict, end: str, raw: str) -> str | None:
+    """The grammar alternative of a parameter value written as text, when the
+    schema lets it be a string: its enum's strings (each followed by `end`) as
+    literals, else the `raw` text rule; None when it cannot be a string."""
+    if not _may_be_string(schema):
+        return None
+    lits = [_lark_str(v + end) for v in schema.get("enum", []) if isinstance(v, str)]
+    return f"({' | '.join(lits)})" if lits else raw
+
+
 def _deref(schema: dict, root: dict) -> dict:
     """A property's schema with a local "#/$defs/X" (or definitions) $ref followed."""
     ref = schema.get("$ref")
@@ -787,10 +797,9 @@ class DeepSeekV4ToolParser(ToolParser):
             for j, (k, schema) in enumerate(props):
                 js = json.dumps(dict(root, **schema), ensure_ascii=False)
                 alts = [f"{_dsml_param(json.dumps(k), False)} %json {js} {end}"]
-                if _may_be_string(schema):
-                    lits = [_lark_str(v + DSML_PARAM_END) for v in schema.get("enum", []) if isinstance(v, str)]
-                    alts.insert(0, f"{_dsml_param(json.dumps(k), True)} "
-                                + (f"({' | '.join(lits)})" if lits else "raw"))
+                text = _text_value(schema, DSML_PARAM_END, "raw")
+                if text:
+                    alts.insert(0, f"{_dsml_param(json.dumps(k), True)} {text}")
                 lines.append(f"p_{i}_{j}: ({' | '.join(alts)}) " + r'"\n"')
                 body.append(f"p_{i}_{j}" + ("" if k in required else "?"))
             if not props:                        # free-form: any parameters, raw or JSON
@@ -891,9 +900,9 @@ class Qwen3CoderToolParser(ToolParser):
                 # text where a string may go (an enum's strings as literals), JSON where another value may
                 kind = _deref(schema, root)
                 alts = [] if _only_string(kind) else [f"%json {js} {end}"]
-                if _may_be_string(kind):
-                    lits = [_lark_str(v + "\n" + QC_PARAM_END) for v in kind.get("enum", []) if isinstance(v, str)]
-                    alts.insert(0, f"({' | '.join(lits)})" if lits else "qraw")
+                text = _text_value(kind, "\n" + QC_PARAM_END, "qraw")
+                if text:
+                    alts.insert(0, text)
                 lines.append(f"p_{i}_{j}: {_lark_str(f'<parameter={k}>' + chr(10))} ({' | '.join(alts)}) "
                              + r'"\n"')
                 body.append(f"p_{i}_{j}" + ("" if k in required else "?"))
