@@ -709,6 +709,7 @@ async def completion(state: ServerState, request: Request, req: CompletionReques
                      rlog: RequestLog) -> Response:
     check_model(state, req.model)
     admit(state, [])
+    tok = state.llm.tokenizer
     prompts = req.prompts()
     texts = [p if isinstance(p, str) else None for p in prompts]
     ids = encode_prompts(state, prompts)
