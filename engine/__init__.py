@@ -1,6 +1,7 @@
 """Request lifecycle, scheduler, sampler, model runner, engine core and its clients."""
 from engine.engine_args import EngineArgs
 from engine.errors import EngineDeadError, InvalidRequest
+from engine.lora import LoRARequest
 from engine.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
 from engine.pooling_params import PoolingError, PoolingParams
 from engine.sampling_params import SamplingError, SamplingParams
@@ -20,4 +21,4 @@ def __getattr__(name):
 
 __all__ = ["LLM", "AsyncLLM", "EngineArgs", "SamplingParams", "SamplingError", "RequestOutput",
            "CompletionOutput", "InvalidRequest", "EngineDeadError", "PoolingParams", "PoolingError",
-           "EmbeddingRequestOutput"]
+           "EmbeddingRequestOutput", "LoRARequest"]

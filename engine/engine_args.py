@@ -103,6 +103,10 @@ class EngineArgs:
         None, 'how /v1/embeddings pools the final hidden states, over the model\'s own (sentence-transformers '
               'modules.json, a GGUF\'s pooling_type; else last token, normalized): {"pooling_type": "last" | '
               '"mean" | "cls", "normalize": true}', type=parse_json_object)
+    enable_lora: bool = arg(False, "serve LoRA adapters (PEFT format) over the model, several per batch")
+    max_loras: int = arg(1, "LoRA adapters one step may run at once (each a slot on the device)")
+    max_lora_rank: int = arg(16, "the highest LoRA rank an adapter may have (sizes the slots)")
+    max_cpu_loras: int | None = arg(None, "LoRA adapters kept read in host memory (default: max_loras)")
     max_rollback_tokens: int = arg(0, "how far a step may roll a sequence back (speculative decoding); sizes "
                                       "ring-buffered state (DeepSeek-V4 window / carry)")
     num_threads: int | None = arg(None, "torch threads in the engine core (default: torch's)")
@@ -162,6 +166,11 @@ class EngineArgs:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.kv_cache_memory is not None and not self.kv_cache_memory > 0:
             raise ValueError(f"kv_cache_memory must be > 0, got {self.kv_cache_memory}")
+        for name in ("max_loras", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
         self.topology()          # (raises on a bad layout)
         if not self.distributed_timeout > 0:
             raise ValueError(f"distributed_timeout must be > 0, got {self.distributed_timeout}")

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from engine.engine_args import EngineArgs
 from engine.errors import InvalidRequest
 from engine.follower import Followers
+from engine.lora import LoRAManager, LoRARequest
 from engine.model_runner import ModelRunner
 from engine.request import EngineRequest, Request, Status
 from engine.scheduler import Scheduler
@@ -146,12 +147,14 @@ class EngineCore(Worker):
         self.kv = KVCacheManager(plan.groups, plan.num_blocks, args.block_size, caching,
                                  max_rollback=plan.max_rollback, num_snapshots=plan.num_snapshots,
                                  snapshot_interval=plan.snapshot_interval, lookahead=int(self.mtp_drafts))
+        self.loras = LoRAManager(self.lora) if self.lora is not None else None
         self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.max_num_batched_tokens,
-                                   args.long_prefill_token_threshold, args.scheduling_policy)
+                                   args.long_prefill_token_threshold, args.scheduling_policy, self.loras)
         self.runner = ModelRunner(self.model, self.kv, caches,
                                   followers=Followers(self.args.distributed_timeout, self.device)
                                   if self.tp > 1 else None,
-                                  graphs=self.graphs, head_graphs=self.head_graphs)
+                                  graphs=self.graphs, head_graphs=self.head_graphs,
+                                  lora=self.lora, lora_manager=self.loras)
         self._grammars: GrammarCompiler | None = None    # at prepare_grammars or the first constrained request
         self.stats = EngineStats()
         self.info = ModelInfo(
@@ -194,6 +197,8 @@ class EngineCore(Worker):
         if not er.eos_token_ids:
             er.eos_token_ids = self.info.eos_token_ids
         check_pooling(er.params, er.pooling, self.info)
+        if er.lora is not None:
+            self.add_lora(er.lora)
         req = Request(er, self.max_model_len)
         so = er.params.structured_outputs
         if so is not None:
@@ -202,6 +207,23 @@ class EngineCore(Worker):
             except StructuredOutputError as e:
                 raise InvalidRequest(str(e)) from None
         self.scheduler.add(req)
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Read and check an adapter (InvalidRequest if LoRA is off or it does not fit the model)."""
+        if self.loras is None:
+            raise InvalidRequest(f"LoRA adapter {lora.lora_name!r} requested, but LoRA is not enabled "
+                                 f"(start the engine with enable_lora / --enable-lora)")
+        if lora.lora_int_id in self.loras.adapters:
+            return
+        try:
+            self.loras.add(lora)
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+        log.info("LoRA adapter %s (id %d) read from %s", lora.lora_name, lora.lora_int_id, lora.lora_path)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        if self.loras is not None:
+            self.loras.remove(lora_int_id)
 
     def prepare_grammars(self) -> None:
         """Build llguidance's tokenizer index (~0.2-0.3 s) on a thread now, so

@@ -112,7 +112,7 @@ def run_follower(args: EngineArgs, rank: int) -> None:
     from engine.worker import Worker
     worker = Worker(args, rank=rank)
     runner = ModelRunner(worker.model, None, worker.caches, graphs=worker.graphs, head_graphs=worker.head_graphs,
-                         groups=worker.plan.groups, block_size=worker.plan.block_size)
+                         groups=worker.plan.groups, block_size=worker.plan.block_size, lora=worker.lora)
     runner.keep_streams = worker.mtp_drafts     # the leader's MTP proposer runs the head after each step
     distributed.startup_done()
     log.info("rank %d ready: %d KV blocks per group, waiting for the leader's steps", rank,

@@ -10,6 +10,7 @@ import time
 from engine.engine_args import EngineArgs
 from engine.engine_core import EngineCore, check_pooling, check_priority, check_request
 from engine.errors import InvalidRequest
+from engine.lora import LoRARequest
 from engine.output_processor import OutputProcessor, child_params
 from engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from engine.pooling_params import PoolingParams
@@ -42,23 +43,36 @@ class LLM:
         return prompt, self.tokenizer.encode(prompt)
 
     def add_request(self, prompt, params: SamplingParams, request_id: str | None = None, priority: int = 0,
-                    pooling: PoolingParams | None = None, cache_salt: str | None = None) -> str:
+                    pooling: PoolingParams | None = None, cache_salt: str | None = None,
+                    lora_request: LoRARequest | None = None) -> str:
         """pooling: an embedding request (params with max_tokens 0); cache_salt:
-        only requests with the same salt share prefix-cache blocks."""
+        only requests with the same salt share prefix-cache blocks;
+        lora_request: the adapter it runs with (enable_lora)."""
         text, ids = self.encode(prompt)
         check_priority(priority, self.core.args.scheduling_policy)
-        return self._add(text, ids, params, request_id, priority, pooling, cache_salt)
+        return self._add(text, ids, params, request_id, priority, pooling, cache_salt, lora_request)
 
-    def _add(self, text, ids, params, request_id=None, priority: int = 0, pooling=None, cache_salt=None) -> str:
+    def _add(self, text, ids, params, request_id=None, priority: int = 0, pooling=None, cache_salt=None,
+             lora=None) -> str:
         rid = request_id or str(next(self._ids))
         check_request(ids, params, self.core.max_model_len, self.core.info.vocab_size)
         check_pooling(params, pooling, self.core.info)
+        if lora is not None:
+            self.core.add_lora(lora)        # (checked before anything is queued)
         now = time.monotonic()
         cids = self.processor.add(rid, text, ids, params, now)
         for i, cid in enumerate(cids):
             self.core.add_request(EngineRequest(cid, ids, child_params(params, i), arrival_time=now,
-                                                priority=priority, pooling=pooling, cache_salt=cache_salt))
+                                                priority=priority, pooling=pooling, cache_salt=cache_salt,
+                                                lora=lora))
         return rid
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read and check an adapter now (a request naming it first does the same)."""
+        self.core.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self.core.remove_lora(lora_int_id)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate() and chat() use without sampling params: vLLM's
@@ -81,8 +95,10 @@ class LLM:
         return outs
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False, priority: list[int] | None = None) -> list[RequestOutput]:
-        """priority: per prompt, with scheduling_policy "priority" (lower first; vLLM's argument)."""
+                 use_tqdm: bool = False, priority: list[int] | None = None,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """priority: per prompt, with scheduling_policy "priority" (lower first; vLLM's argument);
+        lora_request: the adapter of every prompt, or one per prompt (None: the base model)."""
         if isinstance(prompts, str) or is_token_prompt(prompts):
             prompts = [prompts]
         params = sampling_params or self.get_default_sampling_params()
@@ -92,12 +108,18 @@ class LLM:
         priority = [0] * len(prompts) if priority is None else list(priority)
         if len(priority) != len(prompts):
             raise InvalidRequest(f"{len(prompts)} prompts but {len(priority)} priorities")
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise InvalidRequest(f"{len(prompts)} prompts but {len(loras)} LoRA requests")
         # Validate every prompt before queueing any, so a bad one disturbs none.
         encoded = [self.encode(p) for p in prompts]
-        for (_, ids), sp, pr in zip(encoded, params, priority):
+        for (_, ids), sp, pr, lora in zip(encoded, params, priority, loras):
             check_request(ids, sp, self.core.max_model_len, self.core.info.vocab_size)
             check_priority(pr, self.core.args.scheduling_policy)
-        order = [self._add(text, ids, sp, priority=pr) for (text, ids), sp, pr in zip(encoded, params, priority)]
+            if lora is not None:
+                self.core.add_lora(lora)
+        order = [self._add(text, ids, sp, priority=pr, lora=lora)
+                 for (text, ids), sp, pr, lora in zip(encoded, params, priority, loras)]
         done = self._run(order, use_tqdm)
         return [done[r] for r in order]
 
@@ -116,8 +138,8 @@ class LLM:
             print(file=sys.stderr)
         return done
 
-    def embed(self, prompts, pooling_params: PoolingParams | None = None,
-              use_tqdm: bool = False) -> list[EmbeddingRequestOutput]:
+    def embed(self, prompts, pooling_params: PoolingParams | None = None, use_tqdm: bool = False,
+              lora_request: LoRARequest | None = None) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt (text or token ids), pooled as the model's
         files say unless pooling_params (vLLM's LLM.embed)."""
         if isinstance(prompts, str) or is_token_prompt(prompts):
@@ -127,17 +149,17 @@ class LLM:
         encoded = [self.encode(p) for p in prompts]
         for _, ids in encoded:
             check_request(ids, params, self.core.max_model_len, self.core.info.vocab_size)
-        order = [self._add(text, ids, params, pooling=pooling) for text, ids in encoded]
+        order = [self._add(text, ids, params, pooling=pooling, lora=lora_request) for text, ids in encoded]
         done = self._run(order, use_tqdm)
         return [EmbeddingRequestOutput(r, done[r].prompt_token_ids, EmbeddingOutput(done[r].embedding))
                 for r in order]
 
     def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
-             **template_kwargs) -> RequestOutput:
+             lora_request: LoRARequest | None = None, **template_kwargs) -> RequestOutput:
         from model_zoo.chat_template import render_chat
         if self.chat_template is None:
             raise InvalidRequest("this model has no chat template")
         text = render_chat(self.chat_template, messages, bos_token=self.tokenizer.bos_token,
                            eos_token=self.tokenizer.eos_token, **template_kwargs)
         ids = self.tokenizer.encode(text, add_special_tokens=False)
-        return self.generate([ids], sampling_params)[0]
+        return self.generate([ids], sampling_params, lora_request=lora_request)[0]

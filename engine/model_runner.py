@@ -110,6 +110,8 @@ class StepPlan:
     patches: int = 0                 # input ids the previous step samples (asynchronous scheduling; see _send)
     shared_tokens: int = 0           # > 0: the leader shares this many sampled tokens after the step (see follow)
     copies: tuple[int, int] = (0, 0)   # state slot copies (restores, snapshots) packed after the groups (_copy)
+    lora_loads: list[tuple[int, int, str]] = field(default_factory=list)   # (slot, adapter id, path) to load first
+    lora_rows: list[tuple[int, int, int]] = field(default_factory=list)    # (slot, first row, end row) per request
 
 
 @dataclass
@@ -128,9 +130,13 @@ class StepHandle:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv: KVCacheManager | None, kv_caches: list, followers=None,
                  graphs: DecodeGraphs | None = None, head_graphs: DecodeGraphs | None = None,
-                 groups: list[KVGroup] | None = None, block_size: int = 0):
-        """kv None (a follower rank): groups and block_size give the pool's layout."""
+                 groups: list[KVGroup] | None = None, block_size: int = 0, lora=None, lora_manager=None):
+        """kv None (a follower rank): groups and block_size give the pool's layout.
+        lora: the model's adapter slots (model_zoo/lora.ModelLoRA) with
+        --enable-lora; lora_manager (the leader's): which adapter each holds."""
         self.model = model
+        self.lora = lora
+        self.lora_manager = lora_manager
         self.graphs = graphs           # captured decode steps (CUDA graphs), or None: always eager
         self.head_graphs = head_graphs   # captured chained MTP head passes, or None
         self.kv = kv                   # the leader's block tables (None on a follower rank)
@@ -373,8 +379,12 @@ class ModelRunner:
             # built from the manager's lists (DSV4PagedCache.batch).
             plan.dsv4_seqs = [(s.start, [t[i] for t in tables]) for i, s in enumerate(sched)]
         jobs, pool_jobs = [], []
+        if self.lora_manager is not None:
+            plan.lora_loads = self.lora_manager.take_pending()
         for i, s in enumerate(sched):
             req = s.req
+            if req.lora is not None:
+                plan.lora_rows.append((req.lora_slot, plan.qsl[i], plan.qsl[i + 1]))
             if req.pooling is not None and (span := req.pooling.rows(s.start, s.num_new_tokens,
                                                                      req.num_prompt_tokens)):
                 plan.pool_rows.append((plan.qsl[i] + span[0] - s.start, plan.qsl[i] + span[1] - s.start))
@@ -409,7 +419,7 @@ class ModelRunner:
         if g is None:
             return 0, 0
         for s in sched:
-            if s.num_new_tokens - len(s.spec_token_ids) != 1 or s.req.pooling is not None or (
+            if s.num_new_tokens - len(s.spec_token_ids) != 1 or s.req.pooling is not None or s.req.lora is not None or (
                     s.req.prompt_logprobs is not None and s.start < s.req.num_prompt_tokens - 1):
                 return 0, 0
         q = max((s.num_new_tokens for s in sched), default=1)
@@ -481,6 +491,8 @@ class ModelRunner:
         of the plan's pool rows' states (no collective: every rank has them)."""
         d = self._send(plan)
         self._copy(plan, d, snapshots=False)
+        for load in plan.lora_loads:
+            self.lora.load(*load)
         if plan.graph_batch:
             b = plan.graph_batch
             groups = [GroupMetadata(d[5 + 2 * g], d[6 + 2 * g].view(b, w)) for g, w in enumerate(plan.widths)]
@@ -494,12 +506,18 @@ class ModelRunner:
             rows = d[4]
             return (self.model.compute_logits(hidden[rows]) if len(rows) else None), [], []
         input_ids, positions, meta, rows = self.inputs(plan, d)
-        if self.keep_streams:
-            streams = self.model.forward_streams(input_ids, positions, meta)
-            self.last_step = StepRecord(self.sched, plan.qsl, streams)
-            hidden = self.model.collapse(streams)
-        else:
-            hidden = self.model(input_ids, positions, meta)
+        if plan.lora_rows:
+            self.lora.ctx.set_rows(plan.lora_rows, self.device)
+        try:
+            if self.keep_streams:
+                streams = self.model.forward_streams(input_ids, positions, meta)
+                self.last_step = StepRecord(self.sched, plan.qsl, streams)
+                hidden = self.model.collapse(streams)
+            else:
+                hidden = self.model(input_ids, positions, meta)
+        finally:
+            if plan.lora_rows:      # the head passes and graphs after it run the base model
+                self.lora.ctx.batch = None
         self._copy(plan, d, snapshots=True)
         prompt = [self.model.compute_logits(hidden[a:b]) for a, b in plan.prompt_rows]
         pooled = [hidden[a:b].float().sum(0) for a, b in plan.pool_rows]

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from engine.lora import LoRARequest
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
@@ -29,6 +30,7 @@ class EngineRequest:
     priority: int = 0             # --scheduling-policy priority: lower runs first (vLLM's meaning)
     pooling: PoolingParams | None = None   # an embedding: the prompt's pooled states, no tokens (max_tokens 0)
     cache_salt: str | None = None # vLLM's: only requests with the same salt share prefix-cache blocks
+    lora: LoRARequest | None = None   # the adapter it runs with (engine/lora.py)
 
 
 class Request:
@@ -61,7 +63,10 @@ class Request:
         self.prompt_logprobs: list | None = [None] if er.params.prompt_logprobs is not None else None
         # Embeddings: the sum of the pooled rows' states so far (ModelRunner.collect).
         self.pooling = er.pooling
-        self.cache_salt = er.cache_salt
+        # Prefix-cache blocks are shared within one salt and one adapter.
+        self.cache_salt = er.cache_salt if er.lora is None else (er.cache_salt, "lora", er.lora.lora_int_id)
+        self.lora = er.lora
+        self.lora_slot = 0          # its adapter's slot while running (LoRAManager.acquire)
         self.pooled: torch.Tensor | None = None
         # Grammar-constrained requests: set by the engine core (structured_output.GrammarState).
         self.grammar = None

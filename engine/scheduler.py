@@ -1,7 +1,8 @@
 """Continuous batching with one token budget per step (vLLM v1's shape):
 running requests first (decodes and unfinished prefill chunks), then waiting
 requests in the policy's order (engine/request_queue.py: fcfs, priority),
-chunked when the budget is short; preemption by recompute of the last running
+chunked when the budget is short, and with LoRA adapters at most max_loras
+of them in a step (engine/lora.py); preemption by recompute of the last running
 request (fcfs: the newest; priority: the lowest, newest) when KV blocks run out.
 
 A decoding request with drafts (speculative decoding) is scheduled for its
@@ -44,8 +45,9 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 long_prefill_token_threshold: int = 0, policy: str = "fcfs"):
+                 long_prefill_token_threshold: int = 0, policy: str = "fcfs", loras=None):
         self.kv = kv
+        self.loras = loras          # engine/lora.LoRAManager with --enable-lora
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.long_prefill_token_threshold = long_prefill_token_threshold
@@ -136,6 +138,11 @@ class Scheduler:
         if not out.preempted:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting.peek()
+                if req.lora is not None:        # its adapter needs a slot (every admission: see LoRAManager)
+                    slot = self.loras.acquire(req.lora, self.running)
+                    if slot is None:
+                        break
+                    req.lora_slot = slot
                 hit = 0
                 if req.cache_salt:        # (every admission: a preemption freed its blocks' record)
                     self.kv.set_salt(req.request_id, req.cache_salt)

@@ -67,6 +67,7 @@ class Worker:
         self.spec = args.speculative()
         self._init_distributed(start_local_ranks)
         self.model = self._load_model()
+        self.lora = self._init_lora()
         self.caches = self._init_kv_caches()
         self.graphs = self._capture_graphs() if self.device.type == "cuda" and not args.enforce_eager else None
         self.head_graphs = self._capture_head_graphs() if self.graphs is not None else None
@@ -127,6 +128,19 @@ class Worker:
                  f" ({len(blocks)} weights in their stored format: {', '.join(sorted(set(blocks.values())))})"
                  if blocks else "")
         return model
+
+    def _init_lora(self):
+        """Adapter slots on every linear layer (before the KV budget, which they come out of)."""
+        args = self.args
+        if not args.enable_lora:
+            return None
+        from model_zoo.lora import ModelLoRA
+        lora = ModelLoRA(self.model, args.max_loras, args.max_lora_rank, args.max_cpu_loras or args.max_loras,
+                         getattr(torch, args.dtype), self.device)
+        if self.rank == 0:
+            log.info("LoRA: %d slots of rank up to %d on %d linear layers, %.1f MiB", args.max_loras,
+                     args.max_lora_rank, len(lora.layers), lora.nbytes / 2**20)
+        return lora
 
     def _init_kv_caches(self):
         """Calibrate compressed formats, size the pool from the budget, allocate it on the device."""

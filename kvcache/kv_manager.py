@@ -194,11 +194,12 @@ class KVCacheManager:
         """Whether new table entry j gets a block (a hot group skips a chunk's middle)."""
         return not g.hot or j in (0, first, need_total - 1)
 
-    def set_salt(self, req_id: str, salt: str | None) -> None:
+    def set_salt(self, req_id: str, salt) -> None:
         """Start the request's hash chain from its cache salt (vLLM's
         cache_salt), before its blocks are looked up or registered: only
         requests with the same salt share prefix blocks (a tenant's prompts
-        are not found, nor timed, by another's)."""
+        are not found, nor timed, by another's). Any hashable salt: the
+        engine adds the request's LoRA adapter to it."""
         rb = self._blocks(req_id)
         root = hash(("cache_salt", salt)) if salt else 0
         if root != rb.root:

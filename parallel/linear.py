@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallel.int4 import pack_int4
+from parallel.lora import LoRAContext, LoRASlots
 from parallel.quant.base import DENSE, GGUFBlocks, Int4Cpu, QuantizedTensor, QuantMethod
 from parallel.quant.gguf import QTYPES
 from parallel.state import all_gather, all_reduce, get_tp_rank, get_tp_size
@@ -102,13 +103,44 @@ class LinearBase(QuantStorage, nn.Module):
         else:
             self.register_parameter("bias", None)
         self.quant: QuantMethod = DENSE
+        self.lora: LoRASlots | None = None      # adapters (parallel/lora.py), when enabled
 
     def weight_loader(self, param: nn.Parameter, loaded_weight, shard_id=None) -> None:
         self._store(param, shard_id, *self.rank_part(param, loaded_weight, shard_id))
 
+    lora_subs = 1       # sub-projections an adapter may target separately (fused layers: q/k/v, gate/up)
+
+    def _rows(self, shard_id) -> tuple[int, int, int, int]:
+        """Where shard_id's output rows go: (first row of this rank's weight,
+        rows, first row of them in the checkpoint tensor, its rows)."""
+        n = self.output_size
+        return 0, n, 0, n
+
     def rank_part(self, param: nn.Parameter, loaded, shard_id) -> tuple[int, object]:
         """(first row of param it fills, this rank's part of the checkpoint tensor `loaded`)."""
-        raise NotImplementedError
+        offset, n, start, full = self._rows(shard_id)
+        _check(loaded, full, *self._cols(param))
+        return offset, (loaded if n == full else loaded.narrow(0, start, n))
+
+    def enable_lora(self, ctx: LoRAContext, max_loras: int, max_rank: int, dtype: torch.dtype,
+                    device: torch.device) -> None:
+        self.lora = LoRASlots(ctx, max_loras, max_rank, self.lora_subs, self.input_size, self.output_size,
+                              dtype, device)
+
+    def lora_sub(self, shard_id) -> int:
+        return 0
+
+    def lora_parts(self, shard_id, a: torch.Tensor, b: torch.Tensor) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+        """An adapter's A [r, input] and scaled B [output, r] of the whole
+        (unsharded) sub-projection shard_id: (sub, first row, this rank's A,
+        this rank's B). Raises ValueError on a shape that does not fit."""
+        offset, n, start, full = self._rows(shard_id)
+        _check(b, full, a.shape[0])
+        _check(a, a.shape[0], self.input_size * (self.tp_size if self.splits_columns else 1))
+        return self.lora_sub(shard_id), offset, self._lora_cols(a), (b if n == full else b.narrow(0, start, n))
+
+    def _lora_cols(self, a: torch.Tensor) -> torch.Tensor:
+        return a
 
     def _cols(self, param: nn.Parameter) -> tuple[int, ...]:
         """The checkpoint tensor's trailing shape for param: the weight's columns, none for the bias."""
@@ -126,9 +158,13 @@ class LinearBase(QuantStorage, nn.Module):
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant is DENSE:
-            return F.linear(x, self.weight, bias)
-        y = self.quant.matmul(self, x)
-        return y if bias is None else y + bias
+            y = F.linear(x, self.weight, bias)
+        else:
+            y = self.quant.matmul(self, x)
+            y = y if bias is None else y + bias
+        if self.lora is not None and self.lora.ctx.batch is not None:
+            y = self.lora.add(x, y)
+        return y
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x, self.bias)
@@ -137,9 +173,6 @@ class LinearBase(QuantStorage, nn.Module):
 class ReplicatedLinear(LinearBase):
     """Every rank holds the whole matrix."""
 
-    def rank_part(self, param, loaded, shard_id):
-        return 0, _check(loaded, self.output_size, *self._cols(param))
-
 
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; output stays sharded."""
@@ -147,10 +180,9 @@ class ColumnParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__(input_size, _divide(output_size, get_tp_size(), "output size"), bias)
 
-    def rank_part(self, param, loaded, shard_id):
+    def _rows(self, shard_id):
         n = self.output_size
-        _check(loaded, n * self.tp_size, *self._cols(param))
-        return 0, loaded.narrow(0, self.tp_rank * n, n)
+        return 0, n, self.tp_rank * n, n * self.tp_size
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -166,11 +198,17 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias)
 
-    def rank_part(self, param, loaded, shard_id):
+    @property
+    def lora_subs(self) -> int:
+        return len(self.output_sizes)
+
+    def lora_sub(self, shard_id) -> int:
+        return shard_id
+
+    def _rows(self, shard_id):
         tp = self.tp_size
-        _check(loaded, self.output_sizes[shard_id], *self._cols(param))
         size = self.output_sizes[shard_id] // tp
-        return sum(self.output_sizes[:shard_id]) // tp, loaded.narrow(0, self.tp_rank * size, size)
+        return sum(self.output_sizes[:shard_id]) // tp, size, self.tp_rank * size, self.output_sizes[shard_id]
 
 
 class QKVParallelLinear(LinearBase):
@@ -198,19 +236,19 @@ class QKVParallelLinear(LinearBase):
         self.kv_size = self.num_kv_heads * head_dim
         super().__init__(hidden_size, self.q_size + 2 * self.kv_size, bias)
 
-    def rank_part(self, param, loaded, shard_id):
+    lora_subs = 3
+
+    def lora_sub(self, shard_id) -> int:
+        return "qkv".index(shard_id)
+
+    def _rows(self, shard_id):
         if shard_id == "q":
-            offset, size, start = 0, self.q_size, self.tp_rank * self.q_size
-            heads = self.total_num_heads
-        elif shard_id in ("k", "v"):
+            return 0, self.q_size, self.tp_rank * self.q_size, self.total_num_heads * self.head_dim
+        if shard_id in ("k", "v"):
             offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
-            size = self.kv_size
             start = (self.tp_rank // self.kv_replicas) * self.kv_size
-            heads = self.total_num_kv_heads
-        else:
-            raise ValueError(f"QKVParallelLinear shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
-        _check(loaded, heads * self.head_dim, *self._cols(param))
-        return offset, loaded.narrow(0, start, size)
+            return offset, self.kv_size, start, self.total_num_kv_heads * self.head_dim
+        raise ValueError(f"QKVParallelLinear shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -229,6 +267,10 @@ class RowParallelLinear(LinearBase):
         n = self.input_size
         _check(loaded, self.output_size, n * self.tp_size)
         return 0, loaded.narrow(1, self.tp_rank * n, n)
+
+    def _lora_cols(self, a: torch.Tensor) -> torch.Tensor:
+        n = self.input_size
+        return a.narrow(1, self.tp_rank * n, n)
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum, not yet all-reduced (for a caller that sums

@@ -1,0 +1,68 @@
+"""Which LoRA adapter runs in which slot (the leader's side of multi-LoRA
+serving; model_zoo/lora.py holds the slots on every rank).
+
+A step may run up to max_loras adapters at once, one per slot. A waiting
+request is admitted when its adapter is in a slot already, or a slot no
+running request uses can take it (an empty one first, else the least
+recently used); otherwise admission stops there (first come, first served:
+requests behind it wait too). The slot's weights are loaded on every rank
+at the start of the step that first runs it (StepPlan.lora_loads).
+"""
+import itertools
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """vLLM's: an adapter's name, an id unique to what is at its path (the
+    prefix cache and the slots key on it), and its PEFT directory."""
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+
+class LoRAManager:
+    def __init__(self, model_lora):
+        """model_lora: the leader's model_zoo/lora.ModelLoRA."""
+        self.model = model_lora
+        self.held: list[int | None] = [None] * len(model_lora.slots)    # what each slot holds after pending loads
+        self.used_at = [0] * len(self.held)
+        self._clock = itertools.count(1)
+        self.pending: list[tuple[int, int, str]] = []       # (slot, lora_int_id, path) for the next step
+        self.adapters: dict[int, LoRARequest] = {}          # read and checked (add)
+
+    def add(self, lora: LoRARequest) -> None:
+        """Read and check the adapter (ValueError if it does not fit the model)."""
+        self.model.read(lora.lora_int_id, lora.lora_path)
+        self.adapters[lora.lora_int_id] = lora
+
+    def remove(self, lora_int_id: int) -> None:
+        """Forget it; running requests that use it keep their slot to the end."""
+        self.adapters.pop(lora_int_id, None)
+        self.held = [None if h == lora_int_id else h for h in self.held]
+        self.model.forget(lora_int_id)
+
+    def acquire(self, lora: LoRARequest, running) -> int | None:
+        """The slot the request runs its adapter in, or None while every slot
+        is in use by running requests of other adapters."""
+        if lora.lora_int_id not in self.adapters:
+            self.add(lora)
+        used = {r.lora_slot for r in running if r.lora is not None}
+        if lora.lora_int_id in self.held:
+            slot = self.held.index(lora.lora_int_id)
+        else:
+            free = [s for s in range(len(self.held)) if s not in used]
+            if not free:
+                return None
+            slot = min(free, key=lambda s: (self.held[s] is not None, self.used_at[s]))
+            self.held[slot] = lora.lora_int_id
+            self.pending = [p for p in self.pending if p[0] != slot] + [(slot, lora.lora_int_id, lora.lora_path)]
+        self.used_at[slot] = next(self._clock)
+        return slot
+
+    def take_pending(self) -> list[tuple[int, int, str]]:
+        loads, self.pending = self.pending, []
+        return loads
+
+    def active(self, running) -> set[str]:
+        return {r.lora.lora_name for r in running if r.lora is not None}
