@@ -12,6 +12,7 @@ from engine.core_process import run_engine_core
 from engine.engine_args import EngineArgs
 from engine.engine_core import EngineStats, ModelInfo, check_pooling, check_priority, check_request
 from engine.errors import EngineDeadError, InvalidRequest
+from engine.lora import LoRARequest
 from engine.output_processor import OutputProcessor, child_params
 from engine.outputs import RequestOutput
 from engine.pooling_params import PoolingParams
@@ -40,6 +41,7 @@ class AsyncLLM:
         self.on_dead = None     # called (in the event loop) once the engine core is gone
         self._closing = False
         self._ranks: list = []
+        self._lora_replies: dict[int, asyncio.Future] = {}     # add_lora calls waiting on the core
 
     # -- lifecycle ------------------------------------------------------------
     async def start(self) -> None:
@@ -148,8 +150,15 @@ class AsyncLLM:
             if pid in self._streams:
                 self._in.put(("abort", self.processor.remove(pid)))
                 self._streams[pid].put_nowait(InvalidRequest(msg[2]))
+        elif kind == "lora":
+            fut = self._lora_replies.pop(msg[1], None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg[2])
         elif kind == "dead":
             self._dead = msg[1]
+            for fut in self._lora_replies.values():
+                if not fut.done():
+                    fut.set_exception(EngineDeadError("the engine core process died"))
             log.error("engine core died:\n%s", msg[1])
             why = msg[1].strip().splitlines()[-1] if msg[1].strip() else ""
             for q in self._streams.values():
@@ -167,10 +176,12 @@ class AsyncLLM:
 
     async def generate(self, prompt, params: SamplingParams, request_id: str | None = None,
                        priority: int = 0, pooling: PoolingParams | None = None,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       cache_salt: str | None = None, lora_request: LoRARequest | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """pooling: an embedding request (params with max_tokens 0): its last
         output's `embedding` is the vector. cache_salt: only requests with the
-        same salt share prefix-cache blocks."""
+        same salt share prefix-cache blocks. lora_request: the adapter it
+        runs with (enable_lora)."""
         if self._dead is not None:
             raise EngineDeadError("the engine core process died")
         rid = request_id or f"req-{next(self._ids)}"
@@ -180,13 +191,16 @@ class AsyncLLM:
         check_request(ids, params, self.info.max_model_len, self.info.vocab_size)
         check_priority(priority, self.args.scheduling_policy)
         check_pooling(params, pooling, self.info)
+        if lora_request is not None and not self.args.enable_lora:
+            raise InvalidRequest(f"LoRA adapter {lora_request.lora_name!r} requested, but LoRA is not enabled")
         q: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = q
         now = time.monotonic()
         cids = self.processor.add(rid, text, ids, params, now)
         for i, cid in enumerate(cids):
             self._in.put(("add", EngineRequest(cid, ids, child_params(params, i), arrival_time=now,
-                                               priority=priority, pooling=pooling, cache_salt=cache_salt)))
+                                               priority=priority, pooling=pooling, cache_salt=cache_salt,
+                                               lora=lora_request)))
         finished = False
         try:
             while True:
@@ -201,6 +215,24 @@ class AsyncLLM:
             self._streams.pop(rid, None)
             if not finished:
                 self._abort_parent(rid)
+
+    async def add_lora(self, lora: LoRARequest) -> None:
+        """Have the core read and check an adapter (InvalidRequest naming what does not fit)."""
+        if not self.args.enable_lora:
+            raise InvalidRequest("LoRA is not enabled (start the server with --enable-lora)")
+        if self._dead is not None:
+            raise EngineDeadError("the engine core process died")
+        token = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._lora_replies[token] = fut
+        self._in.put(("add_lora", token, lora))
+        error = await fut
+        if error is not None:
+            raise InvalidRequest(error)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        if self._dead is None:
+            self._in.put(("remove_lora", lora_int_id))
 
     def _abort_parent(self, rid: str) -> None:
         ids = self.processor.remove(rid)

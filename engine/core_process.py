@@ -60,6 +60,14 @@ def run_engine_core(args: EngineArgs, in_q, out_q) -> None:
                         out_q.put(("reject", m[1].request_id, str(e)))
                 elif m[0] == "abort":
                     core.abort(m[1])
+                elif m[0] == "add_lora":
+                    try:
+                        core.add_lora(m[2])
+                        out_q.put(("lora", m[1], None))
+                    except InvalidRequest as e:
+                        out_q.put(("lora", m[1], str(e)))
+                elif m[0] == "remove_lora":
+                    core.remove_lora(m[1])
                 changed = True
             outs = core.step() if core.has_work() else []
             if outs or changed:

@@ -53,6 +53,10 @@ class EngineStats:
     spec_decode_num_draft_tokens_total: int = 0
     spec_decode_num_accepted_tokens_total: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    # LoRA (vLLM's lora_requests_info): None without --enable-lora.
+    max_lora: int | None = None
+    running_lora_adapters: list[str] = field(default_factory=list)
+    waiting_lora_adapters: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -412,4 +416,8 @@ class EngineCore(Worker):
         st.prefix_cache_queries_total = s.stats.prefix_cache_queries
         st.prefix_cache_hits_total = s.stats.prefix_cache_hits
         st.prompt_tokens_total = s.stats.prompt_tokens
+        if self.loras is not None:
+            st.max_lora = self.args.max_loras
+            st.running_lora_adapters = sorted({r.lora.lora_name for r in s.running if r.lora is not None})
+            st.waiting_lora_adapters = sorted({r.lora.lora_name for r in s.waiting if r.lora is not None})
         return st

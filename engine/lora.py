@@ -63,6 +63,3 @@ class LoRAManager:
     def take_pending(self) -> list[tuple[int, int, str]]:
         loads, self.pending = self.pending, []
         return loads
-
-    def active(self, running) -> set[str]:
-        return {r.lora.lora_name for r in running if r.lora is not None}

@@ -11,18 +11,18 @@ import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Match
 
 from engine.errors import EngineDeadError
-from server import embeddings, messages_api, responses, scoring, serving
+from server import embeddings, lora, messages_api, responses, scoring, serving
 from server.errors import APIError, api_error_response, error_response, from_validation_error
 from server.protocol import (ChatCompletionRequest, CompletionRequest, CountTokensRequest, DetokenizeRequest,
-                             EmbeddingRequest, MessagesRequest, RerankRequest, ResponsesRequest, ScoreRequest,
-                             TokenizeRequest)
+                             EmbeddingRequest, LoadLoRAAdapterRequest, MessagesRequest, RerankRequest,
+                             ResponsesRequest, ScoreRequest, TokenizeRequest, UnloadLoRAAdapterRequest)
 from server.state import ServerState
 
 log = logging.getLogger("tqserve.server")
@@ -247,7 +247,22 @@ def create_app(state: ServerState) -> FastAPI:
         data = [{"id": name, "object": "model", "created": int(state.started), "owned_by": "tqserve",
                  "root": root, "parent": None, "max_model_len": state.llm.max_model_len}
                 for name in state.config.model_names]
+        # LoRA adapters as vLLM lists them: root their path, parent the base model's name.
+        data += [{"id": name, "object": "model", "created": int(state.started), "owned_by": "tqserve",
+                  "root": lora.lora_path, "parent": state.loras.parents.get(name) or state.model_name,
+                  "max_model_len": state.llm.max_model_len}
+                 for name, lora in state.loras.adapters.items()]
         return {"object": "list", "data": data}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        return PlainTextResponse(await lora.load_adapter(state, await parse_body(request, state,
+                                                                                   LoadLoRAAdapterRequest)))
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        return PlainTextResponse(await lora.unload_adapter(state, await parse_body(request, state,
+                                                                                     UnloadLoRAAdapterRequest)))
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):

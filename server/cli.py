@@ -134,6 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ssl-cert-reqs", type=int, default=0, choices=[0, 1, 2],
                    help="TLS: client certificates: 0 not asked, 1 optional, 2 required (Python's ssl.CERT_*)")
     s.add_argument("--root-path", default="", help="the path prefix a reverse proxy serves the API under")
+    s.add_argument("--lora-modules", nargs="+", action="extend", default=None,
+                   help="LoRA adapters (PEFT directories) served by name, with --enable-lora: name=path or "
+                        '\'{"name": "sql", "path": "/adapters/sql", "base_model_name": "..."}\'; a request\'s '
+                        "`model` picks one")
     from server import plan
     plan.add_parser(sub)
     from server import bench
@@ -239,11 +243,15 @@ async def _serve(args, model: str, keys: list[str], sock: socket.socket, url: st
 
     from engine import AsyncLLM, EngineArgs
     from server.app import create_app
+    from server.lora import parse_lora_module
     from server.state import ServerConfig, ServerState
 
     try:
         engine_args = EngineArgs(model=model, **{f.name: getattr(args, f.name) for f in engine_fields()})
         template = chat_template(args.chat_template)
+        lora_modules = [parse_lora_module(m) for m in args.lora_modules or []]
+        if lora_modules and not engine_args.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
         llm = AsyncLLM(engine_args)
     except ValueError as e:
         log.error("bad engine settings: %s", e)
@@ -285,7 +293,7 @@ async def _serve(args, model: str, keys: list[str], sock: socket.socket, url: st
         asyncio.get_running_loop().call_later(0.5, setattr, server, "should_exit", True)
     llm.on_dead = on_dead
     serve_task = asyncio.create_task(server.serve(sockets=[sock]))
-    load_task = asyncio.create_task(llm.start())
+    load_task = asyncio.create_task(_start(llm, state, lora_modules))
     await asyncio.wait({serve_task, load_task}, return_when=asyncio.FIRST_COMPLETED)
     rc, clean = 0, True
     if load_task.done():
@@ -318,6 +326,16 @@ async def _serve(args, model: str, keys: list[str], sock: socket.socket, url: st
         await asyncio.wait_for(llm.shutdown(), timeout=30)
     log.info("stopped")
     return rc, clean
+
+
+async def _start(llm, state, lora_modules) -> None:
+    """The engine, then the --lora-modules adapters (read and checked by it)."""
+    await llm.start()
+    for name, path, parent in lora_modules:
+        lora = state.loras.new(name, path)
+        await llm.add_lora(lora)
+        state.loras.register(lora, parent)
+        log.info("LoRA adapter %s: %s", name, lora.lora_path)
 
 
 def _fmt(x) -> str:

@@ -32,13 +32,15 @@ def prompt_ids(state: ServerState, inputs: list, add_special_tokens: bool = True
 
 
 async def embed(state: ServerState, request: Request, ids: list[list[int]], pooling, rlog: RequestLog,
-                priority: int = 0) -> list[list[float]]:
+                priority: int = 0, model: str | None = None) -> list[list[float]]:
     """One vector per prompt, each an engine request (in the same steps as
-    others); a client gone aborts them all."""
+    others); a client gone aborts them all. model: the request's (a LoRA
+    adapter's name embeds with it)."""
     params = SamplingParams(max_tokens=0)
     rids = [rlog.id if len(ids) == 1 else f"{rlog.id}-{i}" for i in range(len(ids))]
     admit(state, rids)
-    merged = _merge([generate(state, p, params, rid, rlog, priority, pooling) for p, rid in zip(ids, rids)])
+    merged = _merge([generate(state, p, params, rid, rlog, priority, pooling, model=model)
+                     for p, rid in zip(ids, rids)])
     finals = await last_outputs(request, merged, len(ids))
     if any(f is None or f.embedding is None for f in finals):     # aborted by a drain's end
         raise APIError(503, "The server is shutting down.", headers={"Retry-After": "5"})
@@ -59,7 +61,7 @@ async def create_embeddings(state: ServerState, request: Request, req: Embedding
     pooling = state.llm.default_pooling
     pooling = dataclasses.replace(pooling, dimensions=req.dimensions,
                                   normalize=pooling.normalize if req.normalize is None else req.normalize)
-    vectors = await embed(state, request, ids, pooling, rlog, req.priority)
+    vectors = await embed(state, request, ids, pooling, rlog, req.priority, req.model)
     data = [{"object": "embedding", "index": i, "embedding": _encode(v, req.encoding_format)}
             for i, v in enumerate(vectors)]
     n = rlog.prompt_tokens

@@ -164,7 +164,7 @@ async def create_message(state: ServerState, request: Request, req: MessagesRequ
     chat = chat_request(req, req.max_tokens)
     run = serving.prepare_chat(state, chat, rlog)
     gen = serving.generate(state, run.prompt_ids, run.params, rlog.id, rlog, chat.priority,
-                           cache_salt=chat.cache_salt)
+                           cache_salt=chat.cache_salt, model=chat.model)
     if req.stream:
         first = await serving.first_output(request, gen)
         events = _events(req, rlog, serving.ChoiceDeltas(gen, first, run.tools.stream()))

@@ -7,6 +7,7 @@ prefix cache) are read from `AsyncLLM.stats()` at scrape time. Every series
 carries a `model_name` label, as in vLLM. The registry is our own (not the
 process-global default one), so several apps can live in one process.
 """
+import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
@@ -185,6 +186,13 @@ class _EngineCollector:
             for pos, n in enumerate(s["spec_decode_num_accepted_tokens_per_pos"]):
                 c.add_metric([name, str(pos)], float(n))
             yield c
+        if s.get("max_lora") is not None:
+            # vLLM's: the adapters of the running and waiting requests, as labels (comma-separated).
+            g = GaugeMetricFamily(P + "lora_requests_info", "Running stats on lora requests.",
+                                  labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+            g.add_metric([str(s["max_lora"]), ",".join(s.get("running_lora_adapters", [])),
+                          ",".join(s.get("waiting_lora_adapters", []))], time.time())
+            yield g
         info = self.m._kv_info() or {}
         if info:
             yield gauge("kv_cache_capacity_tokens", "Number of tokens the KV cache pool holds.",

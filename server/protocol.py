@@ -386,6 +386,18 @@ class DetokenizeRequest(_Body):
     tokens: TokenIds
 
 
+class LoadLoRAAdapterRequest(_Body):
+    """POST /v1/load_lora_adapter (vLLM's)."""
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(_Body):
+    """POST /v1/unload_lora_adapter (vLLM's; its lora_int_id is accepted and not needed)."""
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None
+
+
 class EmbeddingRequest(_Body):
     """POST /v1/embeddings: OpenAI's fields, plus vLLM's extras."""
     model: str | None = None

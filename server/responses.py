@@ -235,7 +235,7 @@ async def create_response(state: ServerState, request: Request, req: ResponsesRe
     chat, conversation = chat_request(req, history)
     run = serving.prepare_chat(state, chat, rlog)
     gen = serving.generate(state, run.prompt_ids, run.params, rlog.id, rlog, chat.priority,
-                           cache_salt=chat.cache_salt)
+                           cache_salt=chat.cache_salt, model=chat.model)
     turn = _Turn(rlog.id, req, req.model or state.model_name, int(time.time()), conversation)
     if req.background:
         queued = turn.body("queued", [])

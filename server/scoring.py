@@ -16,13 +16,13 @@ from server.state import ServerState
 
 
 async def _similarities(state: ServerState, request: Request, pairs: list[tuple[str, str]], keep: int | None,
-                        rlog: RequestLog, priority: int, param: str) -> list[float]:
+                        rlog: RequestLog, priority: int, param: str, model: str | None) -> list[float]:
     texts = list(dict.fromkeys(t for pair in pairs for t in pair))
     ids = prompt_ids(state, texts, keep=keep, param=param)
     rlog.prompt_tokens = sum(map(len, ids))
     # Unit vectors: their dot product is the cosine.
     pooling = dataclasses.replace(state.llm.default_pooling, normalize=True, dimensions=None)
-    vectors = dict(zip(texts, await embed(state, request, ids, pooling, rlog, priority)))
+    vectors = dict(zip(texts, await embed(state, request, ids, pooling, rlog, priority, model)))
     return [math.fsum(x * y for x, y in zip(vectors[a], vectors[b])) for a, b in pairs]
 
 
@@ -31,7 +31,8 @@ async def create_score(state: ServerState, request: Request, req: ScoreRequest, 
     admit(state, [])
     one, two = req.texts()
     pairs = list(zip(one * len(two) if len(one) == 1 else one, two))
-    scores = await _similarities(state, request, pairs, req.truncate_prompt_tokens, rlog, req.priority, "text_1")
+    scores = await _similarities(state, request, pairs, req.truncate_prompt_tokens, rlog, req.priority, "text_1",
+                                 req.model)
     n = rlog.prompt_tokens
     rlog.done(200)
     return JSONResponse({"id": rlog.id, "object": "list", "created": int(time.time()),
@@ -45,7 +46,7 @@ async def create_rerank(state: ServerState, request: Request, req: RerankRequest
     admit(state, [])
     docs = req.texts()
     scores = await _similarities(state, request, [(req.query, d) for d in docs], req.truncate_prompt_tokens,
-                                 rlog, req.priority, "documents")
+                                 rlog, req.priority, "documents", req.model)
     order = sorted(range(len(docs)), key=lambda i: -scores[i])[:req.top_n or None]
     results = [{"index": i, "relevance_score": scores[i], **({"document": {"text": docs[i]}}
                                                             if req.return_documents else {})} for i in order]

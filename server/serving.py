@@ -69,9 +69,10 @@ class RequestLog:
 # --------------------------------------------------------------------------
 async def generate(state: ServerState, prompt_ids: list[int], params: SamplingParams,
                    request_id: str, rlog: RequestLog, priority: int = 0, pooling=None,
-                   cache_salt: str | None = None) -> AsyncIterator:
+                   cache_salt: str | None = None, model: str | None = None) -> AsyncIterator:
     """llm.generate with metrics; aborts the engine request if left unfinished.
-    pooling (engine.PoolingParams): an embedding request."""
+    pooling (engine.PoolingParams): an embedding request; model: the
+    request's `model` (a LoRA adapter's name runs with it)."""
     llm, metrics = state.llm, state.metrics
     t0 = time.monotonic()
     first = last = None
@@ -79,7 +80,9 @@ async def generate(state: ServerState, prompt_ids: list[int], params: SamplingPa
     final = None
     rejected = False
     state.start_request(request_id)
-    gen = llm.generate(prompt_ids, params, request_id, priority, pooling=pooling, cache_salt=cache_salt)
+    lora = state.loras.get(model)
+    gen = llm.generate(prompt_ids, params, request_id, priority, pooling=pooling, cache_salt=cache_salt,
+                       **({"lora_request": lora} if lora is not None else {}))
     try:
         try:
             async for out in gen:
@@ -241,7 +244,8 @@ def encode_prompts(state: ServerState, prompts: list, add_special_tokens: bool =
 
 
 def check_model(state: ServerState, model: str | None) -> None:
-    if model is not None and model not in state.config.model_names:
+    """The base model's served names and the LoRA adapters' are known; others 404."""
+    if model is not None and model not in state.config.model_names and model not in state.loras.adapters:
         raise APIError(404, f"The model `{model}` does not exist.", param="model")
 
 
@@ -504,7 +508,8 @@ async def chat_completion(state: ServerState, request: Request, req: ChatComplet
                           rlog: RequestLog) -> Response:
     run = prepare_chat(state, req, rlog)
     prompt_ids, tools, top_k = run.prompt_ids, run.tools, run.top_k
-    gen = generate(state, prompt_ids, run.params, rlog.id, rlog, req.priority, cache_salt=req.cache_salt)
+    gen = generate(state, prompt_ids, run.params, rlog.id, rlog, req.priority, cache_salt=req.cache_salt,
+                   model=req.model)
     created = int(time.time())
     model = req.model or state.model_name
     if req.stream:
@@ -729,7 +734,7 @@ async def completion(state: ServerState, request: Request, req: CompletionReques
                              structured=structured.build(structured.constraint(req)))
     rids = [rlog.id if len(ids) == 1 else f"{rlog.id}-{i}" for i in range(len(ids))]
     admit(state, rids)
-    gens = [generate(state, p, params, rid, rlog, req.priority, cache_salt=req.cache_salt)
+    gens = [generate(state, p, params, rid, rlog, req.priority, cache_salt=req.cache_salt, model=req.model)
             for p, rid in zip(ids, rids)]
     merged = _merge(gens)
     created = int(time.time())

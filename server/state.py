@@ -4,6 +4,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from server.lora import LoRARegistry
 from server.metrics import Metrics
 from server.response_store import ResponseStore
 
@@ -45,6 +46,7 @@ class ServerState:
         self._tok_str_cache: dict[int, str] = {}
         self.responses = ResponseStore(config.responses_store_size)
         self.background: dict[str, asyncio.Task] = {}     # /v1/responses running in the background, by id
+        self.loras = LoRARegistry()         # LoRA adapters by served name
 
     # --- engine views (safe while loading) -------------------------------
     def engine_stats(self) -> dict:
