@@ -167,6 +167,7 @@ class ModelLoRA:
         it does not target get zeros)."""
         if self.slots[slot] == lora_int_id:
             return
+        self.slots[slot] = None         # (what it held may leave the host cache for this one)
         adapter = self.read(lora_int_id, path)
         for m in self.layers.values():
             m.lora.clear(slot)

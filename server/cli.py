@@ -249,9 +249,9 @@ async def _serve(args, model: str, keys: list[str], sock: socket.socket, url: st
     try:
         engine_args = EngineArgs(model=model, **{f.name: getattr(args, f.name) for f in engine_fields()})
         template = chat_template(args.chat_template)
-        lora_modules = [parse_lora_module(m) for m in args.lora_modules or []]
-        if lora_modules and not engine_args.enable_lora:
+        if args.lora_modules and not engine_args.enable_lora:
             raise ValueError("--lora-modules needs --enable-lora")
+        lora_modules = [parse_lora_module(m) for m in args.lora_modules or []]
         llm = AsyncLLM(engine_args)
     except ValueError as e:
         log.error("bad engine settings: %s", e)
