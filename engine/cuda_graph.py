@@ -102,7 +102,7 @@ class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, kv_caches: list, widths: list[int], max_model_len: int,
                  max_num_seqs: int, device: torch.device, emulate: bool = False,
                  query_lens: tuple[int, ...] = (1,), max_num_tokens: int | None = None, streams: bool = False,
-                 head: bool = False):
+                 head: bool = False, lora=None):
         self.model, self.kv_caches, self.device, self.emulate = model, kv_caches, device, emulate
         # streams: capture the model's pre-collapse streams (forward_streams), which an MTP proposer keeps;
         # head: the MTP head's chained passes (mtp_streams), whose second input, the streams
@@ -123,6 +123,10 @@ class DecodeGraphs:
         self.qsl = {q: torch.arange(0, n * q + 1, q, **z) for q in self.query_lens}   # never written
         self.slots = [torch.full((t,), -1, **z) for _ in widths]
         self.tables = [torch.zeros(n, w, **z) for w in widths]
+        # LoRA (lora: the model's parallel/lora.LoRAContext): each row's adapter
+        # slot, -1 for none; the layers read it in token mode while captured.
+        self.lora = lora
+        self.lora_slots = torch.full((t,), -1, dtype=torch.int32, device=device) if lora is not None else None
         self.streams = None
         if head:
             dtype = next(model.parameters()).dtype
@@ -144,9 +148,15 @@ class DecodeGraphs:
 
     def _forward(self, b: int, q: int, meta: AttentionMetadata) -> torch.Tensor:
         n = b * q
-        if self.streams is not None:
-            return self.forward(self.ids[:n], self.streams[:n], self.pos[:n], meta)
-        return self.forward(self.ids[:n], self.pos[:n], meta)
+        if self.lora is not None:
+            self.lora.token_slots = self.lora_slots
+        try:
+            if self.streams is not None:
+                return self.forward(self.ids[:n], self.streams[:n], self.pos[:n], meta)
+            return self.forward(self.ids[:n], self.pos[:n], meta)
+        finally:
+            if self.lora is not None:
+                self.lora.token_slots = None
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -180,7 +190,7 @@ class DecodeGraphs:
         rows, pads included; block tables up to their own width, which the
         captured ones bound; streams: the head's, its real rows only, pads
         keep older finite values). Returns the hidden states [b * q, hidden]:
-        valid until the next run."""
+        valid until the next run. With LoRA, set_lora_rows first."""
         graph, meta, hidden = self.graphs[b, q]
         self.replays += 1
         if streams is not None:
@@ -199,6 +209,15 @@ class DecodeGraphs:
         meta.memo.clear()
         with forbid_host_syncs():
             return self._forward(b, q, meta)
+
+
+    def set_lora_rows(self, rows: int, lora_rows: list[tuple[int, int, int]]) -> None:
+        """The next replay's adapter slot per row, of its `rows` rows: those
+        of lora_rows' (slot, first row, end row), -1 (none) for the others."""
+        slots = torch.full((rows,), -1, dtype=torch.int32)
+        for slot, first, end in lora_rows:
+            slots[first:end] = slot
+        self.lora_slots[:rows].copy_(slots, non_blocking=True)
 
 
 def why_not_capturable(kv_caches, rows_per_seq: int = 1) -> str | None:

@@ -419,7 +419,7 @@ class ModelRunner:
         if g is None:
             return 0, 0
         for s in sched:
-            if s.num_new_tokens - len(s.spec_token_ids) != 1 or s.req.pooling is not None or s.req.lora is not None or (
+            if s.num_new_tokens - len(s.spec_token_ids) != 1 or s.req.pooling is not None or (
                     s.req.prompt_logprobs is not None and s.start < s.req.num_prompt_tokens - 1):
                 return 0, 0
         q = max((s.num_new_tokens for s in sched), default=1)
@@ -496,6 +496,8 @@ class ModelRunner:
         if plan.graph_batch:
             b = plan.graph_batch
             groups = [GroupMetadata(d[5 + 2 * g], d[6 + 2 * g].view(b, w)) for g, w in enumerate(plan.widths)]
+            if self.lora is not None:
+                self.graphs.set_lora_rows(b * plan.graph_rows, plan.lora_rows)
             hidden = self.graphs.run(b, plan.graph_rows, d[0], d[1], d[3], groups)
             if self.keep_streams:
                 # The graph's output, valid until the next replay: the proposer

@@ -202,7 +202,8 @@ class Worker:
                 query_lens = (1, 1 + self.spec.num_speculative_tokens)
         graphs = DecodeGraphs(self.model, self.caches, self._graph_widths(), self.max_model_len, args.max_num_seqs,
                               self.device, emulate=emulate, query_lens=query_lens,
-                              max_num_tokens=args.max_num_batched_tokens, streams=self.mtp_drafts)
+                              max_num_tokens=args.max_num_batched_tokens, streams=self.mtp_drafts,
+                              lora=self.lora.ctx if self.lora is not None else None)
         used = torch.cuda.memory_allocated(self.device) if not emulate else 0
         try:
             graphs.capture()

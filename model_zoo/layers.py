@@ -7,6 +7,7 @@ runs in), because logit parity with it is the model zoo's contract.
 import functools
 import math
 import re
+import struct
 from collections.abc import Iterable
 
 import torch
@@ -21,8 +22,16 @@ from model_zoo.fused_moe import EXPERT_PARTS
 def rounded_to(value: float, dtype: torch.dtype) -> float:
     """value rounded to dtype, as a Python float: a constant factor as
     transformers applies it (a tensor of the weight dtype), without building
-    a tensor in the forward (a host-to-device copy per step on a GPU)."""
-    return torch.tensor(value, dtype=torch.float32).to(dtype).item()
+    a tensor in the forward (a host-to-device copy per step on a GPU, and an
+    op a CUDA graph's capture refuses): IEEE rounding done on the bits."""
+    f32 = struct.unpack("<f", struct.pack("<f", value))[0]
+    if dtype == torch.float16:
+        return struct.unpack("<e", struct.pack("<e", f32))[0]
+    if dtype == torch.bfloat16:         # fp32's top 16 bits, rounded to nearest even
+        bits = struct.unpack("<I", struct.pack("<f", f32))[0]
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return struct.unpack("<f", struct.pack("<I", bits))[0]
+    return f32
 
 
 class CpuOp(nn.Module):

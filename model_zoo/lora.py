@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from model_zoo.layers import PACKED, packed_target
-from parallel.lora import LoRAContext
+from parallel.lora import LoRAContext, token_add_for
 
 log = logging.getLogger("tqserve.lora")
 
@@ -129,7 +129,7 @@ class ModelLoRA:
         self.max_rank = max_rank
         self.dtype = dtype
         self.device = device
-        self.ctx = LoRAContext()
+        self.ctx = LoRAContext(token_add_for(device))
         self.layers = {name: m for name, m in model.named_modules() if hasattr(m, "enable_lora")}
         for m in self.layers.values():
             m.enable_lora(self.ctx, max_loras, max_rank, dtype, device)

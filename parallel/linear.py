@@ -162,7 +162,7 @@ class LinearBase(QuantStorage, nn.Module):
         else:
             y = self.quant.matmul(self, x)
             y = y if bias is None else y + bias
-        if self.lora is not None and self.lora.ctx.batch is not None:
+        if self.lora is not None and self.lora.ctx.active:
             y = self.lora.add(x, y)
         return y
 

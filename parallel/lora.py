@@ -10,13 +10,37 @@ of A and the matching columns of B, nonzero only on its own output rows, so
 one pair of matmuls serves all of them. An adapter of a lower rank leaves
 the rest of its ranks zero.
 
-A step's rows are grouped by slot (`LoRAContext.batch`, set by the model
-runner for the forward): per slot, y[rows] += (x[rows] A^T) B^T, as a slice
-when the rows are contiguous, else gathered and scattered back. A
-row-parallel layer adds its partial term before the all-reduce, which sums
-it with the others: (x A^T) B^T is linear in x's column blocks.
+An eager step's rows are grouped by slot (`LoRAContext.batch`, set by the
+model runner for the forward): per slot, y[rows] += (x[rows] A^T) B^T, as a
+slice when the rows are contiguous, else gathered and scattered back. A
+captured decode step (CUDA graph) cannot group on the host: it reads one
+slot per row from a static device tensor (`LoRAContext.token_slots`, -1 for
+none) in `token_add`, the Triton kernels on CUDA (parallel/lora_triton.py),
+elsewhere `gathered_add`, the same product in torch ops (no host syncs:
+emulated graphs on CPU). A row-parallel layer adds its partial term before
+the all-reduce, which sums it with the others: (x A^T) B^T is linear in x's
+column blocks.
 """
+from collections.abc import Callable
+
 import torch
+
+
+def gathered_add(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                 slots: torch.Tensor) -> torch.Tensor:
+    """y += per row t with slots[t] >= 0: (x[t] a[slots[t]]^T) b[slots[t]]^T
+    (lora_triton.add's contract), with each row's A and B gathered."""
+    idx = slots.clamp(min=0).long()
+    s = torch.bmm(a.index_select(0, idx), x.unsqueeze(-1)) * (slots >= 0).to(x.dtype)[:, None, None]
+    y += torch.bmm(b.index_select(0, idx), s).squeeze(-1)
+    return y
+
+
+def token_add_for(device: torch.device) -> Callable:
+    if device.type == "cuda":
+        from parallel import lora_triton
+        return lora_triton.add
+    return gathered_add
 
 
 class LoRAContext:
@@ -24,8 +48,14 @@ class LoRAContext:
     outside a forward with adapters, so captured graphs and steps without
     adapters run the base layers only."""
 
-    def __init__(self):
+    def __init__(self, token_add: Callable = gathered_add):
         self.batch: list[tuple[int, slice | torch.Tensor]] | None = None
+        self.token_slots: torch.Tensor | None = None     # captured steps: each row's slot (-1: none)
+        self.token_add = token_add
+
+    @property
+    def active(self) -> bool:
+        return self.batch is not None or self.token_slots is not None
 
     def set_rows(self, rows: list[tuple[int, int, int]], device: torch.device) -> None:
         """rows: (slot, first row, end row) per request with an adapter."""
@@ -76,6 +106,8 @@ class LoRASlots:
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y plus each row's adapter term (in place)."""
+        if self.ctx.token_slots is not None:
+            return self.ctx.token_add(x, y, self.a, self.b, self.ctx.token_slots[:x.shape[0]])
         for slot, rows in self.ctx.batch:
             a, b = self.a[slot], self.b[slot]
             if isinstance(rows, slice):

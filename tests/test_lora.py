@@ -163,6 +163,70 @@ def test_bad_adapters_are_refused(tmp_path):
     assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))[0].outputs[0].token_ids) == 2
 
 
+# -- rows with their own slots: captured decode steps ---------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_kernels_equal_torch(dtype):
+    """lora_triton.add (interpreted) and gathered_add against the per-row
+    product, rows of slot -1 untouched; ranks (48 = 3 x 16) and K, N that are
+    no multiple of the tiles."""
+    from parallel import lora_triton
+    from parallel.lora import gathered_add
+    torch.manual_seed(0)
+    T, K, N, R, S = 7, 200, 150, 48, 3
+    x, y = torch.randn(T, K).to(dtype), torch.randn(T, N).to(dtype)
+    a, b = torch.randn(S, R, K).to(dtype), torch.randn(S, N, R).to(dtype)
+    slots = torch.tensor([2, -1, 0, 0, 1, -1, 2], dtype=torch.int32)
+    want = y.double().clone()
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            want[t] += b[s].double() @ (a[s].double() @ x[t].double())
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    for fn in (lora_triton.add, gathered_add):
+        got = fn(x, y.clone(), a, b, slots).double()
+        assert torch.allclose(got, want, rtol=tol, atol=tol * want.abs().max().item()), fn
+        assert torch.equal(got[slots < 0], y[slots < 0].double())
+
+
+@pytest.mark.parametrize("arch", [90, 121])
+def test_token_kernels_compile_for_gpus(arch):
+    # Llama-8B's widest shapes (K 14336 into down_proj; N 14336 x 2 out of
+    # gate/up) at ranks 16 x 3 and 64: no spills, shared memory within sm_90's and sm_121's.
+    from parallel.lora_triton import tiles
+    from triton_compile import assert_fit, spec
+    cases, specs = [], []
+    for R, K, N in ((48, 4096, 6144), (64, 14336, 4096), (128, 4096, 28672)):
+        c = tiles(R, K, N)
+        for kernel, const, ptrs in (
+                ("shrink", dict(BLOCK_R=c["shrink_r"], BLOCK_K=c["shrink_k"]),
+                 dict(x_ptr="bf16", a_ptr="bf16", slot_ptr="i32", s_ptr="fp32")),
+                ("expand", dict(BLOCK_N=c["expand_n"], BLOCK_R=c["expand_r"]),
+                 dict(s_ptr="fp32", b_ptr="bf16", slot_ptr="i32", y_ptr="bf16"))):
+            cases.append((kernel, R, K, N))
+            specs.append(spec(f"parallel.lora_triton:lora_{kernel}_kernel", arch, const, ptrs, warps=4))
+    assert_fit(cases, specs)
+
+
+def test_captured_decode_steps_with_adapters(family, monkeypatch):
+    """Decode steps with adapters replay (emulated graphs, the Triton kernels
+    interpreted), a 3-request batch padded to 4, and give the eager tokens."""
+    from model_zoo import cpu_ops
+    from parallel import lora_triton
+    from test_cuda_graph import _emulate, _engine
+    monkeypatch.setenv("TQSERVE_ATTN_BACKEND", "dense-triton")      # the CUDA path, as test_cuda_graph's graph_env
+    monkeypatch.setattr(cpu_ops, "ENABLED", False)
+    path, base, refs, loras = family
+    prompts = token_prompts(3, lo=5, hi=20, seed=11)
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    picks = [loras["all8"], None, loras["qv4"]]
+    llm = _engine(path, enable_lora=True, max_loras=2)
+    llm.core.lora.ctx.token_add = lora_triton.add
+    replays = _emulate(llm)
+    outs = llm.generate(prompts, sp, lora_request=picks)
+    assert replays and 4 in replays
+    for prompt, out, pick in zip(prompts, outs, picks):
+        assert out.outputs[0].token_ids == reference(refs[pick.lora_name] if pick else base, prompt, 6)[1]
+
+
 # -- the real SmolLM2 server ---------------------------------------------------
 MODEL = "smollm2-135m"
 
@@ -194,7 +258,7 @@ def test_server_serves_adapters(smollm2_adapters, tmp_path):
         assert set(models) == {MODEL, "sql", "poet"}
         assert models["sql"].parent == MODEL and models["sql"].root == str(d / "sql")
         ids = httpx.post(srv.url + "/tokenize", json={"prompt": SHAKESPEARE.read_text()[:300]}).json()["tokens"][:48]
-        # Prompt logprobs through the adapter (Q4_1 blocks, bf16 here) against peft over
+        # Prompt logprobs through the adapter (kept Q4_1 blocks) against peft over
         # transformers' fp32 dequantization of the same GGUF.
         base_lp = completion_logprobs(client, MODEL, ids)
         for name, ref in refs.items():
