@@ -366,8 +366,10 @@ class ModelRunner:
         first position, end) in plan.prompt_rows order and the embedding jobs
         (request, chunk start) in plan.pool_rows order. prev: the step still
         in flight whose tokens this one's placeholders are."""
-        # Decodes first, as the attention metadata expects.
-        sched = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)
+        # Decodes first, as the attention metadata expects; within each, the
+        # rows of one LoRA adapter together (one slice per adapter, no gather).
+        sched = sorted(out.scheduled, key=lambda s: (s.num_new_tokens != 1,
+                                                     -1 if s.req.lora is None else s.req.lora_slot))
         groups = range(len(self.groups))
         tables = [[self.kv.block_table_array(s.req.request_id, g) for s in sched] for g in groups]
         prev_rows = {r.request_id: i for i, r in enumerate(prev.sampled)} if prev is not None else None

@@ -111,7 +111,7 @@ class LoRASlots:
         for slot, rows in self.ctx.batch:
             a, b = self.a[slot], self.b[slot]
             if isinstance(rows, slice):
-                y[rows] += (x[rows] @ a.t()) @ b.t()
+                y[rows].addmm_(x[rows] @ a.t(), b.t())
             else:
                 y.index_add_(0, rows, (x.index_select(0, rows) @ a.t()) @ b.t())
         return y

@@ -3,7 +3,7 @@ GGUF model (SmolLM2-135M by default, the served defaults) with the same
 requests run as the base model (LoRA off, and LoRA on but unused), all
 through one adapter, and spread over several adapters (as many slots, and
 fewer slots than adapters, so requests wait for one), in one run on one
-machine. The adapters are random, rank 16 on all seven projections of
+machine; the first case runs again last, to show the run-to-run noise. The adapters are random, rank 16 on all seven projections of
 every layer (the most work an adapter of that rank can add).
 
     .venv/bin/python tests/bench/lora.py [--model smollm2-135m] [--num-prompts 32] [--output-len 64]
@@ -93,7 +93,8 @@ def main():
                  "base model, LoRA on (no request uses it)": (True, [], 1),
                  "1 adapter": (True, adapters[:1], 1),
                  "4 adapters, 4 slots": (True, adapters, 4),
-                 "4 adapters, 2 slots": (True, adapters, 2)}
+                 "4 adapters, 2 slots": (True, adapters, 2),
+                 "base model, LoRA off (again: the run-to-run noise)": (False, [], 1)}
         for name, (on, ads, slots) in cases.items():
             log(f"{name}: {len(prompts)} requests x {args.output_len} tokens ...")
             res["results"][name] = run(args.model, prompts, args.output_len, args.threads, ads, on, slots)
