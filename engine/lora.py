@@ -4,9 +4,13 @@ serving; model_zoo/lora.py holds the slots on every rank).
 A step may run up to max_loras adapters at once, one per slot. A waiting
 request is admitted when its adapter is in a slot already, or a slot no
 running request uses can take it (an empty one first, else the least
-recently used); otherwise admission stops there (first come, first served:
-requests behind it wait too). The slot's weights are loaded on every rank
-at the start of the step that first runs it (StepPlan.lora_loads).
+recently used). Otherwise it waits at the front of the queue, the
+requests behind it are admitted (vLLM's rule), and the least recently
+admitted slot drains: no new request joins its adapter while one waits, so
+the slot frees once its running requests end, and a steady stream for the
+adapters in the slots cannot starve another adapter. The slot's weights
+are loaded on every rank at the start of the step that first runs it
+(StepPlan.lora_loads).
 """
 import itertools
 from dataclasses import dataclass
@@ -29,6 +33,7 @@ class LoRAManager:
         self.used_at = [0] * len(self.held)
         self._clock = itertools.count(1)
         self.pending: list[tuple[int, int, str]] = []       # (slot, lora_int_id, path) for the next step
+        self.draining: int | None = None    # the slot a waiting adapter gets next (this admission pass)
         self.adapters: dict[int, LoRARequest] = {}          # read and checked (add)
 
     def add(self, lora: LoRARequest) -> None:
@@ -42,19 +47,28 @@ class LoRAManager:
         self.held = [None if h == lora_int_id else h for h in self.held]
         self.model.forget(lora_int_id)
 
+    def begin_admission(self) -> None:
+        """A new pass over the waiting queue (Scheduler.schedule): what drains
+        is decided again by the first request that finds no slot."""
+        self.draining = None
+
     def acquire(self, lora: LoRARequest, running) -> int | None:
         """The slot the request runs its adapter in, or None while every slot
-        is in use by running requests of other adapters."""
+        is in use by running requests of other adapters (or drains for one)."""
         if lora.lora_int_id not in self.adapters:
             self.add(lora)
         used = {r.lora_slot for r in running if r.lora is not None}
         if lora.lora_int_id in self.held:
             slot = self.held.index(lora.lora_int_id)
+            if slot == self.draining:
+                return None
         else:
             free = [s for s in range(len(self.held)) if s not in used]
             if not free:
+                if self.draining is None:
+                    self.draining = min(used, key=lambda s: self.used_at[s])
                 return None
-            slot = min(free, key=lambda s: (self.held[s] is not None, self.used_at[s]))
+            slot = min(free, key=lambda s: (s != self.draining, self.held[s] is not None, self.used_at[s]))
             self.held[slot] = lora.lora_int_id
             self.pending = [p for p in self.pending if p[0] != slot] + [(slot, lora.lora_int_id, lora.lora_path)]
         self.used_at[slot] = next(self._clock)

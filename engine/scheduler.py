@@ -2,7 +2,8 @@
 running requests first (decodes and unfinished prefill chunks), then waiting
 requests in the policy's order (engine/request_queue.py: fcfs, priority),
 chunked when the budget is short, and with LoRA adapters at most max_loras
-of them in a step (engine/lora.py); preemption by recompute of the last running
+of them in a step (engine/lora.py: a request whose adapter finds no free
+slot waits, and those behind it go ahead); preemption by recompute of the last running
 request (fcfs: the newest; priority: the lowest, newest) when KV blocks run out.
 
 A decoding request with drafts (speculative decoding) is scheduled for its
@@ -135,13 +136,17 @@ class Scheduler:
             budget -= n + len(spec)
             i += 1
         # 2. Waiting requests in the policy's order, never by preempting others.
+        skipped = []        # LoRA requests whose adapter has no slot free this step
+        if self.loras is not None:
+            self.loras.begin_admission()
         if not out.preempted:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting.peek()
                 if req.lora is not None:        # its adapter needs a slot (every admission: see LoRAManager)
                     slot = self.loras.acquire(req.lora, self.running)
-                    if slot is None:
-                        break
+                    if slot is None:            # the requests behind it go first (vLLM's rule)
+                        skipped.append(self.waiting.pop())
+                        continue
                     req.lora_slot = slot
                 hit = 0
                 if req.cache_salt:        # (every admission: a preemption freed its blocks' record)
@@ -165,6 +170,8 @@ class Scheduler:
                 out.scheduled.append(ScheduledRequest(req, n, hit))
                 self._snapshot(out.scheduled[-1])
                 budget -= n
+        for req in reversed(skipped):       # back at the front, in their order
+            self.waiting.readd(req)
         return out
 
     def update(self, out: SchedulerOutput, rejected: dict[str, int] | None = None) -> None:

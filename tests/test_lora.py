@@ -105,6 +105,31 @@ def test_prefix_cache_is_per_adapter(family):
     assert again.outputs[0].token_ids == reference(refs["all8"], prompt, 2)[1]
 
 
+def test_an_adapter_waiting_for_a_slot_is_not_starved(family):
+    """One slot, a stream of requests for the adapter in it and one for
+    another adapter: requests behind the waiting one do not join the busy
+    slot (it drains), so the waiting adapter runs before them; everything
+    gives peft's tokens."""
+    path, base, refs, loras = family
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=8 << 20, enable_lora=True, max_loras=1)
+    order = ["all8"] * 3 + ["qv4"] + ["all8"] * 3
+    prompts = token_prompts(len(order), lo=5, hi=12, seed=13)
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    rids = [llm.add_request(p, sp, lora_request=loras[n]) for p, n in zip(prompts, order)]
+    started, done = [], {}
+    for _ in range(200):
+        if not llm.core.has_work():
+            break
+        for o in llm.step():
+            if o.outputs[0].token_ids and o.request_id not in started:
+                started.append(o.request_id)
+            if o.finished:
+                done[o.request_id] = o.outputs[0].token_ids
+    assert started == rids            # first come, first served across adapters
+    for rid, p, n in zip(rids, prompts, order):
+        assert done[rid] == reference(refs[n], p, 8)[1]
+
+
 def test_tensor_parallel(tmp_path):
     base = save_tiny_llama(tmp_path / "model").eval()
     ref = save_adapter(base, tmp_path / "a", seed=7, **ADAPTERS["all8"])
