@@ -55,8 +55,9 @@ class LoRAManager:
     def acquire(self, lora: LoRARequest, running) -> int | None:
         """The slot the request runs its adapter in, or None while every slot
         is in use by running requests of other adapters (or drains for one)."""
-        if lora.lora_int_id not in self.adapters:
-            self.add(lora)
+        # (Its rank-0 copy, cached: read again if it was dropped, e.g. unloaded
+        # while this request waited; the request still runs with it.)
+        self.model.read(lora.lora_int_id, lora.lora_path)
         used = {r.lora_slot for r in running if r.lora is not None}
         if lora.lora_int_id in self.held:
             slot = self.held.index(lora.lora_int_id)

@@ -110,8 +110,10 @@ class LoRASlots:
             return self.ctx.token_add(x, y, self.a, self.b, self.ctx.token_slots[:x.shape[0]])
         for slot, rows in self.ctx.batch:
             a, b = self.a[slot], self.b[slot]
-            if isinstance(rows, slice):
+            if isinstance(rows, slice) and y.dim() == 2:
                 y[rows].addmm_(x[rows] @ a.t(), b.t())
+            elif isinstance(rows, slice):       # (a layer called on [tokens, ..., features])
+                y[rows] += (x[rows] @ a.t()) @ b.t()
             else:
                 y.index_add_(0, rows, (x.index_select(0, rows) @ a.t()) @ b.t())
         return y
