@@ -252,6 +252,10 @@ async def _serve(args, model: str, keys: list[str], sock: socket.socket, url: st
         if args.lora_modules and not engine_args.enable_lora:
             raise ValueError("--lora-modules needs --enable-lora")
         lora_modules = [parse_lora_module(m) for m in args.lora_modules or []]
+        taken = [n for n, _, _ in lora_modules] + list(args.served_model_name or [model])
+        if len(set(taken)) < len(taken):
+            raise ValueError(f"--lora-modules: each adapter needs a name of its own, not a served model's or "
+                             f"another adapter's (got {', '.join(taken)})")
         llm = AsyncLLM(engine_args)
     except ValueError as e:
         log.error("bad engine settings: %s", e)

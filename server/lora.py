@@ -6,6 +6,7 @@ import itertools
 import json
 import os
 
+from engine.errors import InvalidRequest
 from engine.lora import LoRARequest
 from server.errors import APIError
 from server.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
@@ -63,7 +64,7 @@ async def load_adapter(state, req: LoadLoRAAdapterRequest) -> str:
     lora = state.loras.new(name, path)
     try:
         await state.llm.add_lora(lora)
-    except Exception as e:      # InvalidRequest: the adapter does not fit (named in the message)
+    except InvalidRequest as e:     # the adapter does not fit (named in the message)
         raise APIError(400, str(e), param="lora_path") from None
     if name in state.loras.adapters:        # loaded by a concurrent call meanwhile
         state.llm.remove_lora(lora.lora_int_id)

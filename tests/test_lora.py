@@ -332,9 +332,11 @@ def test_server_serves_adapters(smollm2_adapters, tmp_path):
     (["--enable-lora", "--lora-modules", "x={dir}"], "not a PEFT adapter directory"),
     (["--enable-lora", "--lora-modules", "x"], "expected name=path or a JSON object"),
     (["--enable-lora", "--max-lora-rank", "0"], "max_lora_rank must be >= 1"),
+    (["--enable-lora", "--lora-modules", "a={adapter}", "a={adapter}"], "needs a name of its own"),
 ])
 def test_bad_lora_flags_fail_at_start(tmp_path, flags, words):
-    flags = [f.format(dir=tmp_path) for f in flags]
+    write_peft(tmp_path / "adapter", {})
+    flags = [f.format(dir=tmp_path, adapter=tmp_path / "adapter") for f in flags]
     p = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", "0", *flags],
                        cwd=REPO, capture_output=True, text=True, timeout=120)
     # A one-line error and exit 2, before any weights are read.
