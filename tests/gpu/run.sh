@@ -7,7 +7,8 @@
 #   OUT=/some/dir bash tests/gpu/run.sh [stage ...]      # no stage: all of them, in this order
 # Stages:
 #   tests   pytest: tests/gpu (parity with transformers on CUDA, CUDA graphs = eager, batch
-#           invariance, seeded sampling, preemption / prefix hits, KV presets, NCCL), the CUDA
+#           invariance, seeded sampling, preemption / prefix hits, KV presets, NCCL, LoRA adapters
+#           eager and captured vs merged weights), the CUDA
 #           cases of test_sampler / test_engine_device and DeepSeek-V4's kernels (test_dsv4_triton, bf16)
 #   graphs  tests/bench/gpu_engine.py sections 1 and 4 on the Llama-3.2-1B shape (roofline, batch
 #           1 with and without CUDA graphs): the quickest look at the engine's speed
