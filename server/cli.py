@@ -115,6 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--chat-template", default=None,
                    help="a jinja chat template, as a file path or the template itself, used instead of the "
                         "model's (vLLM's flag; DeepSeek-V4 ships none)")
+    s.add_argument("--trust-request-chat-template", action="store_true",
+                   help="render a chat_template given in a request (vLLM's flag; off: such requests get a 400)")
     s.add_argument("--reasoning-parser", default=None, choices=sorted(reasoning_parsers),
                    help="split <think>...</think> text into reasoning_content [default: off]")
     from server.state import ServerConfig
@@ -268,6 +270,7 @@ async def _serve(args, model: str, keys: list[str], sock: socket.socket, url: st
                                           tool_call_parser=args.tool_call_parser,
                                           reasoning_parser=args.reasoning_parser,
                                           responses_store_size=max(0, args.responses_store_size),
+                                          trust_request_chat_template=args.trust_request_chat_template,
                                           allow_credentials=args.allow_credentials,
                                           **{f"allowed_{k}": getattr(args, f"allowed_{k}")
                                              for k in ("origins", "methods", "headers")

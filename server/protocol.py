@@ -292,6 +292,7 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None    # vLLM's: this request's jinja template (--trust-request-chat-template)
     # vLLM's: retrieved documents for templates that lay them out (Command R, Granite), each
     # a {"title": ..., "text": ...} mapping of strings.
     documents: list[dict[str, str]] | None = Field(None, max_length=256)
@@ -372,6 +373,7 @@ class TokenizeRequest(_Body):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
     return_token_strs: bool = False
 
     @model_validator(mode="after")

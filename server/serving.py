@@ -357,6 +357,13 @@ def chat_prompt(state: ServerState, req) -> tuple[str, list[int]]:
                             "/v1/completions with token ids.")
     from model_zoo.chat_template import render_chat
     template = llm.chat_template
+    if req.chat_template is not None:
+        # vLLM's rule: a template from a request renders only where the operator allows it (a
+        # sandboxed jinja environment still lets a template cost unbounded time and memory).
+        if not state.config.trust_request_chat_template:
+            raise APIError(400, "Chat template is passed with request, but --trust-request-chat-template is not "
+                                "set. Refused request with untrusted chat template.", param="chat_template")
+        template = req.chat_template
     if not template:
         raise APIError(400, "This model has no chat template; use /v1/completions.")
     messages = [m.to_template() for m in req.messages]

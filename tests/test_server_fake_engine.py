@@ -556,3 +556,29 @@ def test_documents_reach_the_template(live, client):
         assert r.status_code == 400 and r.json()["error"]["param"].startswith("documents")
     finally:
         live.llm.chat_template = template
+
+
+def test_request_chat_template_needs_the_flag(live, client):
+    """vLLM's per-request `chat_template`: refused unless the operator passes
+    --trust-request-chat-template; then it renders instead of the model's (chat and /tokenize)."""
+    msgs = [{"role": "user", "content": "Why?"}]
+    custom = "<<{{ messages[0]['content'] }}>>"
+    r = httpx.post(live.url + "/v1/chat/completions",
+                   json={"model": "fake", "messages": msgs, "max_tokens": 1, "chat_template": custom})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"
+    assert "--trust-request-chat-template" in r.json()["error"]["message"]
+    trusted = LiveServer(FakeAsyncLLM(), trust_request_chat_template=True)
+    try:
+        from openai import OpenAI
+        c = OpenAI(base_url=trusted.url + "/v1", api_key="none", max_retries=0, timeout=30)
+        c.chat.completions.create(model="fake", messages=msgs, max_tokens=1, extra_body={"chat_template": custom})
+        assert trusted.llm.tokenizer.decode(trusted.llm.prompts[-1]) == "<<Why?>>"
+        c.chat.completions.create(model="fake", messages=msgs, max_tokens=1)      # the model's own again
+        assert trusted.llm.tokenizer.decode(trusted.llm.prompts[-1]) != "<<Why?>>"
+        tok = httpx.post(trusted.url + "/tokenize", json={"messages": msgs, "chat_template": custom}).json()
+        assert trusted.llm.tokenizer.decode(tok["tokens"]) == "<<Why?>>"
+        bad = httpx.post(trusted.url + "/v1/chat/completions",
+                         json={"model": "fake", "messages": msgs, "chat_template": "{% for %}"})
+        assert bad.status_code == 400 and "Chat template rendering failed" in bad.json()["error"]["message"]
+    finally:
+        trusted.stop()
