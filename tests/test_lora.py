@@ -301,6 +301,11 @@ def test_server_serves_adapters(smollm2_adapters, tmp_path):
                 stream=True, **kw) if c.choices)
             assert streamed == chats[name]
         assert len(set(chats.values())) == 3
+        # Embeddings and /v1/models/{id} know the adapters too.
+        vecs = {n: client.embeddings.create(model=n, input="Hi", encoding_format="float").data[0].embedding
+                for n in (MODEL, "sql")}
+        assert max(abs(a - b) for a, b in zip(vecs[MODEL], vecs["sql"])) > 1e-3
+        assert client.models.retrieve("poet").parent == MODEL
         with pytest.raises(openai.NotFoundError, match="does not exist"):
             client.completions.create(model="nope", prompt="Hi", max_tokens=1)
         metrics = httpx.get(srv.url + "/metrics").text
