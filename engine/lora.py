@@ -42,10 +42,10 @@ class LoRAManager:
         self.adapters[lora.lora_int_id] = lora
 
     def remove(self, lora_int_id: int) -> None:
-        """Forget it; running requests that use it keep their slot to the end."""
+        """Forget it (its id is never used again by new requests). Its slot
+        and host copy go the least-recently-used way, so the requests that
+        already have it, running or waiting, run with it to their end."""
         self.adapters.pop(lora_int_id, None)
-        self.held = [None if h == lora_int_id else h for h in self.held]
-        self.model.forget(lora_int_id)
 
     def begin_admission(self) -> None:
         """A new pass over the waiting queue (Scheduler.schedule): what drains
@@ -55,9 +55,6 @@ class LoRAManager:
     def acquire(self, lora: LoRARequest, running) -> int | None:
         """The slot the request runs its adapter in, or None while every slot
         is in use by running requests of other adapters (or drains for one)."""
-        # (Its rank-0 copy, cached: read again if it was dropped, e.g. unloaded
-        # while this request waited; the request still runs with it.)
-        self.model.read(lora.lora_int_id, lora.lora_path)
         used = {r.lora_slot for r in running if r.lora is not None}
         if lora.lora_int_id in self.held:
             slot = self.held.index(lora.lora_int_id)
@@ -70,6 +67,7 @@ class LoRAManager:
                     self.draining = min(used, key=lambda s: self.used_at[s])
                 return None
             slot = min(free, key=lambda s: (s != self.draining, self.held[s] is not None, self.used_at[s]))
+            self.model.read(lora.lora_int_id, lora.lora_path)    # (rank 0, cached) before the step loads it
             self.held[slot] = lora.lora_int_id
             self.pending = [p for p in self.pending if p[0] != slot] + [(slot, lora.lora_int_id, lora.lora_path)]
         self.used_at[slot] = next(self._clock)

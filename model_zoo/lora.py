@@ -147,19 +147,19 @@ class ModelLoRA:
         if adapter is None:
             adapter = adapter_for(self.model, path, self.max_rank, self.dtype)
             self.cache[lora_int_id] = adapter
-            while len(self.cache) > self.max_cpu_loras:     # the least recent not in a slot (read again if needed)
-                victim = next((k for k in self.cache if k not in self.slots and k != lora_int_id), None)
-                if victim is None:
-                    break
-                self.cache.pop(victim)
         self.cache.move_to_end(lora_int_id)
+        self._evict()
         return adapter
 
-    def forget(self, lora_int_id: int) -> None:
-        self.cache.pop(lora_int_id, None)
-        for i, held in enumerate(self.slots):
-            if held == lora_int_id:
-                self.slots[i] = None
+    def _evict(self) -> None:
+        """Down to max_cpu_loras: the least recently used first, never one in
+        a slot or the newest (an adapter dropped is read again if needed)."""
+        newest = next(reversed(self.cache), None)
+        while len(self.cache) > self.max_cpu_loras:
+            victim = next((k for k in self.cache if k not in self.slots and k != newest), None)
+            if victim is None:
+                break
+            self.cache.pop(victim)
 
     @torch.inference_mode()
     def load(self, slot: int, lora_int_id: int, path: str) -> None:
@@ -177,3 +177,4 @@ class ModelLoRA:
                 sub, offset, a, b = layer.lora_parts(shard, a, b)
                 layer.lora.set(slot, sub, offset, a.to(self.device), b.to(self.device))
         self.slots[slot] = lora_int_id
+        self._evict()       # (what the slot held may go now)

@@ -130,6 +130,28 @@ def test_an_adapter_waiting_for_a_slot_is_not_starved(family):
         assert done[rid] == reference(refs[n], p, 8)[1]
 
 
+def test_unloaded_adapter_finishes_its_requests(family):
+    """An adapter removed while a request for it waits (its slot busy) still
+    runs that request with it; new requests must name it again."""
+    path, base, refs, loras = family
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=8 << 20, enable_lora=True, max_loras=1)
+    prompts = token_prompts(2, lo=5, hi=12, seed=17)
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    first = llm.add_request(prompts[0], sp, lora_request=loras["all8"])
+    waiting = llm.add_request(prompts[1], sp, lora_request=loras["qv4"])
+    llm.step()
+    assert [r.lora.lora_name for r in llm.core.scheduler.waiting] == ["qv4"]      # the one slot is busy
+    llm.remove_lora(loras["qv4"].lora_int_id)
+    assert loras["qv4"].lora_int_id not in llm.core.loras.adapters
+    done = {}
+    for _ in range(100):
+        if not llm.core.has_work():
+            break
+        done.update({o.request_id: o.outputs[0].token_ids for o in llm.step() if o.finished})
+    assert done[first] == reference(refs["all8"], prompts[0], 6)[1]
+    assert done[waiting] == reference(refs["qv4"], prompts[1], 6)[1]
+
+
 def test_tensor_parallel(tmp_path):
     base = save_tiny_llama(tmp_path / "model").eval()
     ref = save_adapter(base, tmp_path / "a", seed=7, **ADAPTERS["all8"])
