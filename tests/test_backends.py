@@ -162,7 +162,7 @@ def _sched(specs, vocab=1000, per_seq=()):
     out, tables = [], {}
     for rid, known, start, n, tbl in specs:
         req = SimpleNamespace(request_id=rid, token_ids=list(range(7 * len(rid), 7 * len(rid) + known)),
-                              num_tokens=known, num_placeholders=0, prompt_logprobs=None, pooling=None)
+                              num_tokens=known, num_placeholders=0, prompt_logprobs=None, pooling=None, lora=None)
         out.append(ScheduledRequest(req, n, start))
         tables[rid] = tbl
     return out, _KV(tables, per_seq)
