@@ -210,7 +210,6 @@ class DecodeGraphs:
         with forbid_host_syncs():
             return self._forward(b, q, meta)
 
-
     def set_lora_rows(self, rows: int, lora_rows: list[tuple[int, int, int]]) -> None:
         """The next replay's adapter slot per row, of its `rows` rows: those
         of lora_rows' (slot, first row, end row), -1 (none) for the others."""
