@@ -80,9 +80,8 @@ async def generate(state: ServerState, prompt_ids: list[int], params: SamplingPa
     final = None
     rejected = False
     state.start_request(request_id)
-    lora = state.loras.get(model)
     gen = llm.generate(prompt_ids, params, request_id, priority, pooling=pooling, cache_salt=cache_salt,
-                       **({"lora_request": lora} if lora is not None else {}))
+                       lora_request=state.loras.get(model))
     try:
         try:
             async for out in gen:

@@ -19,7 +19,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from engine import LLM, EngineArgs, InvalidRequest, LoRARequest, SamplingParams
 from tests.fixtures_models import SHAKESPEARE, hf_gguf_model
 from tests.test_server_process import REPO, ServerProcess
-from tests.tiny_models import save_tiny_gemma3, save_tiny_llama, save_tiny_qwen3, token_prompts
+from tests.tiny_models import save_tiny_gemma3, save_tiny_llama, save_tiny_qwen3, token_prompts, write_peft
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # Three adapters that differ in what a wrong implementation would get wrong:
@@ -169,13 +169,6 @@ def test_tensor_parallel(tmp_path):
             assert out.outputs[0].token_ids == want
     finally:
         llm.close()
-
-
-def write_peft(path, tensors: dict, **cfg) -> None:
-    from safetensors.torch import save_file
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8, **cfg}))
-    save_file(tensors, str(path / "adapter_model.safetensors"))
 
 
 def test_bad_adapters_are_refused(tmp_path):

@@ -104,7 +104,8 @@ class FakeAsyncLLM:
         return {"num_running": len(self.running), "num_waiting": len(self.waiting),
                 "kv_cache_usage": used / self.kv_info["capacity_tokens"], **self.counters}
 
-    async def generate(self, prompt, params, request_id, priority=0, pooling=None, cache_salt=None):
+    async def generate(self, prompt, params, request_id, priority=0, pooling=None, cache_salt=None,
+                       lora_request=None):
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.params.append(params)
         self.prompts.append(ids)

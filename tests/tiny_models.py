@@ -146,3 +146,32 @@ def save_tiny_gemma3(path, sliding_window=8):
                            num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=sliding_window,
                            max_position_embeddings=1024, query_pre_attn_scalar=32, bos_token_id=1, eos_token_id=2)
     return _save_sharpened(Gemma3ForCausalLM(cfg), path)
+
+
+def random_lora(shapes: dict[str, tuple[int, int]], r: int, seed: int, b_scale: float) -> dict:
+    """A random LoRA adapter (B not zero): module name -> (A [r, in] / sqrt(in), B [out, r] * b_scale),
+    for shapes: module name -> (out, in) of its weight."""
+    g = torch.Generator().manual_seed(seed)
+    return {name: (torch.randn(r, inp, generator=g) / inp ** 0.5, torch.randn(out, r, generator=g) * b_scale)
+            for name, (out, inp) in shapes.items()}
+
+
+
+def peft_tensors(parts: dict) -> dict:
+    """{module name: (A, B)} under PEFT's tensor names."""
+    out = {}
+    for name, (a, b) in parts.items():
+        out[f"base_model.model.{name}.lora_A.weight"] = a
+        out[f"base_model.model.{name}.lora_B.weight"] = b
+    return out
+
+
+def write_peft(path, tensors: dict, **config) -> None:
+    """An adapter in PEFT's files: adapter_config.json (config over r 4, lora_alpha 8) and
+    adapter_model.safetensors holding tensors (PEFT's names: peft_tensors)."""
+    import json
+
+    from safetensors.torch import save_file
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8, **config}))
+    save_file(tensors, str(path / "adapter_model.safetensors"))

@@ -11,7 +11,6 @@ every layer (the most work an adapter of that rank can add).
 Writes tests/bench/results/lora.{json,md}.
 """
 import argparse
-import json
 import os
 import tempfile
 import time
@@ -22,8 +21,7 @@ from bench_paths import log, machine, make_prompts, write_results  # puts the re
 
 def write_adapter(config: dict, path: Path, rank: int, seed: int) -> None:
     """A random PEFT adapter (lora_B nonzero) on every projection, shapes from the HF config."""
-    import torch
-    from safetensors.torch import save_file
+    from tests.tiny_models import peft_tensors, random_lora, write_peft
     h, layers = config["hidden_size"], config["num_hidden_layers"]
     heads = config["num_attention_heads"]
     hd = config.get("head_dim") or h // heads
@@ -32,18 +30,9 @@ def write_adapter(config: dict, path: Path, rank: int, seed: int) -> None:
     shapes = {"self_attn.q_proj": (heads * hd, h), "self_attn.k_proj": (kv * hd, h), "self_attn.v_proj": (kv * hd, h),
               "self_attn.o_proj": (h, heads * hd), "mlp.gate_proj": (inter, h), "mlp.up_proj": (inter, h),
               "mlp.down_proj": (h, inter)}
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for i in range(layers):
-        for name, (out, inp) in shapes.items():
-            key = f"base_model.model.model.layers.{i}.{name}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, inp, generator=g) / inp ** 0.5
-            tensors[f"{key}.lora_B.weight"] = torch.randn(out, rank, generator=g) * 0.01
-    path.mkdir(parents=True)
-    (path / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
-        "target_modules": [n.split(".")[1] for n in shapes]}))
-    save_file(tensors, str(path / "adapter_model.safetensors"))
+    parts = random_lora({f"model.layers.{i}.{n}": s for i in range(layers) for n, s in shapes.items()}, rank, seed,
+                        b_scale=0.01)
+    write_peft(path, peft_tensors(parts), r=rank, lora_alpha=2 * rank, target_modules=[n.split(".")[1] for n in shapes])
 
 
 def run(model, prompts, output_len, threads, adapters, enable_lora, max_loras, repeats):

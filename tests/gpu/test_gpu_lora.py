@@ -5,8 +5,6 @@ on the same GPU. No peft on a bare GPU machine: the adapters are written in
 PEFT's file format here (tests/test_lora.py checks the format against peft).
 Skipped, with the reason printed, without a CUDA device.
 """
-import json
-
 import pytest
 import torch
 
@@ -15,6 +13,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
 
 from engine import LLM, LoRARequest, SamplingParams  # noqa: E402
 from test_model_parity import CONFIGS, make_hf_model  # noqa: E402
+from tiny_models import peft_tensors, random_lora, write_peft  # noqa: E402
 
 TARGETS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
@@ -22,23 +21,11 @@ TARGETS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", 
 
 def write_adapter(hf, path, r: int, alpha: float, targets, seed: int) -> dict:
     """A random adapter in PEFT's files; returns {module name: (A, B, scale)}."""
-    from safetensors.torch import save_file
-    g = torch.Generator().manual_seed(seed)
-    parts, tensors = {}, {}
-    for i in range(hf.config.num_hidden_layers):
-        for proj in targets:
-            name = f"model.layers.{i}.{TARGETS[proj]}.{proj}"
-            w = hf.get_submodule(name).weight
-            a = torch.randn(r, w.shape[1], generator=g) / w.shape[1] ** 0.5
-            b = torch.randn(w.shape[0], r, generator=g) * 0.5
-            parts[name] = (a, b, alpha / r)
-            tensors[f"base_model.model.{name}.lora_A.weight"] = a
-            tensors[f"base_model.model.{name}.lora_B.weight"] = b
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": r, "lora_alpha": alpha,
-                                                          "target_modules": list(targets)}))
-    save_file(tensors, str(path / "adapter_model.safetensors"))
-    return parts
+    names = [f"model.layers.{i}.{TARGETS[proj]}.{proj}" for i in range(hf.config.num_hidden_layers)
+             for proj in targets]
+    parts = random_lora({n: tuple(hf.get_submodule(n).weight.shape) for n in names}, r, seed, b_scale=0.5)
+    write_peft(path, peft_tensors(parts), r=r, lora_alpha=alpha, target_modules=list(targets))
+    return {n: (a, b, alpha / r) for n, (a, b) in parts.items()}
 
 
 def merged_logprobs(hf, parts, ids: list[int]) -> torch.Tensor:
