@@ -281,8 +281,8 @@ class EngineCore(Worker):
             return self._step_ahead()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
-            return []
-        return self._outputs(sched, self.runner.execute(sched))
+            return self._failed(sched)
+        return self._failed(sched) + self._outputs(sched, self.runner.execute(sched))
 
     def _step_ahead(self) -> list[EngineCoreOutput]:
         """Asynchronous scheduling (vLLM's --async-scheduling): while the
@@ -295,10 +295,12 @@ class EngineCore(Worker):
         with a token in flight samples from its own previous tokens on the
         host (penalties, a grammar's mask), the next step's forward is
         launched ahead all the same and its sampling after the tokens arrive."""
+        failed = []
         if self.inflight is None:
             sched = self.scheduler.schedule()
+            failed = self._failed(sched)
             if not sched.scheduled:
-                return []
+                return failed
             self.inflight = (sched, self.runner.launch(sched))
         (sched, handle), self.inflight = self.inflight, None
         waiting_on = [r for r in handle.sampled if r.status == Status.RUNNING]
@@ -307,6 +309,7 @@ class EngineCore(Worker):
         self.scheduler.update(sched)
         deferred = any(r.num_placeholders and r.needs_own_tokens() for r in waiting_on)
         ahead = self.scheduler.schedule()
+        failed += self._failed(ahead)
         if ahead.scheduled:
             self.inflight = (ahead, self.runner.launch(ahead, prev=handle, sample=not deferred))
         try:
@@ -317,7 +320,15 @@ class EngineCore(Worker):
         outputs = self._outputs(sched, results, updated=True)
         if self.inflight is not None:
             self.runner.sample_step(self.inflight[1])     # a no-op unless deferred
-        return outputs
+        return failed + outputs
+
+    @staticmethod
+    def _failed(sched) -> list[EngineCoreOutput]:
+        """The requests the scheduler ended without running them (their adapter unreadable)."""
+        for r in sched.failed:
+            log.warning("request %s failed: %s", r.request_id, r.stop_reason)
+        return [EngineCoreOutput(r.request_id, finish_reason=r.finish_reason, stop_reason=r.stop_reason)
+                for r in sched.failed]
 
     def _outputs(self, sched, results, updated: bool = False) -> list[EngineCoreOutput]:
         """A finished step's tokens into its requests and outputs; the

@@ -7,3 +7,9 @@ class InvalidRequest(ValueError):
 
 class EngineDeadError(RuntimeError):
     """The engine-core process is gone."""
+
+
+class RequestFailed(RuntimeError):
+    """The engine ended a request it had accepted (finish_reason "error"), e.g.
+    because its LoRA adapter's files went; the message says why. Other
+    requests are not affected."""

@@ -10,10 +10,16 @@ admitted slot drains: no new request joins its adapter while one waits, so
 the slot frees once its running requests end, and a steady stream for the
 adapters in the slots cannot starve another adapter. The slot's weights
 are loaded on every rank at the start of the step that first runs it
-(StepPlan.lora_loads).
+(StepPlan.lora_loads). An adapter the leader must read again (its host copy
+aged out) and cannot, because its files changed or went, fails the request
+that asked (AdapterUnreadable: finish_reason "error"), not the engine.
 """
 import itertools
 from dataclasses import dataclass
+
+
+class AdapterUnreadable(Exception):
+    """A request's adapter could not be read again; the message says why."""
 
 
 @dataclass(frozen=True)
@@ -67,8 +73,12 @@ class LoRAManager:
                     self.draining = min(used, key=lambda s: self.used_at[s])
                 return None
             slot = min(free, key=lambda s: (s != self.draining, self.held[s] is not None, self.used_at[s]))
-            self.model.read(lora.lora_int_id, lora.lora_path)    # (rank 0, cached) before the step loads it
+            try:        # (rank 0, cached) before the step loads it
+                self.model.read(lora.lora_int_id, lora.lora_path)
+            except Exception as e:      # (ValueError, OSError, safetensors' errors: files that changed)
+                raise AdapterUnreadable(f"LoRA adapter {lora.lora_name!r} could not be read again: {e}") from e
             self.held[slot] = lora.lora_int_id
+            self.model.keep = set(self.held)        # kept on the host until loaded (followers read at load)
             self.pending = [p for p in self.pending if p[0] != slot] + [(slot, lora.lora_int_id, lora.lora_path)]
         self.used_at[slot] = next(self._clock)
         return slot

@@ -12,8 +12,8 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[Logprobs] | None = None          # one per generated token
-    finish_reason: str | None = None                # "stop" | "length" | "abort" | None (running)
-    stop_reason: int | str | None = None            # the stop string or stop token id that matched
+    finish_reason: str | None = None                # "stop" | "length" | "abort" | "error" | None (running)
+    stop_reason: int | str | None = None            # the stop string or stop token id that matched; "error": why
 
 
 @dataclass

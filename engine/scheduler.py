@@ -13,6 +13,7 @@ accepted positions as computed and frees the KV of the rejected ones."""
 import time
 from dataclasses import dataclass, field
 
+from engine.lora import AdapterUnreadable
 from engine.request import Request, Status
 from engine.request_queue import make_queue
 from kvcache.kv_manager import KVCacheManager
@@ -30,6 +31,7 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    failed: list[Request] = field(default_factory=list)     # ended unrun: finish_reason "error", stop_reason why
 
     @property
     def num_tokens(self) -> int:
@@ -143,7 +145,14 @@ class Scheduler:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting.peek()
                 if req.lora is not None:        # its adapter needs a slot (every admission: see LoRAManager)
-                    slot = self.loras.acquire(req.lora, self.running)
+                    try:
+                        slot = self.loras.acquire(req.lora, self.running)
+                    except AdapterUnreadable as e:
+                        self.waiting.pop()
+                        req.finish_reason, req.stop_reason = "error", str(e)
+                        self.finish(req)
+                        out.failed.append(req)
+                        continue
                     if slot is None:            # the requests behind it go first (vLLM's rule)
                         skipped.append(self.waiting.pop())
                         continue

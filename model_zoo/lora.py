@@ -136,6 +136,7 @@ class ModelLoRA:
         self.max_cpu_loras = max_cpu_loras
         self.cache: OrderedDict[int, LoRAAdapter] = OrderedDict()    # lora_int_id -> adapter, least recent first
         self.slots: list[int | None] = [None] * max_loras            # lora_int_id in each slot
+        self.keep: set[int] = set()     # the leader's: adapters going into slots (not evicted before they load)
 
     @property
     def nbytes(self) -> int:
@@ -153,10 +154,12 @@ class ModelLoRA:
 
     def _evict(self) -> None:
         """Down to max_cpu_loras: the least recently used first, never one in
-        a slot or the newest (an adapter dropped is read again if needed)."""
+        a slot, about to load into one, or the newest (an adapter dropped is
+        read again if needed)."""
         newest = next(reversed(self.cache), None)
         while len(self.cache) > self.max_cpu_loras:
-            victim = next((k for k in self.cache if k not in self.slots and k != newest), None)
+            victim = next((k for k in self.cache if k not in self.slots and k not in self.keep and k != newest),
+                          None)
             if victim is None:
                 break
             self.cache.pop(victim)

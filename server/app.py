@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Match
 
-from engine.errors import EngineDeadError
+from engine.errors import EngineDeadError, RequestFailed
 from server import embeddings, lora, messages_api, responses, scoring, serving
 from server.errors import APIError, api_error_response, error_response, from_validation_error
 from server.protocol import (ChatCompletionRequest, CompletionRequest, CountTokensRequest, DetokenizeRequest,
@@ -163,6 +163,10 @@ def create_app(state: ServerState) -> FastAPI:
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(request: Request, e: EngineDeadError):
         return error_response(503, str(e))
+
+    @app.exception_handler(RequestFailed)
+    async def _request_failed(request: Request, e: RequestFailed):
+        return error_response(500, str(e))
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception):

@@ -96,7 +96,7 @@ class Metrics:
         self._phases = (self.prefill_time.labels(m), self.decode_time.labels(m), self.inference_time.labels(m),
                         self.tpot.labels(m))
         self._params_n, self._params_max_tokens = self.params_n.labels(m), self.params_max_tokens.labels(m)
-        for reason in ("stop", "length", "abort"):
+        for reason in ("stop", "length", "abort", "error"):
             self.request_success.labels(m, reason)
 
     # --- fed by the server -------------------------------------------------

@@ -21,7 +21,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine import CompletionOutput, RequestOutput, SamplingError, SamplingParams
-from engine.errors import EngineDeadError, InvalidRequest
+from engine.errors import EngineDeadError, InvalidRequest, RequestFailed
 from server import structured
 from server.errors import APIError, error_body
 from server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
@@ -96,6 +96,9 @@ async def generate(state: ServerState, prompt_ids: list[int], params: SamplingPa
                     rlog.output_tokens += ntok - seen
                     last, seen = now, ntok
                 final = out
+                failed = next((o for o in out.outputs if o.finish_reason == "error"), None)
+                if failed is not None:
+                    raise RequestFailed(str(failed.stop_reason))
                 yield out
         except InvalidRequest:
             if request_id not in state.drain_aborted:
@@ -599,6 +602,9 @@ async def guarded(body: AsyncIterator[str], gen, rlog: RequestLog,
     except EngineDeadError as e:
         status = 503
         yield error_event(503, str(e))
+    except RequestFailed as e:
+        status = 500
+        yield error_event(500, str(e))
     except Exception as e:
         status = 500
         log.exception("stream %s failed", rlog.id)

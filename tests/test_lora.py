@@ -7,6 +7,7 @@ vLLM's load/unload endpoints and the openai client."""
 import copy
 import json
 import re
+import shutil
 import subprocess
 import sys
 
@@ -150,6 +151,53 @@ def test_unloaded_adapter_finishes_its_requests(family):
         done.update({o.request_id: o.outputs[0].token_ids for o in llm.step() if o.finished})
     assert done[first] == reference(refs["all8"], prompts[0], 6)[1]
     assert done[waiting] == reference(refs["qv4"], prompts[1], 6)[1]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_an_adapter_whose_files_went_fails_its_request_only(family, tmp_path, async_scheduling):
+    """An adapter that left the slots and the host cache is read again when
+    a request needs it; with its directory gone that request ends with
+    finish_reason "error" saying why, and the engine serves on."""
+    path, base, refs, loras = family
+    shutil.copytree(loras["qv4"].lora_path, tmp_path / "qv4")
+    moved = LoRARequest("moved", 9, str(tmp_path / "qv4"))
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=8 << 20, enable_lora=True, max_loras=1,
+              max_cpu_loras=1, async_scheduling=async_scheduling)
+    prompts = token_prompts(3, lo=5, hi=12, seed=19)
+    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    assert llm.generate(prompts[0], sp, lora_request=moved)[0].outputs[0].token_ids == \
+        reference(refs["qv4"], prompts[0], 4)[1]
+    llm.generate(prompts[1], sp, lora_request=loras["all8"])       # "moved" leaves its slot and the cache
+    assert 9 not in llm.core.loras.model.cache
+    shutil.rmtree(tmp_path / "qv4")
+    outs = llm.generate(prompts, sp, lora_request=[loras["all8"], moved, None])
+    bad = outs[1].outputs[0]
+    assert bad.finish_reason == "error" and bad.token_ids == []
+    assert "'moved' could not be read again" in bad.stop_reason and "not a directory" in bad.stop_reason
+    assert outs[0].outputs[0].token_ids == reference(refs["all8"], prompts[0], 4)[1]
+    assert outs[2].outputs[0].token_ids == reference(base, prompts[2], 4)[1]
+    assert not llm.core.has_work() and not llm.core.scheduler.requests
+    assert llm.core.kv.usage == 0
+
+
+def test_adapters_going_into_slots_stay_on_the_host_until_loaded(family):
+    """Two adapters admitted in one pass with one host-cache entry per slot:
+    the first is not evicted by the second's read before its step loads it
+    (it would be read from disk again at the load, outside the error path)."""
+    path, base, refs, loras = family
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=8 << 20, enable_lora=True, max_loras=2,
+              max_cpu_loras=2)
+    sp = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    p = token_prompts(3, lo=5, hi=12, seed=23)
+    llm.generate(p[0], sp, lora_request=loras["od16"])      # od16: in a slot and the cache
+    for prompt, name in zip(p[1:], ("all8", "qv4")):
+        llm.add_request(prompt, sp, lora_request=loras[name])
+    model = llm.core.loras.model
+    reads = []
+    real = model.read
+    model.read = lambda i, path: (reads.append(i), real(i, path))[1]
+    llm.core.scheduler.schedule()           # both admitted: each read once, neither evicted before loading
+    assert sorted(reads) == [1, 2] and {1, 2} <= set(model.cache)
 
 
 def test_tensor_parallel(tmp_path):
@@ -341,6 +389,24 @@ def test_server_serves_adapters(smollm2_adapters, tmp_path):
             client.completions.create(model="sql2", prompt="Hi", max_tokens=1)
         assert httpx.post(srv.url + "/v1/unload_lora_adapter", json={"lora_name": "sql2"}).status_code == 404
         assert completion_logprobs(client, "sql", ids) == completion_logprobs(client, "sql", ids)
+        # An adapter whose directory went after it left the slots and the host
+        # cache: its requests fail with a 500 saying why, the server serves on.
+        shutil.copytree(d / "poet", tmp_path / "moved")
+        assert httpx.post(srv.url + "/v1/load_lora_adapter",
+                          json={"lora_name": "moved", "lora_path": str(tmp_path / "moved")}).status_code == 200
+        kw = dict(prompt="Hi", max_tokens=2)
+        client.completions.create(model="moved", **kw)
+        client.completions.create(model="sql", **kw)
+        client.completions.create(model="poet", **kw)        # two slots, two host copies: "moved" is out
+        shutil.rmtree(tmp_path / "moved")
+        with pytest.raises(openai.InternalServerError, match="'moved' could not be read again"):
+            client.completions.create(model="moved", **kw)
+        with pytest.raises(openai.APIError, match="'moved' could not be read again"):
+            list(client.chat.completions.create(model="moved", messages=[{"role": "user", "content": "Hi"}],
+                                                max_tokens=2, stream=True))
+        assert client.completions.create(model="sql", **kw).choices[0].finish_reason == "length"
+        assert re.search(r'tqserve:request_success_total\{finished_reason="error",model_name="[^"]+"\} 2\.0',
+                         httpx.get(srv.url + "/metrics").text)
     finally:
         srv.stop()
     log = srv.log()
