@@ -102,6 +102,10 @@ class AsyncLLM:
         return self.info.max_model_len
 
     @property
+    def max_logprobs(self) -> int:
+        return self.args.max_logprobs
+
+    @property
     def kv_info(self) -> dict:
         i = self.info
         return {"capacity_tokens": i.capacity_tokens, "bytes_per_token": i.bytes_per_token,
@@ -188,7 +192,7 @@ class AsyncLLM:
         if rid in self._streams:
             raise InvalidRequest(f"request id {rid!r} is already running")
         text, ids = self.encode(prompt)
-        check_request(ids, params, self.info.max_model_len, self.info.vocab_size)
+        check_request(ids, params, self.info.max_model_len, self.info.vocab_size, self.args.max_logprobs)
         check_priority(priority, self.args.scheduling_policy)
         check_pooling(params, pooling, self.info)
         if lora_request is not None and not self.args.enable_lora:

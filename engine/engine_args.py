@@ -103,6 +103,8 @@ class EngineArgs:
         None, 'how /v1/embeddings pools the final hidden states, over the model\'s own (sentence-transformers '
               'modules.json, a GGUF\'s pooling_type; else last token, normalized): {"pooling_type": "last" | '
               '"mean" | "cls", "normalize": true}', type=parse_json_object)
+    max_logprobs: int = arg(20, "the most logprobs (per token, and per prompt token) a request may ask for "
+                                "(vLLM's flag; -1: no cap)")
     enable_lora: bool = arg(False, "serve LoRA adapters (PEFT format) over the model, several per batch")
     max_loras: int = arg(1, "LoRA adapters one step may run at once (each a slot on the device)")
     max_lora_rank: int = arg(16, "the highest LoRA rank an adapter may have (sizes the slots)")

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 
 from engine.engine_args import EngineArgs
+from engine.bad_words import token_sequences
 from engine.errors import InvalidRequest
 from engine.follower import Followers
 from engine.lora import LoRAManager, LoRARequest
@@ -85,7 +86,8 @@ def check_priority(priority: int, policy: str) -> None:
         raise InvalidRequest(f"priority {priority} needs --scheduling-policy priority (this server's is {policy})")
 
 
-def check_request(prompt_token_ids: list[int], params, max_model_len: int, vocab_size: int) -> None:
+def check_request(prompt_token_ids: list[int], params, max_model_len: int, vocab_size: int,
+                  max_logprobs: int = 20) -> None:
     """Raise InvalidRequest for a request that can never run."""
     n = len(prompt_token_ids)
     if n == 0:
@@ -100,6 +102,14 @@ def check_request(prompt_token_ids: list[int], params, max_model_len: int, vocab
                              f"the prompt has {n} tokens and max_tokens is {mt}, {n + mt} in total")
     if vocab_size and (min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size):
         raise InvalidRequest(f"prompt token ids must be in [0, {vocab_size})")
+    if vocab_size and params.allowed_token_ids is not None and max(params.allowed_token_ids) >= vocab_size:
+        raise InvalidRequest(f"allowed_token_ids must be in [0, {vocab_size})")
+    if max_logprobs >= 0:
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > max_logprobs:
+                raise InvalidRequest(f"requested {name} of {k}, which is greater than max allowed: {max_logprobs} "
+                                     f"(--max-logprobs)")
 
 
 def check_pooling(params, pooling, info: ModelInfo) -> None:
@@ -195,7 +205,7 @@ class EngineCore(Worker):
 
     # -- requests -------------------------------------------------------------
     def add_request(self, er: EngineRequest) -> None:
-        check_request(er.prompt_token_ids, er.params, self.max_model_len, self.info.vocab_size)
+        check_request(er.prompt_token_ids, er.params, self.max_model_len, self.info.vocab_size, self.args.max_logprobs)
         if er.request_id in self.scheduler.requests:
             raise InvalidRequest(f"request id {er.request_id!r} is already running")
         if not er.eos_token_ids:
@@ -204,6 +214,8 @@ class EngineCore(Worker):
         if er.lora is not None:
             self.add_lora(er.lora)
         req = Request(er, self.max_model_len)
+        if er.params.bad_words:
+            req.bad_words_ids = token_sequences(self.source.tokenizer, er.params.bad_words)
         so = er.params.structured_outputs
         if so is not None:
             try:

@@ -55,7 +55,8 @@ class LLM:
     def _add(self, text, ids, params, request_id=None, priority: int = 0, pooling=None, cache_salt=None,
              lora=None) -> str:
         rid = request_id or str(next(self._ids))
-        check_request(ids, params, self.core.max_model_len, self.core.info.vocab_size)
+        check_request(ids, params, self.core.max_model_len, self.core.info.vocab_size,
+                      self.core.args.max_logprobs)
         check_pooling(params, pooling, self.core.info)
         if lora is not None:
             self.core.add_lora(lora)        # (checked before anything is queued)
@@ -114,7 +115,8 @@ class LLM:
         # Validate every prompt before queueing any, so a bad one disturbs none.
         encoded = [self.encode(p) for p in prompts]
         for (_, ids), sp, pr, lora in zip(encoded, params, priority, loras):
-            check_request(ids, sp, self.core.max_model_len, self.core.info.vocab_size)
+            check_request(ids, sp, self.core.max_model_len, self.core.info.vocab_size,
+                          self.core.args.max_logprobs)
             check_priority(pr, self.core.args.scheduling_policy)
             if lora is not None:
                 self.core.add_lora(lora)
@@ -148,7 +150,8 @@ class LLM:
         params = SamplingParams(max_tokens=0)
         encoded = [self.encode(p) for p in prompts]
         for _, ids in encoded:
-            check_request(ids, params, self.core.max_model_len, self.core.info.vocab_size)
+            check_request(ids, params, self.core.max_model_len, self.core.info.vocab_size,
+                          self.core.args.max_logprobs)
         order = [self._add(text, ids, params, pooling=pooling, lora=lora_request) for text, ids in encoded]
         done = self._run(order, use_tqdm)
         return [EmbeddingRequestOutput(r, done[r].prompt_token_ids, EmbeddingOutput(done[r].embedding))

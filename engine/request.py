@@ -70,6 +70,8 @@ class Request:
         self.pooled: torch.Tensor | None = None
         # Grammar-constrained requests: set by the engine core (structured_output.GrammarState).
         self.grammar = None
+        # bad_words as token sequences: set by the engine core (engine/bad_words.py).
+        self.bad_words_ids: list[list[int]] = []
         # Draft tokens the next step verifies (speculative decoding); never in token_ids.
         self.spec_token_ids: list[int] = []
         # Tokens sampled by a step still in flight (asynchronous scheduling):
@@ -126,12 +128,12 @@ class Request:
 
     def needs_own_tokens(self) -> bool:
         """Whether sampling its next token reads its previous tokens on the
-        host (penalties over them, a grammar's state): then a step's sampling
-        waits for the tokens of the step before. (min_tokens needs only their
-        count, placeholders included.)"""
+        host (penalties over them, a grammar's state, bad words of several
+        tokens): then a step's sampling waits for the tokens of the step
+        before. (min_tokens needs only their count, placeholders included.)"""
         p = self.params
         return (p.repetition_penalty != 1.0 or bool(p.frequency_penalty) or bool(p.presence_penalty)
-                or self.grammar is not None)
+                or self.grammar is not None or any(len(s) > 1 for s in self.bad_words_ids))
 
     def generator_for(self, device: torch.device) -> torch.Generator | None:
         """This request's generator on `device` (None when unseeded), seeded

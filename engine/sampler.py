@@ -3,9 +3,10 @@
 Everything runs on the logits' device, vectorised over the batch. The
 per-request parameters are gathered on the host into a few numpy arrays that
 go to the device in one copy (packed into one pinned buffer, non-blocking,
-on CUDA; zero-copy views on CPU). Penalties, logit bias and min_tokens bans
-are scatters at flat (row * V + token) positions; temperature, top-k, top-p
-and min-p are batched tensor ops. Work a batch does not ask for is skipped:
+on CUDA; zero-copy views on CPU). Penalties, logit bias, min_tokens and bad
+words bans and allowed_token_ids are scatters at flat (row * V + token)
+positions; temperature, top-k, top-p and min-p are batched tensor ops.
+Work a batch does not ask for is skipped:
 a greedy batch without penalties or logprobs costs one argmax. Rows with a
 grammar (structured outputs) get their token bitmask, filled on the host by
 llguidance, in the same upload, and -inf at the forbidden tokens.
@@ -32,6 +33,7 @@ accepted, so the caller reads acceptance off the tokens.
 import numpy as np
 import torch
 
+from engine.bad_words import banned_now
 from engine.request import Request
 from engine.structured_output import fill_bitmask
 
@@ -116,7 +118,7 @@ def _plan_penalties(reqs: list[Request], V: int, up: _Upload) -> dict | None:
     flat position (row * V + id) travels; values go per row, read on the
     device at position // V."""
     rep_rows, rep_ids, rep_vals, cnt_rows, cnt_ids, cnt_fp, cnt_pp = [], [], [], [], [], [], []
-    bias_rows, bias_ids, bias_vals, ban_rows, ban_ids = [], [], [], [], []
+    bias_rows, bias_ids, bias_vals, ban_rows, ban_ids, allow_rows, allow_ids = [], [], [], [], [], [], []
     for i, r in enumerate(reqs):
         p = r.params
         if p.repetition_penalty != 1.0:
@@ -134,11 +136,17 @@ def _plan_penalties(reqs: list[Request], V: int, up: _Upload) -> dict | None:
             bias_rows.append(i)
             bias_ids.append(np.clip(np.fromiter(p.logit_bias.keys(), np.int64, n), 0, V - 1))
             bias_vals.append(np.fromiter(p.logit_bias.values(), np.float32, n))
+        banned = []
         if r.num_output_tokens + r.num_placeholders < p.min_tokens:     # tokens in flight count
             banned = [t for t in (r.eos_token_ids | r.stop_token_ids) if 0 <= t < V]
-            if banned:
-                ban_rows.append(i)
-                ban_ids.append(np.asarray(banned, np.int64))
+        if r.bad_words_ids:
+            banned += [t for t in banned_now(r.bad_words_ids, r.output_array) if t < V]
+        if banned:
+            ban_rows.append(i)
+            ban_ids.append(np.asarray(banned, np.int64))
+        if p.allowed_token_ids is not None:
+            allow_rows.append(i)
+            allow_ids.append(np.asarray(p.allowed_token_ids, np.int64))
     B, plan = len(reqs), {}
     if rep_rows:
         plan["rep"] = (up.add(_flat(rep_rows, rep_ids, V), np.int64),
@@ -155,13 +163,16 @@ def _plan_penalties(reqs: list[Request], V: int, up: _Upload) -> dict | None:
                         up.add(np.concatenate(bias_vals), np.float32))
     if ban_rows:
         plan["ban"] = up.add(_flat(ban_rows, ban_ids, V), np.int64)
+    if allow_rows:
+        plan["allow"] = (up.add(allow_rows, np.int64), up.add(_flat(allow_rows, allow_ids, V), np.int64))
     return plan or None
 
 
 def _apply_penalties(logits: torch.Tensor, plan: dict, t: list[torch.Tensor]) -> torch.Tensor:
     """Repetition (HF style, over prompt + output), frequency and presence
-    (OpenAI style, over output) penalties, logit_bias, then min_tokens bans
-    of EOS / stop ids, each a gather / compute / scatter at the flat
+    (OpenAI style, over output) penalties, logit_bias, min_tokens bans of
+    EOS / stop ids and bad words, then allowed_token_ids (every other token
+    of the row -inf), each a gather / compute / scatter at the flat
     positions it touches (a position listed twice gets the same value
     twice). Returns new float32 logits."""
     B, V = logits.shape
@@ -186,6 +197,11 @@ def _apply_penalties(logits: torch.Tensor, plan: dict, t: list[torch.Tensor]) ->
         flat.index_add_(0, pos, vals)
     if "ban" in plan:
         flat.index_fill_(0, t[plan["ban"]], float("-inf"))
+    if "allow" in plan:         # last: an allowed token banned above stays banned
+        rows, pos = (t[k] for k in plan["allow"])
+        keep = flat.index_select(0, pos)
+        logits.index_fill_(0, rows, float("-inf"))
+        flat.index_copy_(0, pos, keep)
     return logits
 
 

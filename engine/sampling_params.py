@@ -29,6 +29,8 @@ class SamplingParams:
     logprobs: int | None = None           # top-k alternatives per generated token (0 = only the chosen one)
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
+    allowed_token_ids: list[int] | None = None   # vLLM's: sample only among these
+    bad_words: list[str] = field(default_factory=list)     # vLLM's: words never generated (engine/bad_words.py)
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None   # grammar-constrained output
     speculative: bool = True              # False: never draft for this request (speculative decoding)
@@ -39,6 +41,11 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = [int(t) for t in self.allowed_token_ids]
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        self.bad_words = list(self.bad_words or [])
         if self.top_k == -1:
             self.top_k = 0
         self.validate()
@@ -68,10 +75,15 @@ class SamplingParams:
             bad("frequency_penalty", "must be in [-2, 2]")
         if not self.repetition_penalty > 0:
             bad("repetition_penalty", "must be > 0")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            bad("logprobs", "must be in [0, 20]")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
-            bad("prompt_logprobs", "must be in [0, 20]")
+        # (The engine caps both at its max_logprobs: engine_core.check_request.)
+        if self.logprobs is not None and self.logprobs < 0:
+            bad("logprobs", "must be >= 0")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            bad("prompt_logprobs", "must be >= 0")
+        if self.allowed_token_ids is not None and (not self.allowed_token_ids or min(self.allowed_token_ids) < 0):
+            bad("allowed_token_ids", "must be a non-empty list of token ids")
+        if any(not w.strip() for w in self.bad_words):
+            bad("bad_words", "must not contain empty words")
 
     @property
     def greedy(self) -> bool:

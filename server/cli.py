@@ -117,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "model's (vLLM's flag; DeepSeek-V4 ships none)")
     s.add_argument("--trust-request-chat-template", action="store_true",
                    help="render a chat_template given in a request (vLLM's flag; off: such requests get a 400)")
+    s.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="logprobs name each token \"token_id:{id}\" instead of its text (vLLM's flag; a "
+                        "request's return_tokens_as_token_ids overrides it)")
     s.add_argument("--reasoning-parser", default=None, choices=sorted(reasoning_parsers),
                    help="split <think>...</think> text into reasoning_content [default: off]")
     from server.state import ServerConfig
@@ -271,6 +274,7 @@ async def _serve(args, model: str, keys: list[str], sock: socket.socket, url: st
                                           reasoning_parser=args.reasoning_parser,
                                           responses_store_size=max(0, args.responses_store_size),
                                           trust_request_chat_template=args.trust_request_chat_template,
+                                          return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                                           allow_credentials=args.allow_credentials,
                                           **{f"allowed_{k}": getattr(args, f"allowed_{k}")
                                              for k in ("origins", "methods", "headers")

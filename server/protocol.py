@@ -212,6 +212,9 @@ class _SamplingFields(_Body):
     cache_salt: str | None = Field(None, min_length=1, max_length=256)   # vLLM's: prefix-cache isolation
     return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids in the response
     min_tokens: int = Field(0, ge=0)
+    allowed_token_ids: TokenIds | None = Field(None, min_length=1)    # vLLM's: sample only among these
+    bad_words: list[str] | None = Field(None, max_length=1024)     # vLLM's: words never generated
+    return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens "token_id:{id}"
     skip_special_tokens: bool = True
     user: str | None = None
     stream: bool = False
@@ -288,7 +291,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0)      # capped by --max-logprobs (the engine's check)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -340,8 +343,8 @@ class CompletionRequest(_SamplingFields):
     prompt: Prompt
     max_tokens: int | None = Field(16, ge=0)
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=20)
-    prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = Field(None, ge=0)            # both capped by --max-logprobs (the engine's check)
+    prompt_logprobs: int | None = Field(None, ge=0)
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
 

@@ -253,15 +253,22 @@ def check_model(state: ServerState, model: str | None) -> None:
 
 def sampling_params(state: ServerState, req: _SamplingFields, max_tokens: int | None, logprobs: int | None,
                     prompt_logprobs: int | None = None, structured=None,
-                    skip_special_tokens: bool | None = None) -> SamplingParams:
+                    skip_special_tokens: bool | None = None, logprobs_param: str = "logprobs") -> SamplingParams:
     """The request's sampling, with what it leaves unset from the model's
-    recommended settings (--generation-config), else vLLM's neutral values."""
+    recommended settings (--generation-config), else vLLM's neutral values.
+    logprobs_param: the request field `logprobs` came from (errors name it)."""
+    cap = state.llm.max_logprobs
+    for param, k in ((logprobs_param, logprobs), ("prompt_logprobs", prompt_logprobs)):
+        if k is not None and 0 <= cap < k:
+            raise APIError(400, f"{param} {k} is greater than the maximum allowed, {cap} (--max-logprobs)",
+                           param=param)
     kw = dict(n=req.n, structured_outputs=structured, max_tokens=max_tokens, min_tokens=req.min_tokens,
               stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
               stop_token_ids=list(req.stop_token_ids or []),
               include_stop_str_in_output=req.include_stop_str_in_output,
               ignore_eos=req.ignore_eos, speculative=req.speculative, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
               logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()},
+              allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
               skip_special_tokens=req.skip_special_tokens if skip_special_tokens is None else skip_special_tokens,
               seed=req.seed)
     model = state.llm.default_sampling
@@ -329,6 +336,10 @@ def check_vocab(state: ServerState, req: _SamplingFields, prompts: list[list[int
         if int(k) >= vocab:
             raise APIError(400, f"logit_bias: token id {k} is out of vocabulary (size {vocab})",
                            param="logit_bias")
+    for t in (req.allowed_token_ids or []):
+        if t >= vocab:
+            raise APIError(400, f"allowed_token_ids: token id {t} is out of vocabulary (size {vocab})",
+                           param="allowed_token_ids")
 
 
 def admit(state: ServerState, request_ids: list[str]) -> None:
@@ -427,21 +438,30 @@ def _top(d: dict, k: int) -> list[tuple[int, float]]:
     return sorted(d.items(), key=lambda kv: -kv[1])[:k] if k else []
 
 
-def chat_logprobs(state: ServerState, token_ids: list[int], lps: list[dict], top_k: int) -> list[dict]:
+def token_namer(state: ServerState, req: _SamplingFields) -> Callable[[int], str]:
+    """How logprobs name a token: its text, or "token_id:{id}" (vLLM's
+    --return-tokens-as-token-ids, or the request's return_tokens_as_token_ids)."""
+    as_ids = req.return_tokens_as_token_ids
+    if as_ids is None:
+        as_ids = state.config.return_tokens_as_token_ids
+    return (lambda t: f"token_id:{t}") if as_ids else state.tok_str
+
+
+def chat_logprobs(tok_str: Callable[[int], str], token_ids: list[int], lps: list[dict], top_k: int) -> list[dict]:
     out = []
     for tid, d in zip(token_ids, lps):
-        s = state.tok_str(tid)
+        s = tok_str(tid)
         out.append({"token": s, "logprob": _lp(d.get(tid)), "bytes": list(s.encode("utf-8", "replace")),
-                    "top_logprobs": [{"token": (ts := state.tok_str(t)), "logprob": _lp(v),
+                    "top_logprobs": [{"token": (ts := tok_str(t)), "logprob": _lp(v),
                                       "bytes": list(ts.encode("utf-8", "replace"))} for t, v in _top(d, top_k)]})
     return out
 
 
-def completion_logprobs(state: ServerState, token_ids: list[int], lps: list, top_k: int,
+def completion_logprobs(tok_str: Callable[[int], str], token_ids: list[int], lps: list, top_k: int,
                         offset: int) -> dict:
     tokens, token_lps, tops, offsets = [], [], [], []
     for tid, d in zip(token_ids, lps):
-        s = state.tok_str(tid)
+        s = tok_str(tid)
         tokens.append(s)
         offsets.append(offset)
         offset += len(s)
@@ -452,7 +472,7 @@ def completion_logprobs(state: ServerState, token_ids: list[int], lps: list, top
         token_lps.append(_lp(d.get(tid)))
         top = {s: _lp(d.get(tid))}
         for t, v in _top(d, top_k):
-            top.setdefault(state.tok_str(t), _lp(v))
+            top.setdefault(tok_str(t), _lp(v))
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
@@ -508,7 +528,7 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest, rlog: RequestLo
     # Formats whose markers are special tokens need them in the text to parse.
     skip = req.skip_special_tokens and tools.skip_special_tokens
     params = sampling_params(state, req, max_tokens, top_k if req.logprobs else None, structured=so,
-                             skip_special_tokens=skip)
+                             skip_special_tokens=skip, logprobs_param="top_logprobs")
     admit(state, [rlog.id])
     return ChatRun(prompt_ids, params, tools, top_k)
 
@@ -530,7 +550,7 @@ async def chat_completion(state: ServerState, request: Request, req: ChatComplet
     choices = []
     for o in final.outputs:
         msg, called = tools.message(o.text)
-        lp = ({"content": chat_logprobs(state, o.token_ids, o.logprobs or [], top_k)}
+        lp = ({"content": chat_logprobs(token_namer(state, req), o.token_ids, o.logprobs or [], top_k)}
               if req.logprobs else None)
         choices.append({"index": o.index, "message": msg, "logprobs": lp,
                         "finish_reason": _finish(o.finish_reason, called), "stop_reason": o.stop_reason,
@@ -656,6 +676,7 @@ async def _chat_stream(state, req, rlog, gen, first, created, model, top_k, tool
     started = [False] * req.n
     finished = [False] * req.n
     streams = [tools.stream() for _ in range(req.n)]
+    names = token_namer(state, req)
 
     ids_sent = [False]      # return_token_ids: the prompt's ids go in the first chunk
     prompt_ids = list(first.prompt_token_ids) if first is not None else []
@@ -692,7 +713,7 @@ async def _chat_stream(state, req, rlog, gen, first, created, model, top_k, tool
             new_ids = o.token_ids[sent_tok[i]:]
             lp = None
             if req.logprobs and new_ids:
-                lp = {"content": chat_logprobs(state, new_ids, (o.logprobs or [])[sent_tok[i]:], top_k)}
+                lp = {"content": chat_logprobs(names, new_ids, (o.logprobs or [])[sent_tok[i]:], top_k)}
             deltas = streams[i].feed(text, final=o.finish_reason is not None)
             if (lp or (req.return_token_ids and new_ids)) and not deltas:
                 deltas = [{"content": ""}]
@@ -779,9 +800,9 @@ async def completion(state: ServerState, request: Request, req: CompletionReques
             if req.logprobs is not None:
                 if req.echo:
                     plp = final.prompt_logprobs or [None] * len(ids[i])
-                    lp = completion_logprobs(state, ids[i] + tids, list(plp) + lps, req.logprobs, 0)
+                    lp = completion_logprobs(token_namer(state, req), ids[i] + tids, list(plp) + lps, req.logprobs, 0)
                 else:
-                    lp = completion_logprobs(state, tids, lps, req.logprobs, 0)
+                    lp = completion_logprobs(token_namer(state, req), tids, lps, req.logprobs, 0)
             choice = {"index": i * req.n + o.index, "text": prefix + text, "logprobs": lp,
                       "finish_reason": reason, "stop_reason": o.stop_reason}
             if req.prompt_logprobs is not None:
@@ -862,14 +883,14 @@ async def _completion_stream(state, req, rlog, merged, first, ids, echo_text, cr
                     lp = None
                     if req.logprobs is not None:
                         plp = out.prompt_logprobs or [None] * len(ids[p])
-                        lp = completion_logprobs(state, ids[p], list(plp), req.logprobs, 0)
+                        lp = completion_logprobs(token_namer(state, req), ids[p], list(plp), req.logprobs, 0)
                         offsets[s] = sum(len(t) for t in lp["tokens"])
                     parts.append(chunk(s, ptext, lp))
             new_text = text[sent_text[s]:]
             new_ids = tids[sent_tok[s]:]
             lp = None
             if req.logprobs is not None and new_ids:
-                lp = completion_logprobs(state, new_ids, lps[sent_tok[s]:], req.logprobs, offsets[s])
+                lp = completion_logprobs(token_namer(state, req), new_ids, lps[sent_tok[s]:], req.logprobs, offsets[s])
                 offsets[s] += sum(len(t) for t in lp["tokens"])
             sent_text[s] = len(text)
             sent_tok[s] = len(tids)

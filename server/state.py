@@ -22,6 +22,7 @@ class ServerConfig:
     reasoning_parser: str | None = None     # None: thinking text stays in content
     responses_store_size: int = 256         # /v1/responses kept for previous_response_id (0: none)
     trust_request_chat_template: bool = False   # a request's own chat_template renders (vLLM's flag)
+    return_tokens_as_token_ids: bool = False    # logprobs name tokens "token_id:{id}" (vLLM's flag)
     # CORS, vLLM's flags and defaults: any page may call the API (with the key).
     allowed_origins: list[str] = field(default_factory=lambda: ["*"])
     allowed_methods: list[str] = field(default_factory=lambda: ["*"])

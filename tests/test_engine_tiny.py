@@ -163,9 +163,11 @@ def test_bad_input_is_clear_and_harmless(tiny_dir):
     with pytest.raises(InvalidRequest, match="tokenizer"):
         llm.generate(["text needs a tokenizer"], greedy())
     for bad in (dict(temperature=-1), dict(top_p=0), dict(max_tokens=-1), dict(top_k=-5),
-                dict(min_tokens=5, max_tokens=2), dict(logprobs=50)):
+                dict(min_tokens=5, max_tokens=2), dict(logprobs=-1), dict(allowed_token_ids=[])):
         with pytest.raises(SamplingError):
             SamplingParams(**bad)
+    with pytest.raises(InvalidRequest, match="--max-logprobs"):     # (vLLM's default cap, 20)
+        llm.generate([[5] * 10], greedy(logprobs=50))
     # A batch with one bad prompt queues nothing; the engine is still fine.
     with pytest.raises(InvalidRequest):
         llm.generate([[5] * 10, [5] * 100], greedy())

@@ -69,6 +69,7 @@ class FakeAsyncLLM:
         self.prompts: list = []                # and its prompt token ids
         self.model_name = "fake"
         self.max_model_len = max_model_len
+        self.max_logprobs = 20
         self.max_num_seqs = max_num_seqs
         self.step_s, self.eos_after, self.load_s = step_s, eos_after, load_s
         self.tokenizer = FakeTokenizer()
@@ -339,6 +340,38 @@ def test_chat_logprobs(client):
     assert len(content) == 5
     assert "".join(t.token for t in content) == r.choices[0].message.content
     assert all(len(t.top_logprobs) == 2 and t.logprob == -0.25 for t in content)
+
+
+def test_return_tokens_as_token_ids_flag(live):
+    """vLLM's --return-tokens-as-token-ids: logprobs name tokens "token_id:{id}"
+    (chat streamed and not, completions); a request's own field wins; the
+    flag is on the serve command line."""
+    from openai import OpenAI
+
+    from server.cli import build_parser
+    assert build_parser().parse_args(["serve", "--return-tokens-as-token-ids"]).return_tokens_as_token_ids
+    srv = LiveServer(FakeAsyncLLM(), return_tokens_as_token_ids=True)
+    try:
+        c = OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=30)
+        kw = dict(model="fake", messages=[{"role": "user", "content": "q"}], max_tokens=4, temperature=0,
+                  logprobs=True, top_logprobs=2)
+        ids = c.chat.completions.create(**kw, extra_body={"return_token_ids": True}).model_dump()
+        content = ids["choices"][0]["logprobs"]["content"]
+        assert [t["token"] for t in content] == [f"token_id:{t}" for t in ids["choices"][0]["token_ids"]]
+        assert all(a["token"].startswith("token_id:") for t in content for a in t["top_logprobs"])
+        assert all(t["bytes"] == list(t["token"].encode()) for t in content)
+        streamed = [t.token for ch in c.chat.completions.create(**kw, stream=True) if ch.choices
+                    and ch.choices[0].logprobs for t in ch.choices[0].logprobs.content]
+        assert streamed == [t["token"] for t in content]
+        texts = c.chat.completions.create(**kw, extra_body={"return_tokens_as_token_ids": False})
+        assert "".join(t.token for t in texts.choices[0].logprobs.content) == texts.choices[0].message.content
+        cmpl = c.completions.create(model="fake", prompt="q", max_tokens=3, logprobs=1)
+        assert all(t.startswith("token_id:") for t in cmpl.choices[0].logprobs.tokens)
+        too_many = httpx.post(srv.url + "/v1/chat/completions", json={**kw, "top_logprobs": 21})
+        assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "top_logprobs"
+        assert "--max-logprobs" in too_many.json()["error"]["message"]
+    finally:
+        srv.stop()
 
 
 def test_completions_variants(client):

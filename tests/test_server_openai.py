@@ -483,6 +483,34 @@ def test_return_token_ids(server, client):
         {c["index"]: (c["prompt_token_ids"], c["token_ids"]) for c in r["choices"]}
 
 
+def test_allowed_token_ids_and_bad_words(server, client):
+    """vLLM's allowed_token_ids, bad_words and return_tokens_as_token_ids over
+    HTTP (what the engine does with them: test_sampling_constraints.py)."""
+    def tokens(text):
+        return httpx.post(server.url + "/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
+    yes_no = tokens(" yes") + tokens(" no")
+    r = client.completions.create(model=MODEL, prompt="Is the sky blue? Answer:", max_tokens=4, temperature=0,
+                                  logprobs=1, extra_body={"allowed_token_ids": yes_no, "return_token_ids": True,
+                                                          "return_tokens_as_token_ids": True}).model_dump()
+    c = r["choices"][0]
+    assert set(c["token_ids"]) <= set(yes_no) and len(c["token_ids"]) == 4
+    assert c["logprobs"]["tokens"] == [f"token_id:{t}" for t in c["token_ids"]]
+    assert all(k.startswith("token_id:") for top in c["logprobs"]["top_logprobs"] for k in top)
+    # bad_words: the greedy answer's first word, in both spellings, never comes out.
+    plain = chat(client, extra_body={"return_token_ids": True}).model_dump()["choices"][0]
+    word = next(w for w in plain["message"]["content"].split() if w.isalpha())
+    seqs = [tokens(word), tokens(" " + word)]
+    assert any(plain["token_ids"][i:i + len(s)] == s for s in seqs for i in range(len(plain["token_ids"])))
+    ids = chat(client, extra_body={"return_token_ids": True, "bad_words": [word]}).model_dump()["choices"][0]["token_ids"]
+    assert ids != plain["token_ids"]
+    assert not any(ids[i:i + len(s)] == s for s in seqs for i in range(len(ids)))
+    u = server.url + "/v1/chat/completions"
+    base = {"model": MODEL, "messages": QUESTION, "max_tokens": 1}
+    assert _err(httpx.post(u, json={**base, "allowed_token_ids": []}), 400)["param"] == "allowed_token_ids"
+    assert "out of vocabulary" in _err(httpx.post(u, json={**base, "allowed_token_ids": [10**7]}), 400)["message"]
+    assert "bad_words" in _err(httpx.post(u, json={**base, "bad_words": ["  "]}), 400)["message"]
+
+
 def test_embeddings_beside_chats_leak_nothing(server, client):
     """Embeddings, reranks and streamed chats at once: every result as alone,
     and afterwards no request runs and every KV block is back."""
