@@ -8,8 +8,8 @@ import time
 from dataclasses import dataclass, field
 
 
-from engine.engine_args import EngineArgs
 from engine.bad_words import token_sequences
+from engine.engine_args import EngineArgs
 from engine.errors import InvalidRequest
 from engine.follower import Followers
 from engine.lora import LoRAManager, LoRARequest
@@ -205,7 +205,8 @@ class EngineCore(Worker):
 
     # -- requests -------------------------------------------------------------
     def add_request(self, er: EngineRequest) -> None:
-        check_request(er.prompt_token_ids, er.params, self.max_model_len, self.info.vocab_size, self.args.max_logprobs)
+        check_request(er.prompt_token_ids, er.params, self.max_model_len, self.info.vocab_size,
+                      self.args.max_logprobs)
         if er.request_id in self.scheduler.requests:
             raise InvalidRequest(f"request id {er.request_id!r} is already running")
         if not er.eos_token_ids:

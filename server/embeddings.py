@@ -1,6 +1,7 @@
-"""POST /v1/embeddings: each input is one engine request that pools the
-prompt's final hidden states (engine/pooling_params.py) instead of
-generating; they run in the same steps as generation requests."""
+"""POST /v1/embeddings: each input (or a chat's rendered messages, vLLM's
+chat form) is one engine request that pools the prompt's final hidden
+states (engine/pooling_params.py) instead of generating; they run in the
+same steps as generation requests."""
 import base64
 import dataclasses
 import struct
@@ -12,8 +13,8 @@ from fastapi.responses import JSONResponse
 from engine.sampling_params import SamplingParams
 from server.errors import APIError
 from server.protocol import EmbeddingRequest
-from server.serving import (RequestLog, _merge, admit, check_length, check_model, check_prompt_vocab,
-                            encode_prompts, generate, last_outputs)
+from server.serving import (RequestLog, _merge, admit, chat_prompt, check_length, check_model,
+                            check_prompt_vocab, encode_prompts, generate, last_outputs)
 from server.state import ServerState
 
 
@@ -56,7 +57,9 @@ async def create_embeddings(state: ServerState, request: Request, req: Embedding
                             rlog: RequestLog) -> JSONResponse:
     check_model(state, req.model)
     admit(state, [])
-    ids = prompt_ids(state, req.inputs(), req.add_special_tokens, req.truncate_prompt_tokens)
+    inputs = req.inputs() if req.messages is None else [chat_prompt(state, req)[1]]
+    ids = prompt_ids(state, inputs, req.add_special_tokens, req.truncate_prompt_tokens,
+                     param="input" if req.messages is None else "messages")
     rlog.prompt_tokens = sum(map(len, ids))
     pooling = state.llm.default_pooling
     pooling = dataclasses.replace(pooling, dimensions=req.dimensions,

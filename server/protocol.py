@@ -291,7 +291,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)      # capped by --max-logprobs (the engine's check)
+    top_logprobs: int | None = Field(None, ge=0)      # capped by --max-logprobs (serving.sampling_params)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -343,7 +343,7 @@ class CompletionRequest(_SamplingFields):
     prompt: Prompt
     max_tokens: int | None = Field(16, ge=0)
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0)            # both capped by --max-logprobs (the engine's check)
+    logprobs: int | None = Field(None, ge=0)            # both capped by --max-logprobs (serving.sampling_params)
     prompt_logprobs: int | None = Field(None, ge=0)
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
@@ -404,9 +404,16 @@ class UnloadLoRAAdapterRequest(_Body):
 
 
 class EmbeddingRequest(_Body):
-    """POST /v1/embeddings: OpenAI's fields, plus vLLM's extras."""
+    """POST /v1/embeddings: OpenAI's fields, plus vLLM's extras, and vLLM's
+    chat form: `messages` instead of `input`, rendered by the chat template
+    (without the generation prompt unless asked) and embedded as one input."""
     model: str | None = None
-    input: Prompt
+    input: Prompt | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1)
     user: str | None = None
@@ -415,9 +422,19 @@ class EmbeddingRequest(_Body):
     add_special_tokens: bool = True
     priority: int = 0
 
+    @model_validator(mode="after")
+    def _input_or_messages(self):
+        if (self.input is None) == (self.messages is None):
+            raise ValueError("give exactly one of input or messages")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        return self
+
     @field_validator("input")
     @classmethod
     def _check_input(cls, v):
+        if v is None:
+            return v
         inputs = prompt_list(v)
         if not inputs:
             raise ValueError("input must not be empty")

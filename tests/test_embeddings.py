@@ -186,6 +186,21 @@ def test_http_shape_and_parameters(fake_server):
     assert all(p.max_tokens == 0 for p in srv.llm.params)
 
 
+def test_http_chat_form(fake_server):
+    """vLLM's chat form: `messages` rendered by the chat template (no
+    generation prompt unless asked), embedded as one input."""
+    import httpx
+    srv, _ = fake_server
+    msgs = [{"role": "system", "content": "Embed this."}, {"role": "user", "content": "hello there"}]
+    for gen_prompt in (False, True):
+        want = httpx.post(srv.url + "/tokenize", json={"messages": msgs, "add_generation_prompt": gen_prompt}).json()
+        r = httpx.post(srv.url + "/v1/embeddings", json={"model": "fake", "messages": msgs, "encoding_format": "float",
+                                                         "add_generation_prompt": gen_prompt}).json()
+        assert srv.llm.prompts[-1] == want["tokens"] and r["usage"]["prompt_tokens"] == want["count"]
+        assert r["data"][0]["embedding"] == pytest.approx(fake_embedding(want["tokens"], PoolingParams()))
+    assert srv.llm.prompts[-1] != srv.llm.prompts[-2]
+
+
 @pytest.mark.parametrize("body, status, words", [
     ({"input": []}, 400, "input must not be empty"),
     ({"input": ["a", ""]}, 400, "must not contain empty"),
@@ -199,6 +214,9 @@ def test_http_shape_and_parameters(fake_server):
     ({"input": ["a"] * 2049}, 400, "at most 2048"),
     ({"input": "a", "model": "other"}, 404, "does not exist"),
     ({"inputs": "a"}, 400, "input"),
+    ({"input": "a", "messages": [{"role": "user", "content": "x"}]}, 400, "exactly one of input or messages"),
+    ({"messages": []}, 400, "messages"),
+    ({"messages": [{"role": "user", "content": "x" * 80}]}, 400, "maximum context length is 64 tokens"),
 ])
 def test_http_bad_requests(fake_server, body, status, words):
     srv, _ = fake_server
