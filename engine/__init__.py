@@ -1,4 +1,5 @@
 """Request lifecycle, scheduler, sampler, model runner, engine core and its clients."""
+from engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from engine.engine_args import EngineArgs
 from engine.errors import EngineDeadError, InvalidRequest
 from engine.lora import LoRARequest
@@ -21,4 +22,4 @@ def __getattr__(name):
 
 __all__ = ["LLM", "AsyncLLM", "EngineArgs", "SamplingParams", "SamplingError", "RequestOutput",
            "CompletionOutput", "InvalidRequest", "EngineDeadError", "PoolingParams", "PoolingError",
-           "EmbeddingRequestOutput", "LoRARequest"]
+           "EmbeddingRequestOutput", "LoRARequest", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"]

@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 
+from engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from engine.core_process import run_engine_core
 from engine.engine_args import EngineArgs
 from engine.engine_core import EngineStats, ModelInfo, check_pooling, check_priority, check_request
@@ -42,6 +43,7 @@ class AsyncLLM:
         self._closing = False
         self._ranks: list = []
         self._lora_replies: dict[int, asyncio.Future] = {}     # add_lora calls waiting on the core
+        self._beam_searches: dict[str, BeamSearch] = {}         # running beam searches, by request id
 
     # -- lifecycle ------------------------------------------------------------
     async def start(self) -> None:
@@ -243,9 +245,45 @@ class AsyncLLM:
         if ids and self._dead is None:
             self._in.put(("abort", ids))
 
+    async def beam_search(self, prompt, params: BeamSearchParams, request_id: str | None = None,
+                          priority: int = 0, lora_request: LoRARequest | None = None) -> BeamSearchOutput:
+        """The best params.beam_width beams (engine/beam_search.py); each
+        step's beams run as requests beside any others. abort(request_id)
+        ends it with the beams so far (finish_reason "abort")."""
+        if self._dead is not None:
+            raise EngineDeadError("the engine core process died")
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self._beam_searches:
+            raise InvalidRequest(f"request id {rid!r} is already running")
+        _, ids = self.encode(prompt)
+        check_request(ids, SamplingParams(max_tokens=params.max_tokens), self.info.max_model_len,
+                      self.info.vocab_size)     # (the longest beam fits)
+        search = self._beam_searches[rid] = BeamSearch(ids, params, set(self.info.eos_token_ids))
+
+        async def final(beam, i):
+            out = None
+            async for out in self.generate(beam.tokens, search.step_params(), f"{rid}-s{search.steps}-b{i}",
+                                           priority, lora_request=lora_request):
+                pass
+            return out.outputs[0].logprobs
+        try:
+            while not search.done and not search.aborted:
+                lps = await asyncio.gather(*(final(b, i) for i, b in enumerate(search.live)))
+                if not search.aborted:
+                    search.advance([lp[0] for lp in lps])
+            return search.output(self.tokenizer)
+        finally:
+            del self._beam_searches[rid]
+
     async def abort(self, request_id: str) -> None:
         """Stop a request; its generate() yields a last output whose
         unfinished choices have finish_reason "abort"."""
+        search = self._beam_searches.get(request_id)
+        if search is not None:          # its step's beams end; it returns what it has
+            search.aborted = True
+            for rid in [r for r in self._streams if r.startswith(f"{request_id}-s{search.steps}-b")]:
+                await self.abort(rid)
+            return
         # (The core is told about the choices that were running: aborted_output
         # used to mark them first, and the core then ran them on to their end.)
         final, running = self.processor.abort(request_id)

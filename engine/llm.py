@@ -7,6 +7,7 @@ import itertools
 import sys
 import time
 
+from engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from engine.engine_args import EngineArgs
 from engine.engine_core import EngineCore, check_pooling, check_priority, check_request
 from engine.errors import InvalidRequest
@@ -139,6 +140,30 @@ class LLM:
         if use_tqdm:
             print(file=sys.stderr)
         return done
+
+    def beam_search(self, prompts, params: BeamSearchParams, lora_request: LoRARequest | None = None,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's LLM.beam_search: per prompt (a text, token ids, or vLLM's
+        {"prompt": ...} / {"prompt_token_ids": ...}) its best beams
+        (engine/beam_search.py); every prompt's beams run in the same steps."""
+        if isinstance(prompts, (str, dict)) or is_token_prompt(prompts):
+            prompts = [prompts]
+        searches = []
+        for p in prompts:
+            if isinstance(p, dict):
+                p = p["prompt_token_ids"] if "prompt_token_ids" in p else p["prompt"]
+            _, ids = self.encode(p)
+            check_request(ids, SamplingParams(max_tokens=params.max_tokens), self.core.max_model_len,
+                          self.core.info.vocab_size)        # (the longest beam fits)
+            searches.append(BeamSearch(ids, params, set(self.core.info.eos_token_ids)))
+        if lora_request is not None:
+            self.core.add_lora(lora_request)
+        while live := [s for s in searches if not s.done]:
+            order = [[self._add(None, b.tokens, s.step_params(), lora=lora_request) for b in s.live] for s in live]
+            done = self._run([r for rids in order for r in rids], use_tqdm)
+            for s, rids in zip(live, order):
+                s.advance([done[r].outputs[0].logprobs[0] for r in rids])
+        return [s.output(self.tokenizer) for s in searches]
 
     def embed(self, prompts, pooling_params: PoolingParams | None = None, use_tqdm: bool = False,
               lora_request: LoRARequest | None = None) -> list[EmbeddingRequestOutput]:

@@ -215,6 +215,8 @@ class _SamplingFields(_Body):
     allowed_token_ids: TokenIds | None = Field(None, min_length=1)    # vLLM's: sample only among these
     bad_words: list[str] | None = Field(None, max_length=1024)     # vLLM's: words never generated
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens "token_id:{id}"
+    use_beam_search: bool = False   # vLLM's: `n` beams, ranked by their logprob (engine/beam_search.py)
+    length_penalty: float = 1.0     # vLLM's: beams' scores divide by their length ** length_penalty
     skip_special_tokens: bool = True
     user: str | None = None
     stream: bool = False

@@ -20,7 +20,7 @@ import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from engine import CompletionOutput, RequestOutput, SamplingError, SamplingParams
+from engine import BeamSearchParams, CompletionOutput, RequestOutput, SamplingError, SamplingParams
 from engine.errors import EngineDeadError, InvalidRequest, RequestFailed
 from server import structured
 from server.errors import APIError, error_body
@@ -118,6 +118,55 @@ async def generate(state: ServerState, prompt_ids: list[int], params: SamplingPa
                 log.exception("aborting %s failed", request_id)
         if not rejected:
             _record(state, final, len(prompt_ids), params, t0, first)
+
+
+async def beam_generate(state: ServerState, prompt_ids: list[int], params: SamplingParams, length_penalty: float,
+                        request_id: str, rlog: RequestLog, priority: int = 0,
+                        model: str | None = None) -> AsyncIterator:
+    """vLLM's use_beam_search: the best params.n beams (engine/beam_search.py),
+    as one output when the search ends (a stream gets it in one piece)."""
+    llm, t0, final = state.llm, time.monotonic(), None
+    max_tokens = params.max_tokens or llm.max_model_len - len(prompt_ids)
+    bs = BeamSearchParams(params.n, max_tokens, params.ignore_eos, length_penalty=length_penalty,
+                          include_stop_str_in_output=params.include_stop_str_in_output)
+    state.start_request(request_id)
+    try:
+        out = await llm.beam_search(prompt_ids, bs, request_id, priority, lora_request=state.loras.get(model))
+        outs = []
+        for i, b in enumerate(out.sequences):
+            ids = b.tokens[len(prompt_ids):]
+            shown = ids[:-1] if b.finish_reason == "stop" and not params.include_stop_str_in_output else ids
+            text = llm.tokenizer.decode(shown, skip_special_tokens=params.skip_special_tokens) if llm.tokenizer else ""
+            outs.append(CompletionOutput(i, ids, text, b.logprobs if params.logprobs is not None else None,
+                                         b.finish_reason, b.stop_reason))
+        final = RequestOutput(request_id, None, list(prompt_ids), outs, finished=True)
+        rlog.token_seen()
+        rlog.output_tokens += sum(len(o.token_ids) for o in outs)
+        yield final
+    finally:
+        state.end_request(request_id)
+        _record(state, final, len(prompt_ids), params, t0, None)
+
+
+def engine_outputs(state: ServerState, req: _SamplingFields, prompt_ids: list[int], params: SamplingParams,
+                   request_id: str, rlog: RequestLog) -> AsyncIterator:
+    """A chat or completion prompt's outputs: sampled (generate), or with
+    use_beam_search the best n beams at the end (beam_generate)."""
+    if req.use_beam_search:
+        return beam_generate(state, prompt_ids, params, req.length_penalty, request_id, rlog, req.priority,
+                             req.model)
+    return generate(state, prompt_ids, params, request_id, rlog, req.priority, cache_salt=req.cache_salt,
+                    model=req.model)
+
+
+# What beam search leaves out (vLLM ignores them; here they are a 400).
+_NOT_WITH_BEAMS = (("stop", lambda p: p.stop), ("structured_outputs", lambda p: p.structured_outputs),
+                   ("bad_words", lambda p: p.bad_words), ("allowed_token_ids", lambda p: p.allowed_token_ids),
+                   ("logit_bias", lambda p: p.logit_bias), ("min_tokens", lambda p: p.min_tokens),
+                   ("prompt_logprobs", lambda p: p.prompt_logprobs is not None),
+                   ("repetition_penalty", lambda p: p.repetition_penalty != 1.0),
+                   ("frequency_penalty", lambda p: p.frequency_penalty),
+                   ("presence_penalty", lambda p: p.presence_penalty))
 
 
 def _aborted(out, prompt_ids: list[int], n: int, request_id: str):
@@ -281,9 +330,14 @@ def sampling_params(state: ServerState, req: _SamplingFields, max_tokens: int | 
         raise APIError(400, f"min_tokens ({kw['min_tokens']}) must be <= max_tokens ({max_tokens})",
                        param="min_tokens")
     try:
-        return SamplingParams(**kw)
+        params = SamplingParams(**kw)
     except SamplingError as e:
         raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
+    if req.use_beam_search:
+        for name, used in _NOT_WITH_BEAMS:
+            if used(params):
+                raise APIError(400, f"{name} cannot be used with use_beam_search", param=name)
+    return params
 
 
 def default_max_tokens(state: ServerState, n_prompt: int, endpoint_default: int | None = None) -> int | None:
@@ -537,8 +591,7 @@ async def chat_completion(state: ServerState, request: Request, req: ChatComplet
                           rlog: RequestLog) -> Response:
     run = prepare_chat(state, req, rlog)
     prompt_ids, tools, top_k = run.prompt_ids, run.tools, run.top_k
-    gen = generate(state, prompt_ids, run.params, rlog.id, rlog, req.priority, cache_salt=req.cache_salt,
-                   model=req.model)
+    gen = engine_outputs(state, req, prompt_ids, run.params, rlog.id, rlog)
     created = int(time.time())
     model = req.model or state.model_name
     if req.stream:
@@ -767,8 +820,7 @@ async def completion(state: ServerState, request: Request, req: CompletionReques
                              structured=structured.build(structured.constraint(req)))
     rids = [rlog.id if len(ids) == 1 else f"{rlog.id}-{i}" for i in range(len(ids))]
     admit(state, rids)
-    gens = [generate(state, p, params, rid, rlog, req.priority, cache_salt=req.cache_salt, model=req.model)
-            for p, rid in zip(ids, rids)]
+    gens = [engine_outputs(state, req, p, params, rid, rlog) for p, rid in zip(ids, rids)]
     merged = _merge(gens)
     created = int(time.time())
     model = req.model or state.model_name

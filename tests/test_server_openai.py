@@ -3,7 +3,6 @@
 import asyncio
 import math
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -509,6 +508,35 @@ def test_allowed_token_ids_and_bad_words(server, client):
     assert _err(httpx.post(u, json={**base, "allowed_token_ids": []}), 400)["param"] == "allowed_token_ids"
     assert "out of vocabulary" in _err(httpx.post(u, json={**base, "allowed_token_ids": [10**7]}), 400)["message"]
     assert "bad_words" in _err(httpx.post(u, json={**base, "bad_words": ["  "]}), 400)["message"]
+
+
+def test_beam_search(server, client):
+    """vLLM's use_beam_search over HTTP: `n` beams, best first, the same as
+    the offline LLM.beam_search with the server's settings (the comparison
+    with transformers' beam search: test_beam_search.py); streamed as one
+    piece; what it cannot honour is a 400."""
+    from engine import LLM, BeamSearchParams
+    prompt = "The capital of France is"
+    extra = {"use_beam_search": True, "return_token_ids": True}
+    r = client.completions.create(model=MODEL, prompt=prompt, n=3, max_tokens=6, logprobs=2,
+                                  extra_body=extra).model_dump()
+    ids = r["choices"][0]["prompt_token_ids"]
+    llm = LLM(MODEL, max_model_len=1024, kv_cache_memory=192 << 20, max_num_batched_tokens=512)
+    want = llm.beam_search(prompt, BeamSearchParams(beam_width=3, max_tokens=6))[0].sequences
+    assert [c["token_ids"] for c in r["choices"]] == [b.tokens[len(ids):] for b in want]
+    assert [c["text"] for c in r["choices"]] == [b.text for b in want]
+    assert len({c["text"] for c in r["choices"]}) == 3 and r["usage"]["completion_tokens"] == 18
+    for c, b in zip(r["choices"], want):
+        chosen = [d[t] for d, t in zip(b.logprobs, b.tokens[len(ids):])]
+        assert c["logprobs"]["token_logprobs"] == pytest.approx(chosen, abs=1e-3)
+    kw = dict(n=2, max_tokens=8, extra_body={"use_beam_search": True, "length_penalty": 0.5})
+    full = [c.message.content for c in chat(client, **kw).choices]
+    texts, _, _ = stream_text(chat(client, stream=True, **kw))
+    assert [texts[i] for i in range(2)] == full and len(set(full)) == 2
+    u = server.url + "/v1/chat/completions"
+    base = {"model": MODEL, "messages": QUESTION, "max_tokens": 2, "use_beam_search": True}
+    assert _err(httpx.post(u, json={**base, "stop": ["x"]}), 400)["param"] == "stop"
+    assert _err(httpx.post(u, json={**base, "presence_penalty": 0.5}), 400)["param"] == "presence_penalty"
 
 
 def test_embeddings_beside_chats_leak_nothing(server, client):
