@@ -14,7 +14,7 @@ from engine.sampling_params import SamplingParams
 from server.errors import APIError
 from server.protocol import EmbeddingRequest
 from server.serving import (RequestLog, _merge, admit, chat_prompt, check_length, check_model,
-                            check_prompt_vocab, encode_prompts, generate, last_outputs)
+                            check_prompt_vocab, encode_prompts, generate, last_outputs, truncated)
 from server.state import ServerState
 
 
@@ -22,10 +22,7 @@ def prompt_ids(state: ServerState, inputs: list, add_special_tokens: bool = True
                param: str = "input") -> list[list[int]]:
     """Texts or token-id lists as checked token ids; keep: the last k tokens
     of each (vLLM's truncate_prompt_tokens; -1: the context)."""
-    ids = encode_prompts(state, inputs, add_special_tokens, param)
-    if keep is not None:
-        keep = state.llm.max_model_len if keep == -1 else keep
-        ids = [p[-keep:] for p in ids]      # vLLM's truncation: the last tokens stay
+    ids = [truncated(state, p, keep) for p in encode_prompts(state, inputs, add_special_tokens, param)]
     for p in ids:
         check_length(state, len(p), 0, what="input", param=param)
     check_prompt_vocab(state, ids, param=param)

@@ -18,7 +18,7 @@ import json
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 # Request limits. OpenAI allows 4 stop strings and 300 logit_bias entries;
@@ -123,6 +123,16 @@ class ChatMessage(_Body):
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 TokenIds = list[TokenId]
 
+
+def _keep_tokens(v: int) -> int:
+    if v == 0:
+        raise ValueError("truncate_prompt_tokens must be -1 or at least 1")
+    return v
+
+
+# vLLM's truncate_prompt_tokens: keep the prompt's last k tokens (-1: the context).
+KeepTokens = Annotated[int, Field(ge=-1), AfterValidator(_keep_tokens)]
+
 # A JSON schema, regex, choice list or grammar is compiled by the engine; its
 # size bounds the compile work one request can ask for.
 MAX_GRAMMAR_CHARS = 256 * 1024
@@ -212,6 +222,7 @@ class _SamplingFields(_Body):
     cache_salt: str | None = Field(None, min_length=1, max_length=256)   # vLLM's: prefix-cache isolation
     return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids in the response
     min_tokens: int = Field(0, ge=0)
+    truncate_prompt_tokens: KeepTokens | None = None
     allowed_token_ids: TokenIds | None = Field(None, min_length=1)    # vLLM's: sample only among these
     bad_words: list[str] | None = Field(None, max_length=1024)     # vLLM's: words never generated
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens "token_id:{id}"
@@ -419,7 +430,7 @@ class EmbeddingRequest(_Body):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1)
     user: str | None = None
-    truncate_prompt_tokens: int | None = Field(None, ge=-1)   # keep the last k tokens (-1: the context)
+    truncate_prompt_tokens: KeepTokens | None = None
     normalize: bool | None = None                             # None: the model's pooling says
     add_special_tokens: bool = True
     priority: int = 0
@@ -446,13 +457,6 @@ class EmbeddingRequest(_Body):
             raise ValueError(f"input may hold at most {MAX_EMBEDDING_INPUTS} items, got {len(inputs)}")
         return v
 
-    @field_validator("truncate_prompt_tokens")
-    @classmethod
-    def _check_truncate(cls, v):
-        if v == 0:
-            raise ValueError("truncate_prompt_tokens must be -1 or at least 1")
-        return v
-
     def inputs(self) -> list[str | list[int]]:
         return prompt_list(self.input)
 
@@ -462,7 +466,7 @@ class ScoreRequest(_Body):
     model: str | None = None
     text_1: str | list[str]
     text_2: str | list[str]
-    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    truncate_prompt_tokens: KeepTokens | None = None
     priority: int = 0
 
     @model_validator(mode="after")
@@ -475,8 +479,6 @@ class ScoreRequest(_Body):
                              f"as text_2")
         if len(two) > MAX_EMBEDDING_INPUTS:
             raise ValueError(f"text_2 may hold at most {MAX_EMBEDDING_INPUTS} texts, got {len(two)}")
-        if self.truncate_prompt_tokens == 0:
-            raise ValueError("truncate_prompt_tokens must be -1 or at least 1")
         return self
 
     def texts(self) -> tuple[list[str], list[str]]:
@@ -495,15 +497,13 @@ class RerankRequest(_Body):
     documents: list[str | RerankDocument] = Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)
     top_n: int | None = Field(None, ge=0)       # 0 or None: all
     return_documents: bool = True
-    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    truncate_prompt_tokens: KeepTokens | None = None
     priority: int = 0
 
     @model_validator(mode="after")
     def _texts(self):
         if not all(self.texts()):
             raise ValueError("documents must not be empty")
-        if self.truncate_prompt_tokens == 0:
-            raise ValueError("truncate_prompt_tokens must be -1 or at least 1")
         return self
 
     def texts(self) -> list[str]:

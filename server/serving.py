@@ -277,6 +277,14 @@ async def until_disconnect(request: Request, awaitable):
 # --------------------------------------------------------------------------
 # Request -> engine inputs.
 # --------------------------------------------------------------------------
+def truncated(state: ServerState, ids: list[int], keep: int | None) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the last `keep` tokens (-1: the context; None: all)."""
+    if keep is None:
+        return ids
+    keep = state.llm.max_model_len if keep == -1 else keep
+    return ids[-keep:]
+
+
 def encode_prompts(state: ServerState, prompts: list, add_special_tokens: bool = True,
                    param: str = "prompt") -> list[list[int]]:
     """Texts (tokenized as the model's tokenizer adds special tokens) or
@@ -566,6 +574,7 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest, rlog: RequestLo
     check_model(state, req.model)
     admit(state, [])
     prompt_text, prompt_ids = chat_prompt(state, req)
+    prompt_ids = truncated(state, prompt_ids, req.truncate_prompt_tokens)
     rlog.prompt_tokens = len(prompt_ids)
     max_tokens = req.output_limit()
     check_length(state, len(prompt_ids), max_tokens)
@@ -802,8 +811,10 @@ async def completion(state: ServerState, request: Request, req: CompletionReques
     admit(state, [])
     tok = state.llm.tokenizer
     prompts = req.prompts()
-    texts = [p if isinstance(p, str) else None for p in prompts]
-    ids = encode_prompts(state, prompts)
+    encoded = encode_prompts(state, prompts)
+    ids = [truncated(state, p, req.truncate_prompt_tokens) for p in encoded]
+    # echo shows a prompt's own text, or its kept tokens' when truncated
+    texts = [p if isinstance(p, str) and len(i) == len(e) else None for p, i, e in zip(prompts, ids, encoded)]
     max_tokens = req.max_tokens
     if "max_tokens" not in req.model_fields_set:
         max_tokens = default_max_tokens(state, max(len(p) for p in ids), max_tokens)

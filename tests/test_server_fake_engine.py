@@ -342,6 +342,30 @@ def test_chat_logprobs(client):
     assert all(len(t.top_logprobs) == 2 and t.logprob == -0.25 for t in content)
 
 
+def test_truncate_prompt_tokens(live, client):
+    """vLLM's truncate_prompt_tokens on chat and completions: the prompt's last k tokens run."""
+    msgs = [{"role": "user", "content": "a fairly long question to cut"}]
+    client.chat.completions.create(model="fake", messages=msgs, max_tokens=1)
+    full = live.llm.prompts[-1]
+    r = client.chat.completions.create(model="fake", messages=msgs, max_tokens=1,
+                                       extra_body={"truncate_prompt_tokens": 5})
+    assert live.llm.prompts[-1] == full[-5:] and r.usage.prompt_tokens == 5
+    ids = list(range(10, 30))
+    client.completions.create(model="fake", prompt=[ids, ids[::-1]], max_tokens=1,
+                              extra_body={"truncate_prompt_tokens": 4})
+    assert sorted(live.llm.prompts[-2:]) == sorted([ids[-4:], ids[::-1][-4:]])
+    tok = live.llm.tokenizer
+    r = client.completions.create(model="fake", prompt="abcdefgh", max_tokens=1, echo=True,
+                                  extra_body={"truncate_prompt_tokens": 4})
+    kept = tok.encode("abcdefgh")[-4:]
+    assert live.llm.prompts[-1] == kept
+    assert r.choices[0].text.startswith(tok.decode(kept, skip_special_tokens=False))
+    client.completions.create(model="fake", prompt=ids, max_tokens=1, extra_body={"truncate_prompt_tokens": -1})
+    assert live.llm.prompts[-1] == ids
+    bad = httpx.post(live.url + "/v1/completions", json={"model": "fake", "prompt": "x", "truncate_prompt_tokens": 0})
+    assert bad.status_code == 400 and "truncate_prompt_tokens" in bad.json()["error"]["message"]
+
+
 def test_return_tokens_as_token_ids_flag(live):
     """vLLM's --return-tokens-as-token-ids: logprobs name tokens "token_id:{id}"
     (chat streamed and not, completions); a request's own field wins; the
