@@ -108,6 +108,14 @@ class AsyncLLM:
         return self.args.max_logprobs
 
     @property
+    def classifier_labels(self) -> list[str] | None:
+        return self.info.classifier_labels
+
+    @property
+    def classifier_token_ids(self) -> list[int] | None:
+        return self.info.classifier_token_ids
+
+    @property
     def kv_info(self) -> dict:
         i = self.info
         return {"capacity_tokens": i.capacity_tokens, "bytes_per_token": i.bytes_per_token,

@@ -103,6 +103,10 @@ class EngineArgs:
         None, 'how /v1/embeddings pools the final hidden states, over the model\'s own (sentence-transformers '
               'modules.json, a GGUF\'s pooling_type; else last token, normalized): {"pooling_type": "last" | '
               '"mean" | "cls", "normalize": true}', type=parse_json_object)
+    hf_overrides: dict | None = arg(
+        None, 'keys set over the model\'s config.json (vLLM\'s flag), e.g. a yes/no reranker: '
+              '{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"], '
+              '"is_original_qwen3_reranker": true}', type=parse_json_object)
     max_logprobs: int = arg(20, "the most logprobs (per token, and per prompt token) a request may ask for "
                                 "(vLLM's flag; -1: no cap)")
     enable_lora: bool = arg(False, "serve LoRA adapters (PEFT format) over the model, several per batch")

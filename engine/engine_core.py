@@ -20,6 +20,7 @@ from engine.speculative import make_proposer
 from engine.structured_output import GrammarCompiler, GrammarState, StructuredOutputError
 from engine.worker import Worker
 from kvcache.kv_manager import KVCacheManager
+from model_zoo.models import classifier_labels
 
 log = logging.getLogger("tqserve.engine")
 
@@ -76,6 +77,9 @@ class ModelInfo:
     generates: bool = True            # False: no language-model head (an embedding checkpoint)
     hot_bytes_per_seq: int = 0        # TurboQuant hot tokens a running sequence holds
     compression_ratio: float = 1.0    # 16-bit KV bytes per token / stored bytes per token
+    # A token classifier (--hf-overrides classifier_from_token): its labels and their token ids.
+    classifier_labels: list[str] | None = None
+    classifier_token_ids: list[int] | None = None
 
 
 def check_priority(priority: int, policy: str) -> None:
@@ -124,6 +128,10 @@ def check_pooling(params, pooling, info: ModelInfo) -> None:
         raise InvalidRequest("an embedding request generates nothing: give it max_tokens 0 and n 1")
     if pooling.dimensions is not None and info.hidden_size and pooling.dimensions > info.hidden_size:
         raise InvalidRequest(f"dimensions must be at most the model's {info.hidden_size}, got {pooling.dimensions}")
+    ids = pooling.classify_token_ids
+    if ids is not None and (not info.generates or not all(0 <= t < info.vocab_size for t in ids)):
+        raise InvalidRequest("a token classifier needs the model's language-model head and token ids in its "
+                             "vocabulary")
 
 
 class EngineCore(Worker):
@@ -180,6 +188,21 @@ class EngineCore(Worker):
             hidden_size=int(self.source.config.get("hidden_size", 0)),
             generates=self.source.generates,
             hot_bytes_per_seq=self.plan.hot_bytes_per_seq, compression_ratio=self.plan.compression_ratio)
+        self.info.classifier_labels, self.info.classifier_token_ids = self._classifier()
+
+    def _classifier(self) -> tuple[list[str] | None, list[int] | None]:
+        """A token classifier's labels and their ids (ValueError: a label that is no token)."""
+        labels = classifier_labels(self.source.config)
+        if not labels:
+            return None, None
+        tok = self.source.tokenizer
+        if tok is None:
+            raise ValueError("classifier_from_token needs the model's tokenizer")
+        ids = [tok.convert_tokens_to_ids(t) for t in labels]
+        if None in ids:
+            raise ValueError(f"classifier_from_token: {labels[ids.index(None)]!r} is not a token of this model")
+        log.info("a token classifier: labels %s (token ids %s) at the last position", labels, ids)
+        return labels, ids
 
     def _init_speculation(self) -> None:
         if self.spec and self.plan.max_rollback is not None and self.plan.max_rollback < self.spec.num_speculative_tokens:

@@ -3,7 +3,9 @@
     from engine import LLM, SamplingParams
     outs = LLM("smollm2-135m").generate(["Hello"], SamplingParams(max_tokens=32))
 """
+import dataclasses
 import itertools
+import math
 import sys
 import time
 
@@ -13,8 +15,9 @@ from engine.engine_core import EngineCore, check_pooling, check_priority, check_
 from engine.errors import InvalidRequest
 from engine.lora import LoRARequest
 from engine.output_processor import OutputProcessor, child_params
-from engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
-from engine.pooling_params import PoolingParams
+from engine.outputs import (ClassificationOutput, ClassificationRequestOutput, EmbeddingOutput,
+                            EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput)
+from engine.pooling_params import PoolingParams, pair_token_ids
 from engine.request import EngineRequest
 from engine.sampling_params import SamplingParams, log_sampling_defaults
 
@@ -169,9 +172,50 @@ class LLM:
               lora_request: LoRARequest | None = None) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt (text or token ids), pooled as the model's
         files say unless pooling_params (vLLM's LLM.embed)."""
+        return [EmbeddingRequestOutput(r, ids, EmbeddingOutput(v))
+                for r, ids, v in self._pool(prompts, pooling_params or self.default_pooling, use_tqdm, lora_request)]
+
+    def classify(self, prompts, use_tqdm: bool = False,
+                 lora_request: LoRARequest | None = None) -> list[ClassificationRequestOutput]:
+        """A token classifier's label probabilities per prompt (vLLM's
+        LLM.classify; --hf-overrides classifier_from_token)."""
+        return [ClassificationRequestOutput(r, ids, ClassificationOutput(v))
+                for r, ids, v in self._pool(prompts, self.classifier_pooling(), use_tqdm, lora_request)]
+
+    def score(self, data_1, data_2, use_tqdm: bool = False,
+              lora_request: LoRARequest | None = None) -> list[ScoringRequestOutput]:
+        """vLLM's LLM.score: data_1 (one text, or one per text of data_2)
+        against each of data_2. A token classifier scores each pair as one
+        input (the last label's probability: a yes/no reranker's "yes");
+        other models by the cosine of the two texts' embeddings."""
+        one, two = ([d] if isinstance(d, str) else list(d) for d in (data_1, data_2))
+        if len(one) not in (1, len(two)):
+            raise InvalidRequest(f"data_1 has {len(one)} texts and data_2 {len(two)}: give one, or one per data_2")
+        pairs = list(zip(one * len(two) if len(one) == 1 else one, two))
+        if self.core.info.classifier_token_ids is not None:
+            if self.tokenizer is None:
+                raise InvalidRequest("this model has no tokenizer: it cannot score texts")
+            done = self._pool([pair_token_ids(self.tokenizer, a, b) for a, b in pairs], self.classifier_pooling(),
+                              use_tqdm, lora_request)
+            return [ScoringRequestOutput(r, ids, ScoringOutput(v[-1])) for r, ids, v in done]
+        texts = list(dict.fromkeys(t for pair in pairs for t in pair))
+        unit = dataclasses.replace(self.default_pooling, normalize=True, dimensions=None)
+        vectors = {t: (ids, v) for t, (_, ids, v) in zip(texts, self._pool(texts, unit, use_tqdm, lora_request))}
+        return [ScoringRequestOutput(str(i), vectors[b][0], ScoringOutput(math.fsum(
+                    x * y for x, y in zip(vectors[a][1], vectors[b][1])))) for i, (a, b) in enumerate(pairs)]
+
+    def classifier_pooling(self) -> PoolingParams:
+        ids = self.core.info.classifier_token_ids
+        if ids is None:
+            raise InvalidRequest("this model is not a token classifier (start it with --hf-overrides "
+                                 "'{\"classifier_from_token\": [...]}')")
+        return PoolingParams("last", normalize=False, classify_token_ids=tuple(ids))
+
+    def _pool(self, prompts, pooling: PoolingParams, use_tqdm: bool,
+              lora_request: LoRARequest | None) -> list[tuple[str, list[int], list[float]]]:
+        """(request id, prompt ids, pooled result) per prompt."""
         if isinstance(prompts, str) or is_token_prompt(prompts):
             prompts = [prompts]
-        pooling = pooling_params or self.default_pooling
         params = SamplingParams(max_tokens=0)
         encoded = [self.encode(p) for p in prompts]
         for _, ids in encoded:
@@ -179,8 +223,7 @@ class LLM:
                           self.core.args.max_logprobs)
         order = [self._add(text, ids, params, pooling=pooling, lora=lora_request) for text, ids in encoded]
         done = self._run(order, use_tqdm)
-        return [EmbeddingRequestOutput(r, done[r].prompt_token_ids, EmbeddingOutput(done[r].embedding))
-                for r in order]
+        return [(r, done[r].prompt_token_ids, done[r].embedding) for r in order]
 
     def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
              lora_request: LoRARequest | None = None, **template_kwargs) -> RequestOutput:

@@ -105,6 +105,7 @@ class StepPlan:
     dsv4_seqs: list | None = None    # DeepSeek-V4's pool: (start, block tables) per sequence
     prompt_rows: list[tuple[int, int]] = field(default_factory=list)   # hidden rows scoring prompt tokens
     pool_rows: list[tuple[int, int]] = field(default_factory=list)     # hidden rows summed for embeddings
+    pool_logits: list[bool] = field(default_factory=list)   # per pool row: its logits instead (a classifier)
     graph_batch: int = 0             # > 0: a decode step padded to this captured size, replayed as a CUDA graph
     graph_rows: int = 0              # the graph's rows per sequence (1, or 1 + k for a verification step)
     patches: int = 0                 # input ids the previous step samples (asynchronous scheduling; see _send)
@@ -390,6 +391,7 @@ class ModelRunner:
             if req.pooling is not None and (span := req.pooling.rows(s.start, s.num_new_tokens,
                                                                      req.num_prompt_tokens)):
                 plan.pool_rows.append((plan.qsl[i] + span[0] - s.start, plan.qsl[i] + span[1] - s.start))
+                plan.pool_logits.append(req.pooling.classify_token_ids is not None)
                 pool_jobs.append((req, s.start))
             if req.prompt_logprobs is None or s.start >= req.num_prompt_tokens:
                 continue
@@ -490,7 +492,8 @@ class ModelRunner:
         """What every rank runs (its collectives in the same order on all):
         the model over the step, the logits of the plan's prompt-logprob rows,
         then of its sampling rows (None when nothing samples); and the sums
-        of the plan's pool rows' states (no collective: every rank has them)."""
+        of the plan's pool rows' states (no collective: every rank has them),
+        or a classifier's row's logits (a collective, as the others)."""
         d = self._send(plan)
         self._copy(plan, d, snapshots=False)
         for load in plan.lora_loads:
@@ -524,7 +527,8 @@ class ModelRunner:
                 self.lora.ctx.batch = None
         self._copy(plan, d, snapshots=True)
         prompt = [self.model.compute_logits(hidden[a:b]) for a, b in plan.prompt_rows]
-        pooled = [hidden[a:b].float().sum(0) for a, b in plan.pool_rows]
+        pooled = [self.model.compute_logits(hidden[a:b])[0].float() if lg else hidden[a:b].float().sum(0)
+                  for (a, b), lg in zip(plan.pool_rows, plan.pool_logits)]
         return (self.model.compute_logits(hidden[rows]) if len(rows) else None), prompt, pooled
 
     def execute(self, out: SchedulerOutput) -> dict[str, tuple[list[int], list[dict | None]]]:

@@ -41,3 +41,31 @@ class EmbeddingRequestOutput:
     prompt_token_ids: list[int]
     outputs: EmbeddingOutput
     finished: bool = True
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]          # one per label (ModelInfo.classifier_labels)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """What LLM.classify returns per prompt (vLLM's shape: out.outputs.probs)."""
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
+    finished: bool = True
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """What LLM.score returns per pair (vLLM's shape: out.outputs.score)."""
+    request_id: str
+    prompt_token_ids: list[int]         # the pair's (a classifier's input), or text_2's (embeddings)
+    outputs: ScoringOutput
+    finished: bool = True

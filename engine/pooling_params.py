@@ -1,7 +1,8 @@
 """Per-request pooling (embeddings), in the shape vLLM users know: a request
 with PoolingParams runs its prompt through the model and returns one vector
 pooled from the final hidden states (after the model's last norm) instead of
-generating tokens.
+generating tokens, or (a token classifier, classify_token_ids) the
+probabilities of some tokens at the last position (yes/no rerankers).
 
 The pool is accumulated chunk by chunk as chunked prefill computes the prompt
 (ModelRunner.prepare asks `rows` which positions a chunk adds), so a prompt
@@ -21,6 +22,9 @@ class PoolingParams:
     pooling_type: str = "last"       # last: the final token's state (decoder embedding models); mean; cls: the first
     normalize: bool = True           # to unit length (cosine similarity = dot product)
     dimensions: int | None = None    # keep the first d (Matryoshka embeddings; normalized after the cut)
+    # A token classifier (a yes/no reranker): the result is the softmax of the
+    # last position's logits of these tokens, not a hidden state.
+    classify_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if not isinstance(self.pooling_type, str):
@@ -33,6 +37,8 @@ class PoolingParams:
         if self.dimensions is not None and (isinstance(self.dimensions, bool) or not isinstance(self.dimensions, int)
                                             or self.dimensions < 1):
             raise PoolingError(f"dimensions must be a positive integer, got {self.dimensions!r}")
+        if self.classify_token_ids is not None and self.pooling_type != "last":
+            raise PoolingError("a token classifier reads the last position: pooling_type must be last")
 
     @property
     def uses_every_position(self) -> bool:
@@ -51,9 +57,12 @@ class PoolingParams:
         return (0, 1) if start == 0 else None
 
     def finish(self, total, num_prompt: int) -> list[float]:
-        """The embedding from the sum of the pooled rows' states (a tensor)."""
+        """The embedding from the sum of the pooled rows' states (a tensor);
+        a classifier's probabilities from the last position's logits."""
         import torch     # here: the protocol layer imports this module
         v = total.float()
+        if self.classify_token_ids is not None:
+            return torch.softmax(v[list(self.classify_token_ids)], 0).tolist()
         if self.pooling_type == "mean":
             v = v / num_prompt
         if self.dimensions is not None:
@@ -61,3 +70,10 @@ class PoolingParams:
         if self.normalize:
             v = torch.nn.functional.normalize(v, dim=0)
         return v.tolist()
+
+
+def pair_token_ids(tokenizer, text_1: str, text_2: str) -> list[int]:
+    """A token classifier's input for a pair (/v1/score, /v1/rerank): text_1's
+    tokens, then text_2's with no special tokens between (how vLLM pairs texts
+    for decoder rerankers, whose prompt format is in the texts)."""
+    return tokenizer.encode(text_1) + tokenizer.encode(text_2, add_special_tokens=False)

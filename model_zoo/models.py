@@ -43,11 +43,30 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
 }
 
 
+def classifier_labels(config: dict) -> list[str] | None:
+    """A yes/no-token classifier's labels (vLLM's classifier_from_token: a
+    reranker such as Qwen3-Reranker scores with its LM head's logits of
+    these tokens at the last position), or None for a plain language model."""
+    labels = config.get("classifier_from_token")
+    archs = config.get("architectures") or []
+    if archs and archs[0].endswith("ForSequenceClassification") and not labels:
+        raise ValueError(f"{archs[0]} with a trained score head is not supported; a reranker that answers "
+                         f"with tokens serves with --hf-overrides '{{\"classifier_from_token\": [\"no\", \"yes\"]}}'")
+    if labels is not None and (not isinstance(labels, list) or len(labels) < 2
+                               or not all(isinstance(t, str) for t in labels)):
+        raise ValueError(f"classifier_from_token must list at least two tokens, got {labels!r}")
+    return labels
+
+
 def model_class(config: dict) -> type[nn.Module]:
     archs = config.get("architectures") or []
     if archs:
         if archs[0] in ARCHITECTURES:
             return ARCHITECTURES[archs[0]]
+        # A token classifier (classifier_labels) is its CausalLM: the head's logits score.
+        causal = archs[0].removesuffix("ForSequenceClassification") + "ForCausalLM"
+        if classifier_labels(config) and causal in ARCHITECTURES:
+            return ARCHITECTURES[causal]
         # A bare backbone (Qwen3Model: an embedding checkpoint saved by AutoModel)
         # is its CausalLM's model without the head (hf_loader.backbone_names).
         causal = archs[0].removesuffix("Model") + "ForCausalLM"

@@ -20,16 +20,17 @@ from starlette.routing import Match
 from engine.errors import EngineDeadError, RequestFailed
 from server import embeddings, lora, messages_api, responses, scoring, serving
 from server.errors import APIError, api_error_response, error_response, from_validation_error
-from server.protocol import (ChatCompletionRequest, CompletionRequest, CountTokensRequest, DetokenizeRequest,
-                             EmbeddingRequest, LoadLoRAAdapterRequest, MessagesRequest, RerankRequest,
-                             ResponsesRequest, ScoreRequest, TokenizeRequest, UnloadLoRAAdapterRequest)
+from server.protocol import (ChatCompletionRequest, ClassificationRequest, CompletionRequest, CountTokensRequest,
+                             DetokenizeRequest, EmbeddingRequest, LoadLoRAAdapterRequest, MessagesRequest,
+                             RerankRequest, ResponsesRequest, ScoreRequest, TokenizeRequest,
+                             UnloadLoRAAdapterRequest)
 from server.state import ServerState
 
 log = logging.getLogger("tqserve.server")
 
 VERSION = "0.1.0"
 # Routes outside /v1 that run the model: behind the API key too.
-COMPUTE_ROUTES = ("/score", "/rerank")
+COMPUTE_ROUTES = ("/score", "/rerank", "/classify")
 
 
 class _Gate:
@@ -205,6 +206,10 @@ def create_app(state: ServerState) -> FastAPI:
 
     async def rerank(request: Request):
         return await generation(request, "rerank-", "rerank", RerankRequest, scoring.create_rerank)
+
+    @app.post("/classify")
+    async def classify(request: Request):
+        return await generation(request, "classify-", "classify", ClassificationRequest, scoring.create_classify)
 
     # vLLM's paths (its /rerank and /v2/rerank are Jina's and Cohere's spellings).
     for path in ("/v1/score", "/score"):

@@ -461,6 +461,28 @@ class EmbeddingRequest(_Body):
         return prompt_list(self.input)
 
 
+class ClassificationRequest(_Body):
+    """POST /classify (vLLM's): a token classifier's label probabilities per input."""
+    model: str | None = None
+    input: Prompt
+    truncate_prompt_tokens: KeepTokens | None = None
+    priority: int = 0
+    user: str | None = None
+
+    @field_validator("input")
+    @classmethod
+    def _check_input(cls, v):
+        inputs = prompt_list(v)
+        if not inputs or any(not p for p in inputs):
+            raise ValueError("input must be a non-empty text, token list, or list of them")
+        if len(inputs) > MAX_EMBEDDING_INPUTS:
+            raise ValueError(f"input may hold at most {MAX_EMBEDDING_INPUTS} items, got {len(inputs)}")
+        return v
+
+    def inputs(self) -> list[str | list[int]]:
+        return prompt_list(self.input)
+
+
 class ScoreRequest(_Body):
     """POST /v1/score (vLLM's): text_1 against each of text_2, or pairwise."""
     model: str | None = None

@@ -1,7 +1,10 @@
-"""POST /v1/score and /v1/rerank (vLLM's; Jina's and Cohere's rerank shape)
-for embedding models: a pair's score is the cosine similarity of the two
-texts' embeddings (server/embeddings.py), each distinct text embedded once.
-Cross-encoder and yes/no-token rerankers (Qwen3-Reranker) are not served."""
+"""POST /v1/score and /v1/rerank (vLLM's; Jina's and Cohere's rerank shape),
+and POST /classify. For a token classifier (a yes/no reranker such as
+Qwen3-Reranker: --hf-overrides classifier_from_token) a pair is one input,
+text_1's tokens then text_2's, and its score the last label's probability
+at the last position; for other models it is the cosine similarity of the
+two texts' embeddings (server/embeddings.py), each distinct text embedded
+once. Cross-encoders with a trained score head are not served."""
 import dataclasses
 import math
 import time
@@ -9,14 +12,29 @@ import time
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from engine.pooling_params import PoolingParams, pair_token_ids
 from server.embeddings import embed, prompt_ids
-from server.protocol import RerankRequest, ScoreRequest
+from server.errors import APIError
+from server.protocol import ClassificationRequest, RerankRequest, ScoreRequest
 from server.serving import RequestLog, admit, check_model
 from server.state import ServerState
 
 
+def classifier_pooling(state: ServerState) -> PoolingParams | None:
+    ids = state.llm.classifier_token_ids
+    return None if ids is None else PoolingParams("last", normalize=False, classify_token_ids=tuple(ids))
+
+
 async def _similarities(state: ServerState, request: Request, pairs: list[tuple[str, str]], keep: int | None,
                         rlog: RequestLog, priority: int, param: str, model: str | None) -> list[float]:
+    pooling = classifier_pooling(state)
+    if pooling is not None:         # one input per pair
+        if state.llm.tokenizer is None:
+            raise APIError(400, "This model has no tokenizer, so it cannot score texts.")
+        ids = prompt_ids(state, [pair_token_ids(state.llm.tokenizer, a, b) for a, b in pairs], keep=keep,
+                         param=param)
+        rlog.prompt_tokens = sum(map(len, ids))
+        return [p[-1] for p in await embed(state, request, ids, pooling, rlog, priority, model)]
     texts = list(dict.fromkeys(t for pair in pairs for t in pair))
     ids = prompt_ids(state, texts, keep=keep, param=param)
     rlog.prompt_tokens = sum(map(len, ids))
@@ -53,3 +71,24 @@ async def create_rerank(state: ServerState, request: Request, req: RerankRequest
     rlog.done(200)
     return JSONResponse({"id": rlog.id, "model": req.model or state.model_name, "results": results,
                          "usage": {"total_tokens": rlog.prompt_tokens}})
+
+
+async def create_classify(state: ServerState, request: Request, req: ClassificationRequest,
+                          rlog: RequestLog) -> JSONResponse:
+    check_model(state, req.model)
+    pooling = classifier_pooling(state)
+    if pooling is None:
+        raise APIError(400, "This model is not a classifier (a yes/no reranker serves with --hf-overrides "
+                            "'{\"classifier_from_token\": [...]}').")
+    admit(state, [])
+    ids = prompt_ids(state, req.inputs(), keep=req.truncate_prompt_tokens)
+    rlog.prompt_tokens = sum(map(len, ids))
+    probs = await embed(state, request, ids, pooling, rlog, req.priority, req.model)
+    labels = state.llm.classifier_labels
+    data = [{"index": i, "label": labels[max(range(len(p)), key=p.__getitem__)], "probs": p,
+             "num_classes": len(p)} for i, p in enumerate(probs)]
+    n = rlog.prompt_tokens
+    rlog.done(200)
+    return JSONResponse({"id": rlog.id, "object": "list", "created": int(time.time()),
+                         "model": req.model or state.model_name, "data": data,
+                         "usage": {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0}})
