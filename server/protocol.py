@@ -421,8 +421,8 @@ class EmbeddingRequest(_Body):
     chat form: `messages` instead of `input`, rendered by the chat template
     (without the generation prompt unless asked) and embedded as one input."""
     model: str | None = None
-    input: Prompt | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
+    input: Prompt | None = Field(None, validate_default=True)       # (checked after messages: one of the two)
     add_generation_prompt: bool = False
     continue_final_message: bool = False
     chat_template: str | None = None
@@ -436,16 +436,16 @@ class EmbeddingRequest(_Body):
     priority: int = 0
 
     @model_validator(mode="after")
-    def _input_or_messages(self):
-        if (self.input is None) == (self.messages is None):
-            raise ValueError("give exactly one of input or messages")
+    def _check_chat_form(self):
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         return self
 
     @field_validator("input")
     @classmethod
-    def _check_input(cls, v):
+    def _check_input(cls, v, info):
+        if (v is None) == (info.data.get("messages") is None):
+            raise ValueError("give exactly one of input or messages (vLLM's chat form)")
         if v is None:
             return v
         inputs = prompt_list(v)
