@@ -111,3 +111,17 @@ def test_http_score_rerank_classify(reranker, tmp_path):
     finally:
         srv.stop()
     assert "a token classifier: labels ['no', 'yes']" in srv.log()
+
+
+def test_tensor_parallel(reranker):
+    """Two ranks (gloo): the classifier row's logits are a collective every rank runs."""
+    path, model, tok = reranker
+    with LLM(str(path), dtype="float32", kv_cache_memory=16 << 20, hf_overrides=OVERRIDES,
+             tensor_parallel_size=2) as llm:
+        got = [o.outputs.score for o in llm.score(QUERY, DOCS[:2])]
+        text = llm.generate("The dog", SamplingParams(max_tokens=4, temperature=0))[0].outputs[0].token_ids
+    assert got == pytest.approx([p_yes(model, tok, pair(tok, QUERY, d)) for d in DOCS[:2]], abs=1e-5)
+    ids = tok("The dog").input_ids
+    with torch.no_grad():
+        want = model.generate(torch.tensor([ids]), max_new_tokens=4, do_sample=False)[0, len(ids):].tolist()
+    assert text == want             # the ranks stay in step after the classifier's collective
