@@ -188,6 +188,15 @@ class AsyncLLM:
             return prompt, self.tokenizer.encode(prompt)
         return None, list(prompt)
 
+    def _new_id(self, request_id: str | None, running) -> str:
+        """The request's id (a fresh one if None); raises if the engine is dead or the id runs."""
+        if self._dead is not None:
+            raise EngineDeadError("the engine core process died")
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in running:
+            raise InvalidRequest(f"request id {rid!r} is already running")
+        return rid
+
     async def generate(self, prompt, params: SamplingParams, request_id: str | None = None,
                        priority: int = 0, pooling: PoolingParams | None = None,
                        cache_salt: str | None = None, lora_request: LoRARequest | None = None
@@ -196,11 +205,7 @@ class AsyncLLM:
         output's `embedding` is the vector. cache_salt: only requests with the
         same salt share prefix-cache blocks. lora_request: the adapter it
         runs with (enable_lora)."""
-        if self._dead is not None:
-            raise EngineDeadError("the engine core process died")
-        rid = request_id or f"req-{next(self._ids)}"
-        if rid in self._streams:
-            raise InvalidRequest(f"request id {rid!r} is already running")
+        rid = self._new_id(request_id, self._streams)
         text, ids = self.encode(prompt)
         check_request(ids, params, self.info.max_model_len, self.info.vocab_size, self.args.max_logprobs)
         check_priority(priority, self.args.scheduling_policy)
@@ -254,15 +259,12 @@ class AsyncLLM:
             self._in.put(("abort", ids))
 
     async def beam_search(self, prompt, params: BeamSearchParams, request_id: str | None = None,
-                          priority: int = 0, lora_request: LoRARequest | None = None) -> BeamSearchOutput:
+                          priority: int = 0, lora_request: LoRARequest | None = None,
+                          cache_salt: str | None = None) -> BeamSearchOutput:
         """The best params.beam_width beams (engine/beam_search.py); each
         step's beams run as requests beside any others. abort(request_id)
         ends it with the beams so far (finish_reason "abort")."""
-        if self._dead is not None:
-            raise EngineDeadError("the engine core process died")
-        rid = request_id or f"req-{next(self._ids)}"
-        if rid in self._beam_searches:
-            raise InvalidRequest(f"request id {rid!r} is already running")
+        rid = self._new_id(request_id, self._beam_searches)
         _, ids = self.encode(prompt)
         check_request(ids, SamplingParams(max_tokens=params.max_tokens), self.info.max_model_len,
                       self.info.vocab_size)     # (the longest beam fits)
@@ -271,7 +273,7 @@ class AsyncLLM:
         async def final(beam, i):
             out = None
             async for out in self.generate(beam.tokens, search.step_params(), f"{rid}-s{search.steps}-b{i}",
-                                           priority, lora_request=lora_request):
+                                           priority, cache_salt=cache_salt, lora_request=lora_request):
                 pass
             return out.outputs[0].logprobs
         try:

@@ -121,17 +121,22 @@ async def generate(state: ServerState, prompt_ids: list[int], params: SamplingPa
 
 
 async def beam_generate(state: ServerState, prompt_ids: list[int], params: SamplingParams, length_penalty: float,
-                        request_id: str, rlog: RequestLog, priority: int = 0,
+                        request_id: str, rlog: RequestLog, priority: int = 0, cache_salt: str | None = None,
                         model: str | None = None) -> AsyncIterator:
     """vLLM's use_beam_search: the best params.n beams (engine/beam_search.py),
     as one output when the search ends (a stream gets it in one piece)."""
-    llm, t0, final = state.llm, time.monotonic(), None
+    llm, t0, final, rejected = state.llm, time.monotonic(), None, False
     max_tokens = params.max_tokens or llm.max_model_len - len(prompt_ids)
     bs = BeamSearchParams(params.n, max_tokens, params.ignore_eos, length_penalty=length_penalty,
                           include_stop_str_in_output=params.include_stop_str_in_output)
     state.start_request(request_id)
     try:
-        out = await llm.beam_search(prompt_ids, bs, request_id, priority, lora_request=state.loras.get(model))
+        try:
+            out = await llm.beam_search(prompt_ids, bs, request_id, priority, lora_request=state.loras.get(model),
+                                        cache_salt=cache_salt)
+        except InvalidRequest:
+            rejected = True         # refused up front: a 400, not a finished request
+            raise
         outs = []
         for i, b in enumerate(out.sequences):
             ids = b.tokens[len(prompt_ids):]
@@ -145,7 +150,8 @@ async def beam_generate(state: ServerState, prompt_ids: list[int], params: Sampl
         yield final
     finally:
         state.end_request(request_id)
-        _record(state, final, len(prompt_ids), params, t0, None)
+        if not rejected:
+            _record(state, final, len(prompt_ids), params, t0, None)
 
 
 def engine_outputs(state: ServerState, req: _SamplingFields, prompt_ids: list[int], params: SamplingParams,
@@ -154,7 +160,7 @@ def engine_outputs(state: ServerState, req: _SamplingFields, prompt_ids: list[in
     use_beam_search the best n beams at the end (beam_generate)."""
     if req.use_beam_search:
         return beam_generate(state, prompt_ids, params, req.length_penalty, request_id, rlog, req.priority,
-                             req.model)
+                             req.cache_salt, req.model)
     return generate(state, prompt_ids, params, request_id, rlog, req.priority, cache_salt=req.cache_salt,
                     model=req.model)
 
