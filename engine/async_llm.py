@@ -42,7 +42,7 @@ class AsyncLLM:
         self.on_dead = None     # called (in the event loop) once the engine core is gone
         self._closing = False
         self._ranks: list = []
-        self._lora_replies: dict[int, asyncio.Future] = {}     # add_lora calls waiting on the core
+        self._replies: dict[int, asyncio.Future] = {}          # _call()s waiting on the core
         self._beam_searches: dict[str, BeamSearch] = {}         # running beam searches, by request id
 
     # -- lifecycle ------------------------------------------------------------
@@ -164,13 +164,13 @@ class AsyncLLM:
             if pid in self._streams:
                 self._in.put(("abort", self.processor.remove(pid)))
                 self._streams[pid].put_nowait(InvalidRequest(msg[2]))
-        elif kind == "lora":
-            fut = self._lora_replies.pop(msg[1], None)
+        elif kind == "reply":
+            fut = self._replies.pop(msg[1], None)
             if fut is not None and not fut.done():
-                fut.set_result(msg[2])
+                fut.set_result(msg[2:])
         elif kind == "dead":
             self._dead = msg[1]
-            for fut in self._lora_replies.values():
+            for fut in self._replies.values():
                 if not fut.done():
                     fut.set_exception(EngineDeadError("the engine core process died"))
             log.error("engine core died:\n%s", msg[1])
@@ -239,15 +239,25 @@ class AsyncLLM:
         """Have the core read and check an adapter (InvalidRequest naming what does not fit)."""
         if not self.args.enable_lora:
             raise InvalidRequest("LoRA is not enabled (start the server with --enable-lora)")
+        await self._call("add_lora", lora)
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's); False while requests hold KV blocks."""
+        return await self._call("reset_prefix_cache")
+
+    async def _call(self, method: str, *args):
+        """EngineCore.method(*args) in the core process (core_process.CALLS): its
+        result, or InvalidRequest with the core's message."""
         if self._dead is not None:
             raise EngineDeadError("the engine core process died")
         token = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
-        self._lora_replies[token] = fut
-        self._in.put(("add_lora", token, lora))
-        error = await fut
+        self._replies[token] = fut
+        self._in.put(("call", token, method, args))
+        result, error = await fut
         if error is not None:
             raise InvalidRequest(error)
+        return result
 
     def remove_lora(self, lora_int_id: int) -> None:
         if self._dead is None:

@@ -1,8 +1,9 @@
 """The engine core in its own process: HTTP stays responsive while the model
 computes. Messages in: ("add", EngineRequest) | ("abort", [ids]) |
-("shutdown",). Messages out: ("ready", ModelInfo) | ("error", text) |
-("outputs", [EngineCoreOutput], EngineStats) | ("reject", id, text) |
-("dead", text)."""
+("call", token, method, args) | ("remove_lora", id) | ("shutdown",).
+Messages out: ("ready", ModelInfo) | ("error", text) | ("outputs",
+[EngineCoreOutput], EngineStats) | ("reject", id, text) | ("reply", token,
+result, error text or None) | ("dead", text)."""
 import ctypes
 import logging
 import queue
@@ -12,6 +13,10 @@ import traceback
 
 from engine.engine_args import EngineArgs
 from engine.errors import InvalidRequest
+
+
+# EngineCore methods a client may call and wait for (AsyncLLM._call).
+CALLS = ("add_lora", "reset_prefix_cache")
 
 
 def die_with_parent() -> None:
@@ -60,12 +65,11 @@ def run_engine_core(args: EngineArgs, in_q, out_q) -> None:
                         out_q.put(("reject", m[1].request_id, str(e)))
                 elif m[0] == "abort":
                     core.abort(m[1])
-                elif m[0] == "add_lora":
+                elif m[0] == "call" and m[2] in CALLS:      # a client call with a reply
                     try:
-                        core.add_lora(m[2])
-                        out_q.put(("lora", m[1], None))
+                        out_q.put(("reply", m[1], getattr(core, m[2])(*m[3]), None))
                     except InvalidRequest as e:
-                        out_q.put(("lora", m[1], str(e)))
+                        out_q.put(("reply", m[1], None, str(e)))
                 elif m[0] == "remove_lora":
                     core.remove_lora(m[1])
                 changed = True

@@ -261,6 +261,16 @@ class EngineCore(Worker):
             raise InvalidRequest(str(e)) from None
         log.info("LoRA adapter %s (id %d) read from %s", lora.lora_name, lora.lora_int_id, lora.lora_path)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's; benchmarks start cold with it).
+        False, and nothing forgotten, while requests hold KV blocks."""
+        if self.has_work():
+            log.warning("the prefix cache was not reset: %d request(s) hold KV blocks", len(self.scheduler.requests))
+            return False
+        self.kv.reset_prefix_cache()
+        log.info("prefix cache reset")
+        return True
+
     def remove_lora(self, lora_int_id: int) -> None:
         if self.loras is not None:
             self.loras.remove(lora_int_id)

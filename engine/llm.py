@@ -79,6 +79,10 @@ class LLM:
     def remove_lora(self, lora_int_id: int) -> None:
         self.core.remove_lora(lora_int_id)
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: forget every cached block (False while requests hold KV blocks)."""
+        return self.core.reset_prefix_cache()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate() and chat() use without sampling params: vLLM's
         defaults under the model's recommended ones (--generation-config)."""

@@ -7,6 +7,7 @@ flips `state.ready` once the model has loaded.
 import hmac
 import json
 import logging
+import os
 import time
 
 from fastapi import FastAPI, Request
@@ -30,7 +31,9 @@ log = logging.getLogger("tqserve.server")
 
 VERSION = "0.1.0"
 # Routes outside /v1 that run the model: behind the API key too.
-COMPUTE_ROUTES = ("/score", "/rerank", "/classify")
+COMPUTE_ROUTES = ("/score", "/rerank", "/classify", "/reset_prefix_cache")
+# vLLM's switch for its development routes (/reset_prefix_cache).
+DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 
 
 class _Gate:
@@ -272,6 +275,15 @@ def create_app(state: ServerState) -> FastAPI:
     async def unload_lora_adapter(request: Request):
         return PlainTextResponse(await lora.unload_adapter(state, await parse_body(request, state,
                                                                                      UnloadLoRAAdapterRequest)))
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        if os.environ.get(DEV_MODE_ENV) != "1":
+            raise APIError(404, f"Not found: POST /reset_prefix_cache (a development route: {DEV_MODE_ENV}=1)")
+        serving.admit(state, [])
+        if not await state.llm.reset_prefix_cache():
+            raise APIError(409, "The prefix cache was not reset: requests hold KV blocks. Retry when idle.")
+        return Response(status_code=200)
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):

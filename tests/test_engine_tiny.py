@@ -68,6 +68,15 @@ def test_prefix_cache_hit_equals_miss(tiny_dir):
     nocache = LLM(path, block_size=4, enable_prefix_caching=False)
     assert nocache.generate([base[:30] + [7, 8, 9]], greedy())[0].outputs[0].token_ids == \
         branch.outputs[0].token_ids
+    # vLLM's reset_prefix_cache: refused while a request holds blocks, then every block forgotten.
+    llm.add_request(base, greedy())
+    llm.step()
+    assert llm.reset_prefix_cache() is False
+    while llm.core.has_work():
+        llm.step()
+    assert llm.reset_prefix_cache() is True
+    again = llm.generate([base], greedy())[0]
+    assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == first.outputs[0].token_ids
 
 
 def test_preemption_keeps_tokens(tiny_dir):

@@ -343,6 +343,13 @@ def test_chat_logprobs(client):
     assert all(len(t.top_logprobs) == 2 and t.logprob == -0.25 for t in content)
 
 
+def test_reset_prefix_cache_is_a_dev_route(live):
+    """vLLM's POST /reset_prefix_cache exists with VLLM_SERVER_DEV_MODE=1 only
+    (test_server_ops.py runs it on the real engine)."""
+    r = httpx.post(live.url + "/reset_prefix_cache")
+    assert r.status_code == 404 and "VLLM_SERVER_DEV_MODE=1" in r.json()["error"]["message"]
+
+
 def test_truncate_prompt_tokens(live, client):
     """vLLM's truncate_prompt_tokens on chat and completions: the prompt's last k tokens run."""
     msgs = [{"role": "user", "content": "a fairly long question to cut"}]

@@ -10,7 +10,7 @@ import time
 import httpx
 import openai
 import pytest
-from test_server_process import SMALL, ServerProcess
+from test_server_process import SMALL, ServerProcess, metric
 
 MODEL = "smollm2-135m"
 KEYS = ("flag-key", "env-key")
@@ -23,7 +23,7 @@ def server(tmp_path_factory):
     srv = ServerProcess(tmp_path_factory.mktemp("ops") / "server.log", *SMALL, "--max-model-len", "4096",
                         "--kv-cache-memory", "256MiB", "--max-num-seqs", "2",
                         "--max-queue", "2", "--api-key", KEYS[0], "--drain-timeout", "5",
-                        env={"TQSERVE_API_KEY": KEYS[1]}, wait=False)
+                        env={"TQSERVE_API_KEY": KEYS[1], "VLLM_SERVER_DEV_MODE": "1"}, wait=False)
     yield srv
     srv.terminate()
 
@@ -62,6 +62,30 @@ def test_auth_on_every_v1_route(server):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=u + "/v1", api_key="nope", max_retries=0).models.list()
     assert openai.OpenAI(base_url=u + "/v1", api_key=KEYS[1], max_retries=0).models.list().data[0].id == MODEL
+
+
+def test_reset_prefix_cache_in_dev_mode(server):
+    """vLLM's POST /reset_prefix_cache (VLLM_SERVER_DEV_MODE=1, behind the key):
+    a prompt seen before hits the cache until the reset; 409 while busy."""
+    u = server.url
+    body = {"model": MODEL, "prompt": "The prefix cache keeps whole blocks of tokens. " * 6, "max_tokens": 1}
+
+    def hits():
+        return metric(server.metrics(), "tqserve:prefix_cache_hits_total")
+    for _ in range(2):
+        assert httpx.post(u + "/v1/completions", json=body, headers=auth(), timeout=120).status_code == 200
+    assert hits() > 0
+    assert httpx.post(u + "/reset_prefix_cache").status_code == 401
+    assert httpx.post(u + "/reset_prefix_cache", headers=auth(), timeout=30).status_code == 200
+    before = hits()
+    assert httpx.post(u + "/v1/completions", json=body, headers=auth(), timeout=120).status_code == 200
+    assert hits() == before
+    long = {"model": MODEL, "prompt": "Go on:", "max_tokens": 400, "ignore_eos": True}
+    with httpx.stream("POST", u + "/v1/completions", json={**long, "stream": True}, headers=auth(), timeout=120) as r:
+        lines = r.iter_lines()      # (kept: a dropped iterator closes the stream)
+        next(lines)                 # running now
+        busy = httpx.post(u + "/reset_prefix_cache", headers=auth(), timeout=30)
+    assert busy.status_code == 409 and "hold KV blocks" in busy.json()["error"]["message"]
 
 
 def test_429_when_queue_full(server):
