@@ -187,6 +187,30 @@ def test_penalties_bias_and_bans_take_effect(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_allowed_token_ids_and_bad_words(device):
+    """allowed_token_ids keeps only its tokens (after the other rules: a
+    biased-away one stays away); bad words ban a one-token word always and
+    a longer one's last token right after the rest of it."""
+    logits = torch.zeros(4, V, device=device)
+    logits[:, 50], logits[:, 60], logits[:, 70] = 3.0, 2.0, 1.0
+    reqs = [make_req(0, temperature=0, allowed_token_ids=[60, 70]),
+            make_req(1, temperature=0, allowed_token_ids=[50, 60], logit_bias={60: -100.0}),
+            make_req(2, temperature=0),
+            make_req(3, temperature=0)]
+    for r in reqs[2:]:
+        r.bad_words_ids = [[50], [9, 60]]
+    reqs[2].token_ids.append(9)             # "9 60" would be completed: 60 banned too
+    assert sample(logits, reqs)[0] == [60, 50, 70, 60]
+    sampled = make_req(4, temperature=1.0, seed=3, allowed_token_ids=[5, 6, 800])
+    seen = set()
+    for step in range(20):
+        tok = sample(_random_logits(1, device, seed=step), [sampled])[0][0]
+        seen.add(tok)
+        sampled.token_ids.append(tok)
+    assert seen <= {5, 6, 800} and len(seen) > 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_seeded_alone_equals_in_batch(device):
     """A seeded request gives the same tokens alone and among 8 mixed others
     (including unseeded ones and top_p = 1 next to top_p < 1)."""
