@@ -37,6 +37,7 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None
     embedding: list[float] | None = None    # a pooling request's vector (with its finish)
+    prediction: tuple[int, int] | None = None   # (accepted, rejected) predicted-output drafts (with its finish)
 
 
 @dataclass
@@ -404,6 +405,9 @@ class EngineCore(Worker):
                     # KV stays for the positions of the tokens now in token_ids.
                     rejected[req.request_id] = len(s.spec_token_ids) + 1 - len(out.new_token_ids)
                     self._count_spec(len(s.spec_token_ids), len(toks) - 1)
+                    if req.spec_from_prediction:
+                        req.prediction_accepted += len(toks) - 1
+                        req.prediction_rejected += len(s.spec_token_ids) - (len(toks) - 1)
             elif req.request_id in results:        # max_tokens == 0: prompt only (scoring, embeddings)
                 req.finish_reason = "length"
                 out = EngineCoreOutput(req.request_id)
@@ -427,6 +431,8 @@ class EngineCore(Worker):
             if req.finish_reason is not None:
                 out.finish_reason, out.stop_reason = req.finish_reason, req.stop_reason
                 out.stopped_on_token = req.stopped_on_token
+                if req.prediction is not None:
+                    out.prediction = (req.prediction_accepted, req.prediction_rejected)
                 self.scheduler.finish(req)
         return outputs
 

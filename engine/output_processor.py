@@ -130,6 +130,9 @@ class OutputProcessor:
                 p.prompt_logprobs = eo.prompt_logprobs
             if eo.embedding is not None:
                 p.embedding = eo.embedding
+            if eo.prediction is not None:       # (each choice's, at its end)
+                for key, n in zip(("accepted_prediction_tokens", "rejected_prediction_tokens"), eo.prediction):
+                    m[key] = m.get(key, 0) + n
             if eo.new_token_ids:
                 m.setdefault("first_token_time", now)
                 m["last_token_time"] = now

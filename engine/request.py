@@ -74,6 +74,12 @@ class Request:
         self.bad_words_ids: list[list[int]] = []
         # Draft tokens the next step verifies (speculative decoding); never in token_ids.
         self.spec_token_ids: list[int] = []
+        # A predicted output (OpenAI's `prediction`): drafts come from it first;
+        # how many of its drafted tokens were accepted / rejected.
+        pred = er.params.prediction_token_ids
+        self.prediction = np.asarray(pred, dtype=np.int64) if pred else None
+        self.spec_from_prediction = False       # the drafts now in spec_token_ids came from it
+        self.prediction_accepted = self.prediction_rejected = 0
         # Tokens sampled by a step still in flight (asynchronous scheduling):
         # the next step is scheduled as if they were here.
         self.num_placeholders = 0

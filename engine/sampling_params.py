@@ -34,6 +34,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None   # grammar-constrained output
     speculative: bool = True              # False: never draft for this request (speculative decoding)
+    # OpenAI's predicted output, as token ids: with n-gram speculative decoding
+    # its tokens are the drafts (engine/speculative.py); the output is unchanged.
+    prediction_token_ids: list[int] | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):

@@ -86,13 +86,38 @@ class Proposer(ABC):
 class NgramProposer(Proposer):
     """Prompt lookup: the newest n tokens (n from prompt_lookup_max down to
     prompt_lookup_min) are looked up in the request's own prompt + output;
-    the tokens that followed their latest earlier occurrence are the draft."""
+    the tokens that followed their latest earlier occurrence are the draft.
+    A request with a predicted output (OpenAI's `prediction`) drafts from it
+    first (follow)."""
 
     def __init__(self, cfg: SpeculativeConfig):
         self.lo, self.hi = cfg.prompt_lookup_min, cfg.prompt_lookup_max
 
     def propose(self, reqs: list[Request], max_drafts: list[int]) -> list[list[int]]:
-        return [self.lookup(r.token_array, k) if k > 0 else [] for r, k in zip(reqs, max_drafts)]
+        drafts = []
+        for r, k in zip(reqs, max_drafts):
+            d = self.follow(r.prediction, r.output_array, k) if k > 0 and r.prediction is not None else []
+            r.spec_from_prediction = bool(d)
+            drafts.append(d or (self.lookup(r.token_array, k) if k > 0 else []))
+        return drafts
+
+    def follow(self, prediction: np.ndarray, output: np.ndarray, k: int) -> list[int]:
+        """The prediction's tokens after the place the output has reached: at
+        the start, its first k; else after the longest suffix of the output
+        (up to prompt_lookup_max tokens, down to two: one token is too weak a
+        match to draft on after an edit) found in it, the occurrence ending
+        nearest the output's length (an edited text stays roughly aligned
+        with the original)."""
+        if len(output) < 2:
+            return prediction[len(output):len(output) + k].tolist() if output[:1].tolist() == \
+                prediction[:len(output)].tolist() else []
+        for n in range(min(self.hi, len(output), len(prediction)), 1, -1):
+            win = np.lib.stride_tricks.sliding_window_view(prediction, n)
+            ends = np.flatnonzero((win == output[-n:]).all(axis=1)) + n
+            if ends.size:
+                end = int(ends[np.argmin(np.abs(ends - len(output)))])
+                return prediction[end:end + k].tolist()
+        return []
 
     def lookup(self, token_ids, k: int) -> list[int]:
         """token_ids: a request's prompt + output (int64 array or list)."""

@@ -299,8 +299,15 @@ class _SamplingFields(_Body):
         return self
 
 
+class Prediction(_Body):
+    """OpenAI's predicted output (`prediction`): text the answer will largely repeat."""
+    type: Literal["content"]
+    content: str | list[dict[str, Any]]
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    prediction: Prediction | None = None
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False

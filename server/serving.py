@@ -545,11 +545,14 @@ def completion_logprobs(tok_str: Callable[[int], str], token_ids: list[int], lps
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached: int | None = None) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached: int | None = None, metrics: dict | None = None) -> dict:
     u = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
          "total_tokens": prompt_tokens + completion_tokens}
     if cached:
         u["prompt_tokens_details"] = {"cached_tokens": cached}
+    if metrics and "accepted_prediction_tokens" in metrics:        # a predicted output's drafts
+        u["completion_tokens_details"] = {k: metrics[k] for k in ("accepted_prediction_tokens",
+                                                                  "rejected_prediction_tokens")}
     return u
 
 
@@ -598,6 +601,9 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest, rlog: RequestLo
     skip = req.skip_special_tokens and tools.skip_special_tokens
     params = sampling_params(state, req, max_tokens, top_k if req.logprobs else None, structured=so,
                              skip_special_tokens=skip, logprobs_param="top_logprobs")
+    if req.prediction is not None:          # drafts for n-gram speculation (engine/speculative.py)
+        text = joined_text(req.prediction.content, "prediction.content", ("text",), "prediction")
+        params.prediction_token_ids = state.llm.tokenizer.encode(text, add_special_tokens=False) or None
     admit(state, [rlog.id])
     return ChatRun(prompt_ids, params, tools, top_k)
 
@@ -626,7 +632,7 @@ async def chat_completion(state: ServerState, request: Request, req: ChatComplet
     n_out = sum(len(o.token_ids) for o in final.outputs)
     rlog.output_tokens = n_out
     body = {"id": rlog.id, "object": "chat.completion", "created": created, "model": model,
-            "choices": choices, "usage": usage(len(prompt_ids), n_out, final.num_cached_tokens),
+            "choices": choices, "usage": usage(len(prompt_ids), n_out, final.num_cached_tokens, final.metrics),
             **({"prompt_token_ids": list(prompt_ids)} if req.return_token_ids else {})}
     rlog.done(200)
     return JSONResponse(body)
@@ -804,7 +810,8 @@ async def _chat_stream(state, req, rlog, gen, first, created, model, top_k, tool
     rlog.output_tokens = n_out
     if include_usage:
         yield sse({"id": rlog.id, "object": "chat.completion.chunk", "created": created, "model": model,
-                   "choices": [], "usage": usage(n_prompt, n_out, final.num_cached_tokens if final else None)})
+                   "choices": [], "usage": usage(n_prompt, n_out, final.num_cached_tokens if final else None,
+                                                 final.metrics if final else None)})
     yield SSE_DONE
 
 

@@ -427,6 +427,17 @@ def test_server_with_speculative_config(tmp_path):
         streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stream=True)
                            if c.choices)
         assert streamed == off and len(off) > 40
+        # OpenAI's predicted outputs: the same text, most of it accepted from the prediction.
+        pred = client.chat.completions.create(**kw, prediction={"type": "content", "content": off})
+        assert pred.choices[0].message.content == off
+        details = pred.usage.completion_tokens_details
+        assert details.accepted_prediction_tokens >= pred.usage.completion_tokens // 2
+        assert details.rejected_prediction_tokens <= 8
+        chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True},
+                                                     prediction={"type": "content", "content": off}))
+        assert chunks[-1].usage.completion_tokens_details.accepted_prediction_tokens == \
+            details.accepted_prediction_tokens
+        assert client.chat.completions.create(**kw).usage.completion_tokens_details is None
         metrics = httpx.get(srv.url + "/metrics").text
         acc = [float(line.split()[-1]) for line in metrics.splitlines()
                if line.startswith("tqserve:spec_decode_num_accepted_tokens_total")]
@@ -440,3 +451,36 @@ def test_server_with_speculative_config(tmp_path):
                          text=True, timeout=120)
     assert bad.returncode == 2
     assert "speculative method must be one of ngram, mtp" in bad.stderr + bad.stdout
+
+
+def test_predicted_output(tiny_dir):
+    """OpenAI's predicted outputs: with n-gram speculation a request's
+    prediction supplies its drafts. The tokens are the ones without it; a
+    right prediction is accepted nearly whole (few steps), an edited one up
+    to the edit and again after it."""
+    prompts = token_prompts(3, 20, 40, seed=31)
+    want = toks(LLM(tiny_dir, kv_cache_memory=MEM, dtype="float32").generate(prompts, greedy(32)))
+    llm = LLM(tiny_dir, kv_cache_memory=MEM, dtype="float32", speculative_config=NGRAM)
+    edited = want[1][:10] + [5, 6, 7] + want[1][16:]
+    outs = llm.generate(prompts, [greedy(32, prediction_token_ids=want[0]),
+                                  greedy(32, prediction_token_ids=edited), greedy(32)])
+    assert toks(outs) == want
+    right, edit, none = (o.metrics for o in outs)
+    # (4 drafts a step, each step's fifth token its own: 24 of the 31 after the first)
+    assert right["accepted_prediction_tokens"] >= 22 and right["rejected_prediction_tokens"] <= 4
+    assert edit["accepted_prediction_tokens"] >= 12 and edit["rejected_prediction_tokens"] >= 1
+    assert "accepted_prediction_tokens" not in none
+    steps0 = llm.core.stats.steps_total
+    alone = llm.generate(prompts[0], greedy(32, prediction_token_ids=want[0]))[0]
+    assert alone.outputs[0].token_ids == want[0]
+    assert llm.core.stats.steps_total - steps0 <= 10       # 32 tokens in ~8 steps
+
+
+def test_follow_the_prediction():
+    p = NgramProposer(SpeculativeConfig(**NGRAM))
+    pred = np.array([10, 11, 12, 13, 14, 15, 11, 12, 16], np.int64)
+    assert p.follow(pred, np.array([], np.int64), 3) == [10, 11, 12]
+    assert p.follow(pred, np.array([10, 11], np.int64), 3) == [12, 13, 14]
+    # "11 12" twice: the occurrence ending nearest the output's length
+    assert p.follow(pred, np.array([1, 2, 3, 4, 5, 6, 11, 12], np.int64), 2) == [16]
+    assert p.follow(pred, np.array([99], np.int64), 3) == []
