@@ -87,8 +87,9 @@ class NgramProposer(Proposer):
     """Prompt lookup: the newest n tokens (n from prompt_lookup_max down to
     prompt_lookup_min) are looked up in the request's own prompt + output;
     the tokens that followed their latest earlier occurrence are the draft.
-    A request with a predicted output (OpenAI's `prediction`) drafts from it
-    first (follow)."""
+    A request with a predicted output (OpenAI's `prediction`) also looks in
+    it (follow), and its draft wins unless the prompt lookup matched more
+    tokens."""
 
     def __init__(self, cfg: SpeculativeConfig):
         self.lo, self.hi = cfg.prompt_lookup_min, cfg.prompt_lookup_max
@@ -96,43 +97,50 @@ class NgramProposer(Proposer):
     def propose(self, reqs: list[Request], max_drafts: list[int]) -> list[list[int]]:
         drafts = []
         for r, k in zip(reqs, max_drafts):
-            d = self.follow(r.prediction, r.output_array, k) if k > 0 and r.prediction is not None else []
-            r.spec_from_prediction = bool(d)
-            drafts.append(d or (self.lookup(r.token_array, k) if k > 0 else []))
+            d, n = self._lookup(r.token_array, k) if k > 0 else ([], 0)
+            p, m = self._follow(r.prediction, r.output_array, k) if k > 0 and r.prediction is not None else ([], 0)
+            r.spec_from_prediction = bool(p) and m >= n
+            drafts.append(p if r.spec_from_prediction else d)
         return drafts
 
     def follow(self, prediction: np.ndarray, output: np.ndarray, k: int) -> list[int]:
-        """The prediction's tokens after the place the output has reached: at
-        the start, its first k; else after the longest suffix of the output
-        (up to prompt_lookup_max tokens, down to two: one token is too weak a
-        match to draft on after an edit) found in it, the occurrence ending
-        nearest the output's length (an edited text stays roughly aligned
-        with the original)."""
-        if len(output) < 2:
-            return prediction[len(output):len(output) + k].tolist() if output[:1].tolist() == \
-                prediction[:len(output)].tolist() else []
-        for n in range(min(self.hi, len(output), len(prediction)), 1, -1):
-            win = np.lib.stride_tricks.sliding_window_view(prediction, n)
-            ends = np.flatnonzero((win == output[-n:]).all(axis=1)) + n
-            if ends.size:
-                end = int(ends[np.argmin(np.abs(ends - len(output)))])
-                return prediction[end:end + k].tolist()
-        return []
+        return self._follow(prediction, output, k)[0]
 
     def lookup(self, token_ids, k: int) -> list[int]:
         """token_ids: a request's prompt + output (int64 array or list)."""
+        return self._lookup(token_ids, k)[0]
+
+    def _follow(self, prediction: np.ndarray, output: np.ndarray, k: int) -> tuple[list[int], float]:
+        """(draft, match length) from the prediction: while the output is its
+        start, what comes next (matched in full: inf); else what follows the
+        longest suffix of the output (prompt_lookup_max tokens down to two:
+        one token is too weak a match after an edit) found in it, the
+        occurrence ending nearest the output's length (an edited text stays
+        roughly aligned with the original)."""
+        m = len(output)
+        if m <= len(prediction) and np.array_equal(prediction[:m], output):
+            return prediction[m:m + k].tolist(), float("inf")
+        for n in range(min(self.hi, m, len(prediction)), 1, -1):
+            win = np.lib.stride_tricks.sliding_window_view(prediction, n)
+            ends = np.flatnonzero((win == output[-n:]).all(axis=1)) + n
+            if ends.size:
+                end = int(ends[np.argmin(np.abs(ends - m))])
+                return prediction[end:end + k].tolist(), n
+        return [], 0
+
+    def _lookup(self, token_ids, k: int) -> tuple[list[int], int]:
         ids = np.asarray(token_ids, dtype=np.int64)
         L = len(ids)
         if L <= self.lo:
-            return []
+            return [], 0
         for n in range(min(self.hi, L - 1), self.lo - 1, -1):
             # Windows starting at 0 .. L - n - 1 (the suffix itself excluded).
             win = np.lib.stride_tricks.sliding_window_view(ids[:L - 1], n)
             hit = np.flatnonzero((win == ids[L - n:]).all(axis=1))
             if hit.size:
                 start = int(hit[-1]) + n
-                return ids[start:start + k].tolist()
-        return []
+                return ids[start:start + k].tolist(), n
+        return [], 0
 
 
 def make_proposer(cfg: SpeculativeConfig, runner) -> Proposer:

@@ -114,7 +114,7 @@ QUOTE = ("Here is a scene from a play. Quote, word for word and in order, every 
 SUMMARY = ("Summarise the following text in a few sentences, keeping its wording where you can, and then "
            "quote its most important sentence exactly.\n\n{text}")
 CODE = ("The following Python function has a bug. Find it and return the corrected function, complete, in a "
-        "single ```python code block.\n\n```python\n{code}\n```")
+        "single ```python code block.\n\n```python\n{text}\n```")
 
 # Bugs to inject into a function, tried in turn (from a per-prompt starting point); the first that
 # occurs is applied once.
@@ -224,17 +224,19 @@ def build_prompts(tok, template, n, seed, lo, hi):
     per_task = -(-n // len(TASKS))
     pools = {t: [] for t in TASKS}
 
-    def add(task, source, user):
+    def add(task, source, template, text):
+        """text: what the task hands over to be worked on (the passage with typos, the buggy code)."""
+        user = template.format(text=text)
         ids = chat(user)
         if lo <= len(ids) <= hi:
-            pools[task].append({"task": task, "source": source, "ids": ids, "user": user})
+            pools[task].append({"task": task, "source": source, "ids": ids, "user": user, "text": text})
 
     # (a) rewrite: the made-up passages, then play scenes, with typos.
     for i, p in enumerate(PASSAGES):
-        add("rewrite", f"passage {i}", REWRITE.format(text=add_typos(p, rng)))
+        add("rewrite", f"passage {i}", REWRITE, add_typos(p, rng))
     scenes = play_scenes(rng, 4 * per_task, 500, 1500)
     for j, (scene, _) in enumerate(scenes[:per_task]):
-        add("rewrite", f"tinyshakespeare scene {j}", REWRITE_PLAY.format(text=add_typos(scene, rng)))
+        add("rewrite", f"tinyshakespeare scene {j}", REWRITE_PLAY, add_typos(scene, rng))
     # (b) quote one speaker of a scene, or summarise a passage; alternating.
     quotes = []
     for j, (scene, speakers) in enumerate(scenes[per_task:]):
@@ -260,7 +262,7 @@ def build_prompts(tok, template, n, seed, lo, hi):
         bad, what = mutate(code, len(pools["code"]))
         if bad is None or not 60 <= len(tok.encode(bad, add_special_tokens=False)) <= min(hi - 80, 400):
             continue
-        add("code", f"{name} ({what})", CODE.format(code=bad))
+        add("code", f"{name} ({what})", CODE, bad)
     # Interleave a, b, c, a, b, c, ...
     out = []
     for i in range(per_task):
@@ -304,6 +306,8 @@ def run(llm, prompts, params):
     b = spec_stats(llm)
     outs = [done[r].outputs[0] for r in rids]
     n_out = sum(len(o.token_ids) for o in outs)
+    # Predicted outputs (predicted_outputs.py): accepted / rejected prediction tokens, summed.
+    pred = [[done[r].metrics.get(f"{k}_prediction_tokens") for r in rids] for k in ("accepted", "rejected")]
     d = {k: b[k] - a[k] for k in ("drafts", "draft_tokens", "accepted", "steps", "generation_tokens")}
     per_pos = [y - x for x, y in zip(a["per_pos"], b["per_pos"])]
     return {"total_s": dt, "output_tokens": n_out, "output_tok_s": n_out / dt, "steps": d["steps"],
@@ -311,6 +315,7 @@ def run(llm, prompts, params):
             "spec": {**{k: d[k] for k in ("drafts", "draft_tokens", "accepted")}, "accepted_per_pos": per_pos,
                      "acceptance_length": 1 + d["accepted"] / d["drafts"] if d["drafts"] else None,
                      "acceptance_rate": d["accepted"] / d["draft_tokens"] if d["draft_tokens"] else None},
+            "prediction": [sum(x or 0 for x in v) for v in pred] if any(x is not None for x in pred[0]) else None,
             "finish": [o.finish_reason for o in outs], "token_ids": [list(o.token_ids) for o in outs],
             "token_steps": [n_steps[r] for r in rids]}
 
