@@ -225,8 +225,8 @@ def create_app(state: ServerState) -> FastAPI:
         return await generation(request, "resp_", "responses", ResponsesRequest, responses.create_response)
 
     @app.get("/v1/responses/{response_id}")
-    async def responses_get(response_id: str):
-        return responses.get_response(state, response_id)
+    async def responses_get(response_id: str, stream: bool = False, starting_after: int | None = None):
+        return responses.get_response(state, response_id, stream, starting_after)
 
     @app.delete("/v1/responses/{response_id}")
     async def responses_delete(response_id: str):

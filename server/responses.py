@@ -15,9 +15,12 @@ in a bounded in-memory store (least recently used out first, see
 instructions are not carried over, as OpenAI's), GET and DELETE
 /v1/responses/{id} read and drop it. `background` answers at once with a
 "queued" response that runs on (GET shows it in_progress, then its end;
-POST /v1/responses/{id}/cancel stops it: "cancelled"). Not supported (a 400):
-streaming a background response, truncation "auto", input items other than
-the four above, non-text content.
+POST /v1/responses/{id}/cancel stops it: "cancelled"); with `stream` too, its
+events are also kept (server/response_store.EventLog): the POST streams
+them, and GET /v1/responses/{id}?stream=true&starting_after=N reads them
+again from any point, live until the end, while the response runs on
+whoever reads it or no one. Not supported (a 400): truncation "auto", input
+items other than the four above, non-text content.
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ from pydantic import ValidationError
 from server import serving
 from server.errors import APIError, from_validation_error
 from server.protocol import SAMPLING_EXTRAS, ChatCompletionRequest, ResponsesRequest
-from server.response_store import StoredResponse
+from server.response_store import EventLog, StoredResponse
 from server.state import ServerState
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -237,12 +240,10 @@ async def create_response(state: ServerState, request: Request, req: ResponsesRe
     gen = serving.generate(state, run.prompt_ids, run.params, rlog.id, rlog, chat.priority,
                            cache_salt=chat.cache_salt, model=chat.model)
     turn = _Turn(rlog.id, req, req.model or state.model_name, int(time.time()), conversation)
-    if req.background:
+    if req.background and not req.stream:
         queued = turn.body("queued", [])
         state.responses.put(turn.id, StoredResponse(queued, conversation))
-        task = asyncio.ensure_future(_background(state, turn, run, gen, rlog))
-        state.background[turn.id] = task        # (a reference: the loop keeps only weak ones)
-        task.add_done_callback(lambda _: state.background.pop(turn.id, None))
+        _run_in_background(state, turn.id, _background(state, turn, run, gen, rlog))
         return JSONResponse(queued)
     if req.stream:
         first = await serving.first_output(request, gen)
@@ -252,8 +253,14 @@ async def create_response(state: ServerState, request: Request, req: ResponsesRe
             code = "invalid_request_error" if status == 400 else "server_error"
             return so.event("error", code=code, message=message, param=None)
         events = _events(state, turn, serving.ChoiceDeltas(gen, first, run.tools.stream()), so)
-        return StreamingResponse(serving.guarded(events, gen, rlog, error), media_type="text/event-stream",
-                                 headers=serving.SSE_HEADERS)
+        stream = serving.guarded(events, gen, rlog, error)
+        if req.background:
+            # It runs on whoever reads it: this stream, a GET that resumes it, or no one.
+            log = EventLog()
+            state.responses.put(turn.id, StoredResponse(turn.body("queued", []), conversation, log))
+            _run_in_background(state, turn.id, _record_events(state, turn, stream, log))
+            stream = log.tail()
+        return StreamingResponse(stream, media_type="text/event-stream", headers=serving.SSE_HEADERS)
 
     final = await serving.last_output(request, gen)
     o = final.outputs[0]
@@ -291,6 +298,28 @@ async def _background(state: ServerState, turn: _Turn, run, gen, rlog: serving.R
     rlog.done(200)
 
 
+def _run_in_background(state: ServerState, rid: str, coro) -> None:
+    task = asyncio.ensure_future(coro)
+    state.background[rid] = task        # (a reference: the loop keeps only weak ones)
+    task.add_done_callback(lambda _: state.background.pop(rid, None))
+
+
+async def _record_events(state: ServerState, turn: _Turn, stream, log: EventLog) -> None:
+    """A streamed background response's events into its log (the store's
+    body follows: in_progress, then its end, or failed after an error event)."""
+    try:
+        async for chunk in stream:
+            log.add(chunk)
+            stored = state.responses.peek(turn.id)
+            if stored is not None and stored.body["status"] == "queued":
+                stored.body = turn.body("in_progress", [])
+    finally:
+        stored = state.responses.peek(turn.id)
+        if stored is not None and stored.body["status"] in ("queued", "in_progress"):   # it ended in an error
+            stored.body = turn.body("failed", [])
+        log.close()
+
+
 def _update(state: ServerState, rid: str, body: dict) -> None:
     stored = state.responses.peek(rid)
     if stored is not None:
@@ -308,7 +337,9 @@ def _finish(state: ServerState, turn: _Turn, status: str, items: list[dict], usa
     store = turn.req.store and state.responses.size > 0
     body = turn.body(status, items, usage, incomplete, store=store)
     if store:
-        state.responses.put(turn.id, StoredResponse(body, turn.conversation + [assistant_message(items)]))
+        prev = state.responses.peek(turn.id)        # (a streamed background response keeps its events)
+        state.responses.put(turn.id, StoredResponse(body, turn.conversation + [assistant_message(items)],
+                                                    prev.events if prev is not None else None))
     return body
 
 
@@ -412,11 +443,19 @@ async def _events(state: ServerState, turn: _Turn, deltas: serving.ChoiceDeltas,
     yield "".join(closing) + so.event(kind, response=body)
 
 
-def get_response(state: ServerState, response_id: str) -> dict:
+def get_response(state: ServerState, response_id: str, stream: bool = False, starting_after: int | None = None):
+    """The stored body, or (stream) a streamed background response's events
+    after sequence number starting_after, live until it ends (OpenAI's resume)."""
     stored = state.responses.get(response_id)
     if stored is None:
         raise APIError(404, f"Response with id '{response_id}' not found.", param="response_id")
-    return stored.body
+    if not stream:
+        return stored.body
+    if stored.events is None:
+        raise APIError(400, "Only a background response created with stream true can be streamed.",
+                       param="stream")
+    return StreamingResponse(stored.events.tail(-1 if starting_after is None else starting_after),
+                             media_type="text/event-stream", headers=serving.SSE_HEADERS)
 
 
 async def delete_response(state: ServerState, response_id: str) -> dict:

@@ -200,7 +200,6 @@ def test_formats_choices_and_extras_reach_the_engine(served):
 
 @pytest.mark.parametrize("body, match", [
     ({"background": True, "store": False}, "background needs store"),
-    ({"background": True, "stream": True}, "not streamed"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input_image"),
     ({"input": [{"type": "web_search_call"}]}, "web_search_call"),
     ({"input": [{"role": "narrator", "content": "x"}]}, "role"),
@@ -292,6 +291,44 @@ def test_background_responses(served):
     assert gone.id in srv.llm.aborted and not srv.state.background
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(gone.id)
+
+
+def test_streamed_background_response_resumes(served):
+    """OpenAI's background + stream: the POST streams the events, a client
+    that leaves does not stop the response, GET ?stream=true&starting_after=N
+    (the openai client's retrieve(stream=True)) reads them again from any
+    point, live while it runs; its text is the foreground response's."""
+    srv, client = served
+    srv.llm.script = None
+    kw = dict(model="fake", input="hi", temperature=0, max_output_tokens=40)
+    fg, _ = stream(client, **kw)
+    whole, _ = stream(client, **kw, background=True)        # read to its end through the POST
+    assert whole.output_text == fg.output_text and whole.background
+    srv.llm.step_s = 0.02
+    with client.responses.create(**kw, background=True, stream=True) as s:
+        it = iter(s)
+        first = [next(it) for _ in range(3)]        # then the client leaves
+    rid = first[0].response.id
+    assert [e.sequence_number for e in first] == [0, 1, 2] and first[0].response.background
+    live = list(client.responses.retrieve(rid, stream=True, starting_after=1))     # joins while it runs
+    assert live[0].sequence_number == 2 and [e.sequence_number for e in live] == list(range(2, 2 + len(live)))
+    done = _wait(client, rid, ("completed", "incomplete"))
+    assert done.output_text == fg.output_text and done.background
+    again = list(client.responses.retrieve(rid, stream=True))
+    assert [e.sequence_number for e in again] == list(range(len(again))) and again[2:] == live
+    text = "".join(e.delta for e in again if e.type == "response.output_text.delta")
+    assert text == fg.output_text and again[-1].response.status == done.status
+    with pytest.raises(openai.BadRequestError, match="created with stream"):
+        list(client.responses.retrieve(fg.id, stream=True))
+    # Cancelled while streaming: the events end, the body says so.
+    srv.llm.step_s = 0.05
+    with client.responses.create(model="fake", input="go on", max_output_tokens=2000, background=True, stream=True,
+                                 extra_body={"ignore_eos": True}) as s:
+        rid = next(iter(s)).response.id
+    _wait(client, rid, ("in_progress",))
+    assert client.responses.cancel(rid).status == "cancelled"
+    ended = list(client.responses.retrieve(rid, stream=True))
+    assert ended[-1].response.status == "cancelled" and not srv.state.background
 
 
 @pytest.mark.parametrize("served", [(ONE_CALL, {"responses_store_size": 0})], indirect=True)
