@@ -8,7 +8,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 
-from engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, check_width
 from engine.core_process import run_engine_core
 from engine.engine_args import EngineArgs
 from engine.engine_core import EngineStats, ModelInfo, check_pooling, check_priority, check_request
@@ -275,6 +275,7 @@ class AsyncLLM:
         step's beams run as requests beside any others. abort(request_id)
         ends it with the beams so far (finish_reason "abort")."""
         rid = self._new_id(request_id, self._beam_searches)
+        check_width(params, self.args.max_logprobs)
         _, ids = self.encode(prompt)
         check_request(ids, SamplingParams(max_tokens=params.max_tokens), self.info.max_model_len,
                       self.info.vocab_size)     # (the longest beam fits)

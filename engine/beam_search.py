@@ -53,6 +53,13 @@ class BeamSearchOutput:
     sequences: list[BeamSearchSequence]
 
 
+def check_width(params: BeamSearchParams, max_logprobs: int) -> None:
+    """A step asks for 2 x beam_width logprobs: within the engine's max_logprobs (-1: no cap)."""
+    if 0 <= max_logprobs < 2 * params.beam_width:
+        raise InvalidRequest(f"beam width {params.beam_width} needs the top {2 * params.beam_width} logprobs per "
+                             f"step, more than --max-logprobs {max_logprobs} allows")
+
+
 class BeamSearch:
     def __init__(self, prompt_token_ids: list[int], params: BeamSearchParams, stop_ids: set[int]):
         self.params = params

@@ -9,7 +9,7 @@ import math
 import sys
 import time
 
-from engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, check_width
 from engine.engine_args import EngineArgs
 from engine.engine_core import EngineCore, check_pooling, check_priority, check_request
 from engine.errors import InvalidRequest
@@ -155,6 +155,7 @@ class LLM:
         (engine/beam_search.py); every prompt's beams run in the same steps."""
         if isinstance(prompts, (str, dict)) or is_token_prompt(prompts):
             prompts = [prompts]
+        check_width(params, self.core.args.max_logprobs)
         searches = []
         for p in prompts:
             if isinstance(p, dict):

@@ -69,6 +69,8 @@ def test_ignore_eos_and_prompt_forms(eos_model):
         BeamSearchParams(beam_width=0, max_tokens=4)
     with pytest.raises(InvalidRequest, match="maximum context length"):
         llm.beam_search(PROMPTS[0], BeamSearchParams(beam_width=2, max_tokens=10**6))
+    with pytest.raises(InvalidRequest, match="beam width 11 needs the top 22 logprobs"):
+        llm.beam_search(PROMPTS[0], BeamSearchParams(beam_width=11, max_tokens=2))
     assert not llm.core.has_work()
 
 
