@@ -461,7 +461,7 @@ def write_md(res, args):
          f"SmolLM2-135M-Instruct (`LLM(\"{MODEL}\", max_num_seqs=c, max_model_len={MAX_MODEL_LEN}, "
          "enable_prefix_caching=False, speculative_config={\"method\": \"ngram\", \"num_speculative_tokens\": k, "
          f"\"prompt_lookup_min\": {args.prompt_lookup_min}, \"prompt_lookup_max\": {args.prompt_lookup_max}}})`), "
-         f"dtype {args.dtype}{' (float32 on CPU)' if args.dtype == 'auto' else ''}, on {res['device']}, "
+         f"dtype {args.dtype}{' (engine/auto_defaults.py: bf16 on a CPU with bf16 arithmetic, else fp32)' if args.dtype == 'auto' else ''}, on {res['device']}, "
          f"{m['torch_threads']} torch threads, torch {m['torch']}.", "",
          f"Machine: {machine_line(m)}; load average at start {m['loadavg_start'][0]:.2f}, at end "
          f"{m['loadavg_end'][0]:.2f}. Git {res['git']}.", "",
@@ -512,7 +512,9 @@ def main():
     ap.add_argument("--min-speedup", type=float, default=1.0, help="the sweep's 'pays' threshold")
     ap.add_argument("--repeats", type=int, default=1, help="interleaved timed runs per config; rows keep the fastest")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    ap.add_argument("--dtype", default="auto", help="the engine's dtype (auto: float32 on CPU)")
+    ap.add_argument("--dtype", default="auto", help="the engine's dtype (auto: bf16 where the CPU computes in "
+                                                     "bf16, else fp32; greedy mismatches are only 0 by design in "
+                                                     "fp32)")
     ap.add_argument("--seed", type=int, default=0, help="prompt building and the t=0.7 requests' seeds")
     ap.add_argument("--out", default="spec_decode", help="results file stem in tests/bench/results")
     args = ap.parse_args()
