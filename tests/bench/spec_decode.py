@@ -453,6 +453,9 @@ def table(rows):
     return L
 
 
+AUTO_DTYPE = " (engine/auto_defaults.py: bf16 on a CPU with bf16 arithmetic, else fp32)"
+
+
 def write_md(res, args):
     from server.bench import machine_line
     m = res["machine"]
@@ -461,7 +464,7 @@ def write_md(res, args):
          f"SmolLM2-135M-Instruct (`LLM(\"{MODEL}\", max_num_seqs=c, max_model_len={MAX_MODEL_LEN}, "
          "enable_prefix_caching=False, speculative_config={\"method\": \"ngram\", \"num_speculative_tokens\": k, "
          f"\"prompt_lookup_min\": {args.prompt_lookup_min}, \"prompt_lookup_max\": {args.prompt_lookup_max}}})`), "
-         f"dtype {args.dtype}{' (engine/auto_defaults.py: bf16 on a CPU with bf16 arithmetic, else fp32)' if args.dtype == 'auto' else ''}, on {res['device']}, "
+         f"dtype {args.dtype}{AUTO_DTYPE if args.dtype == 'auto' else ''}, on {res['device']}, "
          f"{m['torch_threads']} torch threads, torch {m['torch']}.", "",
          f"Machine: {machine_line(m)}; load average at start {m['loadavg_start'][0]:.2f}, at end "
          f"{m['loadavg_end'][0]:.2f}. Git {res['git']}.", "",
