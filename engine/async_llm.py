@@ -111,9 +111,8 @@ class AsyncLLM:
     def classifier_labels(self) -> list[str] | None:
         return self.info.classifier_labels
 
-    @property
-    def classifier_token_ids(self) -> list[int] | None:
-        return self.info.classifier_token_ids
+    def classifier_pooling(self) -> PoolingParams | None:
+        return self.info.classifier_pooling()
 
     @property
     def kv_info(self) -> dict:

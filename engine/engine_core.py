@@ -14,13 +14,14 @@ from engine.errors import InvalidRequest
 from engine.follower import Followers
 from engine.lora import LoRAManager, LoRARequest
 from engine.model_runner import ModelRunner
+from engine.pooling_params import PoolingParams
 from engine.request import EngineRequest, Request, Status
 from engine.scheduler import Scheduler
 from engine.speculative import make_proposer
 from engine.structured_output import GrammarCompiler, GrammarState, StructuredOutputError
 from engine.worker import Worker
 from kvcache.kv_manager import KVCacheManager
-from model_zoo.models import classifier_labels
+from model_zoo.models import classifier_labels, has_score_head
 
 log = logging.getLogger("tqserve.engine")
 
@@ -78,9 +79,18 @@ class ModelInfo:
     generates: bool = True            # False: no language-model head (an embedding checkpoint)
     hot_bytes_per_seq: int = 0        # TurboQuant hot tokens a running sequence holds
     compression_ratio: float = 1.0    # 16-bit KV bytes per token / stored bytes per token
-    # A token classifier (--hf-overrides classifier_from_token): its labels and their token ids.
+    # A classifier: its labels, and a token classifier's tokens (--hf-overrides
+    # classifier_from_token) or None for a score head (a ForSequenceClassification checkpoint).
     classifier_labels: list[str] | None = None
     classifier_token_ids: list[int] | None = None
+
+    def classifier_pooling(self) -> PoolingParams | None:
+        """How a request runs the classifier (None: the model is none)."""
+        if self.classifier_labels is None:
+            return None
+        ids = self.classifier_token_ids
+        return PoolingParams("last", normalize=False, classify_token_ids=tuple(ids) if ids is not None else None,
+                             score_head=ids is None)
 
 
 def check_priority(priority: int, policy: str) -> None:
@@ -129,6 +139,8 @@ def check_pooling(params, pooling, info: ModelInfo) -> None:
         raise InvalidRequest("an embedding request generates nothing: give it max_tokens 0 and n 1")
     if pooling.dimensions is not None and info.hidden_size and pooling.dimensions > info.hidden_size:
         raise InvalidRequest(f"dimensions must be at most the model's {info.hidden_size}, got {pooling.dimensions}")
+    if pooling.score_head and (info.classifier_labels is None or info.classifier_token_ids is not None):
+        raise InvalidRequest("this model has no score head (a ForSequenceClassification checkpoint's)")
     ids = pooling.classify_token_ids
     if ids is not None and (not info.generates or not all(0 <= t < info.vocab_size for t in ids)):
         raise InvalidRequest("a token classifier needs the model's language-model head and token ids in its "
@@ -192,10 +204,13 @@ class EngineCore(Worker):
         self.info.classifier_labels, self.info.classifier_token_ids = self._classifier()
 
     def _classifier(self) -> tuple[list[str] | None, list[int] | None]:
-        """A token classifier's labels and their ids (ValueError: a label that is no token)."""
+        """A classifier's labels, and a token classifier's ids (ValueError: a label that is no token)."""
         labels = classifier_labels(self.source.config)
         if not labels:
             return None, None
+        if has_score_head(self.source.config):
+            log.info("a sequence classifier: labels %s from its score head at the last position", labels)
+            return labels, None
         tok = self.source.tokenizer
         if tok is None:
             raise ValueError("classifier_from_token needs the model's tokenizer")

@@ -182,22 +182,22 @@ class LLM:
 
     def classify(self, prompts, use_tqdm: bool = False,
                  lora_request: LoRARequest | None = None) -> list[ClassificationRequestOutput]:
-        """A token classifier's label probabilities per prompt (vLLM's
-        LLM.classify; --hf-overrides classifier_from_token)."""
+        """A classifier's label probabilities per prompt (vLLM's LLM.classify)."""
         return [ClassificationRequestOutput(r, ids, ClassificationOutput(v))
                 for r, ids, v in self._pool(prompts, self.classifier_pooling(), use_tqdm, lora_request)]
 
     def score(self, data_1, data_2, use_tqdm: bool = False,
               lora_request: LoRARequest | None = None) -> list[ScoringRequestOutput]:
         """vLLM's LLM.score: data_1 (one text, or one per text of data_2)
-        against each of data_2. A token classifier scores each pair as one
-        input (the last label's probability: a yes/no reranker's "yes");
-        other models by the cosine of the two texts' embeddings."""
+        against each of data_2. A classifier scores each pair as one input
+        (the last label's probability: a yes/no reranker's "yes", a one-label
+        head's sigmoid); other models by the cosine of the two texts'
+        embeddings."""
         one, two = ([d] if isinstance(d, str) else list(d) for d in (data_1, data_2))
         if len(one) not in (1, len(two)):
             raise InvalidRequest(f"data_1 has {len(one)} texts and data_2 {len(two)}: give one, or one per data_2")
         pairs = list(zip(one * len(two) if len(one) == 1 else one, two))
-        if self.core.info.classifier_token_ids is not None:
+        if self.core.info.classifier_labels is not None:
             if self.tokenizer is None:
                 raise InvalidRequest("this model has no tokenizer: it cannot score texts")
             done = self._pool([pair_token_ids(self.tokenizer, a, b) for a, b in pairs], self.classifier_pooling(),
@@ -210,11 +210,11 @@ class LLM:
                     x * y for x, y in zip(vectors[a][1], vectors[b][1])))) for i, (a, b) in enumerate(pairs)]
 
     def classifier_pooling(self) -> PoolingParams:
-        ids = self.core.info.classifier_token_ids
-        if ids is None:
-            raise InvalidRequest("this model is not a token classifier (start it with --hf-overrides "
-                                 "'{\"classifier_from_token\": [...]}')")
-        return PoolingParams("last", normalize=False, classify_token_ids=tuple(ids))
+        pooling = self.core.info.classifier_pooling()
+        if pooling is None:
+            raise InvalidRequest("this model is not a classifier (a ForSequenceClassification checkpoint, or a "
+                                 "yes/no reranker with --hf-overrides '{\"classifier_from_token\": [...]}')")
+        return pooling
 
     def _pool(self, prompts, pooling: PoolingParams, use_tqdm: bool,
               lora_request: LoRARequest | None) -> list[tuple[str, list[int], list[float]]]:

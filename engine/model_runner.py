@@ -105,7 +105,7 @@ class StepPlan:
     dsv4_seqs: list | None = None    # DeepSeek-V4's pool: (start, block tables) per sequence
     prompt_rows: list[tuple[int, int]] = field(default_factory=list)   # hidden rows scoring prompt tokens
     pool_rows: list[tuple[int, int]] = field(default_factory=list)     # hidden rows summed for embeddings
-    pool_logits: list[bool] = field(default_factory=list)   # per pool row: its logits instead (a classifier)
+    pool_heads: list[str | None] = field(default_factory=list)   # per pool row: a head instead (PoolingParams.head)
     graph_batch: int = 0             # > 0: a decode step padded to this captured size, replayed as a CUDA graph
     graph_rows: int = 0              # the graph's rows per sequence (1, or 1 + k for a verification step)
     patches: int = 0                 # input ids the previous step samples (asynchronous scheduling; see _send)
@@ -391,7 +391,7 @@ class ModelRunner:
             if req.pooling is not None and (span := req.pooling.rows(s.start, s.num_new_tokens,
                                                                      req.num_prompt_tokens)):
                 plan.pool_rows.append((plan.qsl[i] + span[0] - s.start, plan.qsl[i] + span[1] - s.start))
-                plan.pool_logits.append(req.pooling.classify_token_ids is not None)
+                plan.pool_heads.append(req.pooling.head)
                 pool_jobs.append((req, s.start))
             if req.prompt_logprobs is None or s.start >= req.num_prompt_tokens:
                 continue
@@ -493,7 +493,7 @@ class ModelRunner:
         the model over the step, the logits of the plan's prompt-logprob rows,
         then of its sampling rows (None when nothing samples); and the sums
         of the plan's pool rows' states (no collective: every rank has them),
-        or a classifier's row's logits (a collective, as the others)."""
+        or a classifier's head's outputs for its row (_head)."""
         d = self._send(plan)
         self._copy(plan, d, snapshots=False)
         for load in plan.lora_loads:
@@ -527,9 +527,14 @@ class ModelRunner:
                 self.lora.ctx.batch = None
         self._copy(plan, d, snapshots=True)
         prompt = [self.model.compute_logits(hidden[a:b]) for a, b in plan.prompt_rows]
-        pooled = [self.model.compute_logits(hidden[a:b])[0].float() if lg else hidden[a:b].float().sum(0)
-                  for (a, b), lg in zip(plan.pool_rows, plan.pool_logits)]
+        pooled = [hidden[a:b].float().sum(0) if head is None else self._head(head, hidden[a:b])
+                  for (a, b), head in zip(plan.pool_rows, plan.pool_heads)]
         return (self.model.compute_logits(hidden[rows]) if len(rows) else None), prompt, pooled
+
+    def _head(self, head: str, row: torch.Tensor) -> torch.Tensor:
+        """A classifier's outputs for its pooled row: the LM head's logits (a
+        collective under tensor parallelism) or the score head's (replicated)."""
+        return (self.model.compute_logits(row) if head == "logits" else self.model.score(row))[0].float()
 
     def execute(self, out: SchedulerOutput) -> dict[str, tuple[list[int], list[dict | None]]]:
         """Run one step. Returns {request_id: (tokens, logprobs)} for requests

@@ -1,8 +1,9 @@
 """Per-request pooling (embeddings), in the shape vLLM users know: a request
 with PoolingParams runs its prompt through the model and returns one vector
 pooled from the final hidden states (after the model's last norm) instead of
-generating tokens, or (a token classifier, classify_token_ids) the
-probabilities of some tokens at the last position (yes/no rerankers).
+generating tokens, or a classifier's label probabilities at the last
+position: some tokens' (classify_token_ids: yes/no rerankers) or a
+sequence-classification head's (score_head).
 
 The pool is accumulated chunk by chunk as chunked prefill computes the prompt
 (ModelRunner.prepare asks `rows` which positions a chunk adds), so a prompt
@@ -25,6 +26,9 @@ class PoolingParams:
     # A token classifier (a yes/no reranker): the result is the softmax of the
     # last position's logits of these tokens, not a hidden state.
     classify_token_ids: tuple[int, ...] | None = None
+    # A sequence classifier: its score head's labels at the last position,
+    # sigmoid for one label, else softmax (vLLM's activations).
+    score_head: bool = False
 
     def __post_init__(self):
         if not isinstance(self.pooling_type, str):
@@ -37,8 +41,14 @@ class PoolingParams:
         if self.dimensions is not None and (isinstance(self.dimensions, bool) or not isinstance(self.dimensions, int)
                                             or self.dimensions < 1):
             raise PoolingError(f"dimensions must be a positive integer, got {self.dimensions!r}")
-        if self.classify_token_ids is not None and self.pooling_type != "last":
-            raise PoolingError("a token classifier reads the last position: pooling_type must be last")
+        if (self.classify_token_ids is not None or self.score_head) and self.pooling_type != "last":
+            raise PoolingError("a classifier reads the last position: pooling_type must be last")
+
+    @property
+    def head(self) -> str | None:
+        """What the runner computes for the pooled row instead of its state:
+        "logits" (the LM head) or "score" (a classifier's head)."""
+        return "logits" if self.classify_token_ids is not None else "score" if self.score_head else None
 
     @property
     def uses_every_position(self) -> bool:
@@ -63,6 +73,8 @@ class PoolingParams:
         v = total.float()
         if self.classify_token_ids is not None:
             return torch.softmax(v[list(self.classify_token_ids)], 0).tolist()
+        if self.score_head:
+            return (torch.sigmoid(v) if len(v) == 1 else torch.softmax(v, 0)).tolist()
         if self.pooling_type == "mean":
             v = v / num_prompt
         if self.dimensions is not None:

@@ -44,18 +44,27 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
 
 
 def classifier_labels(config: dict) -> list[str] | None:
-    """A yes/no-token classifier's labels (vLLM's classifier_from_token: a
-    reranker such as Qwen3-Reranker scores with its LM head's logits of
-    these tokens at the last position), or None for a plain language model."""
+    """A classifier's labels, or None for a plain language model: a token
+    classifier's tokens (vLLM's classifier_from_token: a reranker such as
+    Qwen3-Reranker scores with its LM head's logits of these tokens at the
+    last position), else a sequence-classification checkpoint's (its trained
+    score head, id2label's order)."""
     labels = config.get("classifier_from_token")
+    if labels is not None:
+        if not isinstance(labels, list) or len(labels) < 2 or not all(isinstance(t, str) for t in labels):
+            raise ValueError(f"classifier_from_token must list at least two tokens, got {labels!r}")
+        return labels
+    if has_score_head(config):
+        id2label = config.get("id2label") or {}
+        n = int(config.get("num_labels") or len(id2label) or 2)
+        return [str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(n)]
+    return None
+
+
+def has_score_head(config: dict) -> bool:
+    """A sequence-classification checkpoint with a trained head (`score.weight`)."""
     archs = config.get("architectures") or []
-    if archs and archs[0].endswith("ForSequenceClassification") and not labels:
-        raise ValueError(f"{archs[0]} with a trained score head is not supported; a reranker that answers "
-                         f"with tokens serves with --hf-overrides '{{\"classifier_from_token\": [\"no\", \"yes\"]}}'")
-    if labels is not None and (not isinstance(labels, list) or len(labels) < 2
-                               or not all(isinstance(t, str) for t in labels)):
-        raise ValueError(f"classifier_from_token must list at least two tokens, got {labels!r}")
-    return labels
+    return bool(archs) and archs[0].endswith("ForSequenceClassification") and "classifier_from_token" not in config
 
 
 def model_class(config: dict) -> type[nn.Module]:
@@ -63,9 +72,10 @@ def model_class(config: dict) -> type[nn.Module]:
     if archs:
         if archs[0] in ARCHITECTURES:
             return ARCHITECTURES[archs[0]]
-        # A token classifier (classifier_labels) is its CausalLM: the head's logits score.
+        # A classifier is its CausalLM: the LM head's logits of some tokens score,
+        # or a score head beside it (build_model).
         causal = archs[0].removesuffix("ForSequenceClassification") + "ForCausalLM"
-        if classifier_labels(config) and causal in ARCHITECTURES:
+        if archs[0].endswith("ForSequenceClassification") and causal in ARCHITECTURES:
             return ARCHITECTURES[causal]
         # A bare backbone (Qwen3Model: an embedding checkpoint saved by AutoModel)
         # is its CausalLM's model without the head (hf_loader.backbone_names).
@@ -83,8 +93,13 @@ def model_class(config: dict) -> type[nn.Module]:
 
 def build_model(config: dict) -> nn.Module:
     """The model for an HF config dict, with uninitialised weights: call
-    load_weights next. Built in the current default dtype and device."""
-    return model_class(config)(config)
+    load_weights next. Built in the current default dtype and device. A
+    sequence classifier gets its `score` head (hidden -> labels, whole on
+    every rank: it is small and the final hidden states are too)."""
+    model = model_class(config)(config)
+    if has_score_head(config):
+        model.score = nn.Linear(config["hidden_size"], len(classifier_labels(config)), bias=False)
+    return model
 
 
 def create_model(config: dict, dtype: torch.dtype, device: str | torch.device,

@@ -2,9 +2,10 @@
 and POST /classify. For a token classifier (a yes/no reranker such as
 Qwen3-Reranker: --hf-overrides classifier_from_token) a pair is one input,
 text_1's tokens then text_2's, and its score the last label's probability
-at the last position; for other models it is the cosine similarity of the
-two texts' embeddings (server/embeddings.py), each distinct text embedded
-once. Cross-encoders with a trained score head are not served."""
+at the last position; a ForSequenceClassification checkpoint's score head
+scores the same way (one label: its sigmoid). For other models it is the
+cosine similarity of the two texts' embeddings (server/embeddings.py), each
+distinct text embedded once."""
 import dataclasses
 import math
 import time
@@ -12,7 +13,7 @@ import time
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from engine.pooling_params import PoolingParams, pair_token_ids
+from engine.pooling_params import pair_token_ids
 from server.embeddings import embed, prompt_ids
 from server.errors import APIError
 from server.protocol import ClassificationRequest, RerankRequest, ScoreRequest
@@ -20,14 +21,9 @@ from server.serving import RequestLog, admit, check_model
 from server.state import ServerState
 
 
-def classifier_pooling(state: ServerState) -> PoolingParams | None:
-    ids = state.llm.classifier_token_ids
-    return None if ids is None else PoolingParams("last", normalize=False, classify_token_ids=tuple(ids))
-
-
 async def _similarities(state: ServerState, request: Request, pairs: list[tuple[str, str]], keep: int | None,
                         rlog: RequestLog, priority: int, param: str, model: str | None) -> list[float]:
-    pooling = classifier_pooling(state)
+    pooling = state.llm.classifier_pooling()
     if pooling is not None:         # one input per pair
         if state.llm.tokenizer is None:
             raise APIError(400, "This model has no tokenizer, so it cannot score texts.")
@@ -76,10 +72,10 @@ async def create_rerank(state: ServerState, request: Request, req: RerankRequest
 async def create_classify(state: ServerState, request: Request, req: ClassificationRequest,
                           rlog: RequestLog) -> JSONResponse:
     check_model(state, req.model)
-    pooling = classifier_pooling(state)
+    pooling = state.llm.classifier_pooling()
     if pooling is None:
-        raise APIError(400, "This model is not a classifier (a yes/no reranker serves with --hf-overrides "
-                            "'{\"classifier_from_token\": [...]}').")
+        raise APIError(400, "This model is not a classifier (a ForSequenceClassification checkpoint, or a yes/no "
+                            "reranker with --hf-overrides '{\"classifier_from_token\": [...]}').")
     admit(state, [])
     ids = prompt_ids(state, req.inputs(), keep=req.truncate_prompt_tokens)
     rlog.prompt_tokens = sum(map(len, ids))

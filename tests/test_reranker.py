@@ -75,16 +75,51 @@ def test_scores_equal_transformers(reranker):
         llm.score([QUERY, QUERY], DOCS)
 
 
+@pytest.mark.parametrize("num_labels", [1, 3])
+def test_score_head_checkpoints_equal_transformers(reranker, tmp_path, num_labels):
+    """A ForSequenceClassification checkpoint (a trained score head, no LM
+    head): classify gives softmax (one label: sigmoid) of its logits at the
+    last token, score the last label's, as transformers computes them."""
+    from transformers import Qwen3Config, Qwen3ForSequenceClassification
+    _, _, tok = reranker
+    torch.manual_seed(1)
+    cfg = Qwen3Config(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                      num_labels=num_labels, pad_token_id=0, tie_word_embeddings=True)
+    model = Qwen3ForSequenceClassification(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(4.0)
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", kv_cache_memory=16 << 20)
+    assert llm.core.info.classifier_labels == [f"LABEL_{i}" for i in range(num_labels)]
+
+    def want(ids):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0].double()
+        return (torch.sigmoid(logits) if num_labels == 1 else torch.softmax(logits, 0)).tolist()
+    texts = ["is this a question?", "the dog barks"]
+    for o, text in zip(llm.classify(texts), texts):
+        assert o.outputs.probs == pytest.approx(want(tok(text).input_ids), abs=1e-5)
+    scores = [o.outputs.score for o in llm.score(QUERY, DOCS[:2])]
+    assert scores == pytest.approx([want(pair(tok, QUERY, d))[-1] for d in DOCS[:2]], abs=1e-5)
+    assert len(set(round(x, 4) for x in scores)) == 2
+    if num_labels == 1:         # the head is whole on every rank
+        with LLM(str(tmp_path), dtype="float32", kv_cache_memory=16 << 20, tensor_parallel_size=2) as tp:
+            assert [o.outputs.score for o in tp.score(QUERY, DOCS[:2])] == pytest.approx(scores, abs=1e-5)
+
+
 def test_bad_classifier_configs(reranker):
     path, _, _ = reranker
-    with pytest.raises(ValueError, match="trained score head is not supported"):
+    with pytest.raises(ValueError, match="missing 1 tensor"):       # a score head the checkpoint lacks
         LLM(str(path), dtype="float32", kv_cache_memory=16 << 20,
             hf_overrides={"architectures": ["Qwen3ForSequenceClassification"]})
     with pytest.raises(ValueError, match="not a token of this model"):
         LLM(str(path), dtype="float32", kv_cache_memory=16 << 20,
             hf_overrides={"classifier_from_token": ["no", "yés!"]})
     plain = LLM(str(path), dtype="float32", kv_cache_memory=16 << 20)
-    with pytest.raises(InvalidRequest, match="not a token classifier"):
+    with pytest.raises(InvalidRequest, match="not a classifier"):
         plain.classify("x")
 
 

@@ -70,7 +70,8 @@ class FakeAsyncLLM:
         self.model_name = "fake"
         self.max_model_len = max_model_len
         self.max_logprobs = 20
-        self.classifier_labels = self.classifier_token_ids = None     # not a token classifier
+        self.classifier_labels = None       # not a classifier
+        self.classifier_pooling = lambda: None
         self.max_num_seqs = max_num_seqs
         self.step_s, self.eos_after, self.load_s = step_s, eos_after, load_s
         self.tokenizer = FakeTokenizer()
