@@ -365,13 +365,13 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     logprobs: int | None = Field(None, ge=0)            # both capped by --max-logprobs (serving.sampling_params)
     prompt_logprobs: int | None = Field(None, ge=0)
-    suffix: str | None = None
+    suffix: str | None = None       # fill-in-the-middle: the text after the gap (model_zoo/fim.py)
     best_of: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
     def _check_completion(self):
-        if self.suffix:
-            raise ValueError("suffix is not supported by this server (no fill-in-the-middle)")
+        if self.suffix is not None and self.echo:
+            raise ValueError("suffix (fill-in-the-middle) cannot be used with echo")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of is not supported (only best_of == n)")
         if isinstance(self.prompt, list) and len(self.prompt) == 0:

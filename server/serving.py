@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine import BeamSearchParams, CompletionOutput, RequestOutput, SamplingError, SamplingParams
 from engine.errors import EngineDeadError, InvalidRequest, RequestFailed
+from model_zoo.fim import fim_prompt, fim_token_ids
 from server import structured
 from server.errors import APIError, error_body
 from server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
@@ -306,6 +307,16 @@ def encode_prompts(state: ServerState, prompts: list, add_special_tokens: bool =
     if any(not p for p in ids):
         raise APIError(400, f"The {param} is empty (no tokens).", param=param)
     return ids
+
+
+def fim_prompts(state: ServerState, prompts: list, suffix: str) -> list[list[int]]:
+    """Completions with `suffix`: each prompt is the text before the gap, laid
+    out in the model's fill-in-the-middle format (400 for a model without one)."""
+    fim = fim_token_ids(state.llm.tokenizer)
+    if fim is None:
+        raise APIError(400, "suffix needs a fill-in-the-middle model (a code model with prefix / suffix / middle "
+                            "tokens); this one has none.", param="suffix")
+    return [fim_prompt(state.llm.tokenizer, fim, p, suffix) for p in prompts]
 
 
 def check_model(state: ServerState, model: str | None) -> None:
@@ -824,7 +835,7 @@ async def completion(state: ServerState, request: Request, req: CompletionReques
     admit(state, [])
     tok = state.llm.tokenizer
     prompts = req.prompts()
-    encoded = encode_prompts(state, prompts)
+    encoded = encode_prompts(state, prompts) if req.suffix is None else fim_prompts(state, prompts, req.suffix)
     ids = [truncated(state, p, req.truncate_prompt_tokens) for p in encoded]
     # echo shows a prompt's own text, or its kept tokens' when truncated
     texts = [p if isinstance(p, str) and len(i) == len(e) else None for p, i, e in zip(prompts, ids, encoded)]
