@@ -336,6 +336,8 @@ def _finish(state: ServerState, turn: _Turn, status: str, items: list[dict], usa
             incomplete: dict | None) -> dict:
     store = turn.req.store and state.responses.size > 0
     body = turn.body(status, items, usage, incomplete, store=store)
+    if turn.req.background and turn.id not in state.responses:
+        return body         # deleted while it ran: it stays gone
     if store:
         prev = state.responses.peek(turn.id)        # (a streamed background response keeps its events)
         state.responses.put(turn.id, StoredResponse(body, turn.conversation + [assistant_message(items)],

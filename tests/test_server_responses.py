@@ -329,6 +329,18 @@ def test_streamed_background_response_resumes(served):
     assert client.responses.cancel(rid).status == "cancelled"
     ended = list(client.responses.retrieve(rid, stream=True))
     assert ended[-1].response.status == "cancelled" and not srv.state.background
+    # Deleted while streaming: it stops and stays gone.
+    with client.responses.create(model="fake", input="more", max_output_tokens=2000, background=True, stream=True,
+                                 extra_body={"ignore_eos": True}) as s:
+        rid = next(iter(s)).response.id
+    _wait(client, rid, ("in_progress",))
+    client.responses.delete(rid)
+    deadline = time.monotonic() + 10
+    while srv.state.background and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not srv.state.background
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(rid)
 
 
 @pytest.mark.parametrize("served", [(ONE_CALL, {"responses_store_size": 0})], indirect=True)
