@@ -72,11 +72,11 @@ async def create_rerank(state: ServerState, request: Request, req: RerankRequest
 async def create_classify(state: ServerState, request: Request, req: ClassificationRequest,
                           rlog: RequestLog) -> JSONResponse:
     check_model(state, req.model)
+    admit(state, [])            # (first: 503 while the model loads)
     pooling = state.llm.classifier_pooling()
     if pooling is None:
         raise APIError(400, "This model is not a classifier (a ForSequenceClassification checkpoint, or a yes/no "
                             "reranker with --hf-overrides '{\"classifier_from_token\": [...]}').")
-    admit(state, [])
     ids = prompt_ids(state, req.inputs(), keep=req.truncate_prompt_tokens)
     rlog.prompt_tokens = sum(map(len, ids))
     probs = await embed(state, request, ids, pooling, rlog, req.priority, req.model)
