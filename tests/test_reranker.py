@@ -110,6 +110,19 @@ def test_score_head_checkpoints_equal_transformers(reranker, tmp_path, num_label
             assert [o.outputs.score for o in tp.score(QUERY, DOCS[:2])] == pytest.approx(scores, abs=1e-5)
 
 
+def test_score_by_embeddings_without_a_classifier(reranker):
+    """LLM.score on a plain model: the cosine of the texts' last-token states (vLLM's embedding scoring)."""
+    path, model, tok = reranker
+    plain = LLM(str(path), dtype="float32", kv_cache_memory=16 << 20)
+
+    def unit(text):
+        with torch.no_grad():
+            h = model.model(torch.tensor([tok(text).input_ids])).last_hidden_state[0, -1].double()
+        return h / h.norm()
+    got = [o.outputs.score for o in plain.score(QUERY, DOCS[:3])]
+    assert got == pytest.approx([float(unit(QUERY) @ unit(d)) for d in DOCS[:3]], abs=1e-5)
+
+
 def test_bad_classifier_configs(reranker):
     path, _, _ = reranker
     with pytest.raises(ValueError, match="missing 1 tensor"):       # a score head the checkpoint lacks
