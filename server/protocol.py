@@ -605,8 +605,6 @@ class ResponsesRequest(_Body):
     def _check(self):
         if self.background and not self.store:
             raise ValueError("background responses are kept to be read: background needs store true")
-        if self.truncation == "auto":
-            raise ValueError('truncation "auto" is not supported: a prompt over the context length is a 400')
         if self.text and self.text.format and self.text.format.type == "json_schema" \
                 and self.text.format.schema_ is None:
             raise ValueError("text.format type json_schema needs a schema")

@@ -19,8 +19,9 @@ POST /v1/responses/{id}/cancel stops it: "cancelled"); with `stream` too, its
 events are also kept (server/response_store.EventLog): the POST streams
 them, and GET /v1/responses/{id}?stream=true&starting_after=N reads them
 again from any point, live until the end, while the response runs on
-whoever reads it or no one. Not supported (a 400): truncation "auto", input
-items other than the four above, non-text content.
+whoever reads it or no one. truncation "auto" drops the oldest turns until
+the prompt leaves room for the output. Not supported (a 400): input items
+other than the four above, non-text content.
 """
 from __future__ import annotations
 
@@ -105,6 +106,26 @@ def chat_request(req: ResponsesRequest, history: list[dict]) -> tuple[ChatComple
     conversation = history + input_messages(req.input)
     if not conversation:
         raise _bad("input is empty")
+    return chat_for(req, conversation), conversation
+
+
+def fitted(state: ServerState, req: ResponsesRequest, chat: ChatCompletionRequest,
+           conversation: list[dict]) -> ChatCompletionRequest:
+    """truncation "auto" (OpenAI's): while the prompt leaves no room for the
+    output, drop the oldest turn (its messages up to the next user message;
+    the instructions stay, and the last turn). Otherwise the request as it is
+    (too long: prepare_chat's 400)."""
+    room = state.llm.max_model_len - (req.max_output_tokens or 1)
+    while req.truncation == "auto" and len(serving.chat_prompt(state, chat)[1]) > room:
+        nxt = next((i for i in range(1, len(conversation)) if conversation[i]["role"] == "user"), None)
+        if nxt is None:
+            break
+        conversation = conversation[nxt:]
+        chat = chat_for(req, conversation)
+    return chat
+
+
+def chat_for(req: ResponsesRequest, conversation: list[dict]) -> ChatCompletionRequest:
     body: dict = {"model": req.model, "messages": conversation, "parallel_tool_calls": req.parallel_tool_calls}
     if req.instructions:
         body["messages"] = [{"role": "system", "content": req.instructions}] + conversation
@@ -129,7 +150,7 @@ def chat_request(req: ResponsesRequest, history: list[dict]) -> tuple[ChatComple
     extra = req.model_extra or {}
     body.update({k: extra[k] for k in SAMPLING_EXTRAS if k in extra})
     try:
-        return ChatCompletionRequest.model_validate(body), conversation
+        return ChatCompletionRequest.model_validate(body)
     except ValidationError as e:
         raise from_validation_error(e) from None
 
@@ -203,7 +224,8 @@ class _Turn:
             "tool_choice": (req.tool_choice if isinstance(req.tool_choice, str) or req.tool_choice is None
                             else req.tool_choice.model_dump()) or "auto",
             "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
-            "top_p": req.top_p, "truncation": "disabled", "metadata": req.metadata or {}, "user": req.user,
+            "top_p": req.top_p, "truncation": req.truncation or "disabled", "metadata": req.metadata or {},
+            "user": req.user,
             "usage": usage,
         }
 
@@ -236,6 +258,7 @@ async def create_response(state: ServerState, request: Request, req: ResponsesRe
         raise APIError(400, "This server keeps no responses (--responses-store-size 0), so a background one "
                             "could never be read.", param="background")
     chat, conversation = chat_request(req, history)
+    chat = fitted(state, req, chat, conversation)
     run = serving.prepare_chat(state, chat, rlog)
     gen = serving.generate(state, run.prompt_ids, run.params, rlog.id, rlog, chat.priority,
                            cache_salt=chat.cache_salt, model=chat.model)

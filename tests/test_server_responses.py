@@ -343,6 +343,28 @@ def test_streamed_background_response_resumes(served):
         client.responses.retrieve(rid)
 
 
+def test_truncation_auto_drops_the_oldest_turns(served):
+    """truncation "auto" (OpenAI's): a conversation over the context loses
+    its oldest turns (the instructions and the last turn stay) until the
+    prompt leaves room for the output; "disabled" (the default) is a 400."""
+    srv, client = served
+    turns = []
+    for i in range(8):          # ~8 x 1,000 bytes: twice the 4,096-token context of the byte-level stand-in
+        turns += [{"role": "user", "content": f"question {i} " + "x" * 500},
+                  {"role": "assistant", "content": f"answer {i} " + "y" * 500}]
+    turns.append({"role": "user", "content": "last question"})
+    kw = dict(model="fake", input=turns, instructions="Be brief.", max_output_tokens=100)
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.responses.create(**kw)
+    r = client.responses.create(**kw, truncation="auto")
+    assert r.status in ("completed", "incomplete") and r.truncation == "auto"
+    seen = prompt(srv)
+    assert "Be brief." in seen and "last question" in seen and "question 0 " not in seen
+    assert len(srv.llm.prompts[-1]) <= srv.llm.max_model_len - 100
+    kept = [i for i in range(8) if f"question {i} " in seen]
+    assert kept and kept == list(range(kept[0], 8)) and kept[0] >= 3         # the newest turns, whole
+
+
 @pytest.mark.parametrize("served", [(ONE_CALL, {"responses_store_size": 0})], indirect=True)
 def test_background_needs_a_store(served):
     srv, client = served
