@@ -17,10 +17,11 @@ FIM_NAMES = (
 
 def fim_token_ids(tokenizer) -> tuple[int, int, int] | None:
     """The model's (prefix, suffix, middle) token ids, or None: no fill-in-the-middle."""
-    if tokenizer is None:
+    lookup = getattr(tokenizer, "convert_tokens_to_ids", None)     # (a tokenizer without names has none)
+    if lookup is None:
         return None
     for names in FIM_NAMES:
-        ids = [tokenizer.convert_tokens_to_ids(n) for n in names]
+        ids = [lookup(n) for n in names]
         if None not in ids:
             return tuple(ids)
     return None
