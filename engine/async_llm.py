@@ -269,7 +269,7 @@ class AsyncLLM:
 
     async def beam_search(self, prompt, params: BeamSearchParams, request_id: str | None = None,
                           priority: int = 0, lora_request: LoRARequest | None = None,
-                          cache_salt: str | None = None) -> BeamSearchOutput:
+                          cache_salt: str | None = None, skip_special_tokens: bool = True) -> BeamSearchOutput:
         """The best params.beam_width beams (engine/beam_search.py); each
         step's beams run as requests beside any others. abort(request_id)
         ends it with the beams so far (finish_reason "abort")."""
@@ -291,7 +291,7 @@ class AsyncLLM:
                 lps = await asyncio.gather(*(final(b, i) for i, b in enumerate(search.live)))
                 if not search.aborted:
                     search.advance([lp[0] for lp in lps])
-            return search.output(self.tokenizer)
+            return search.output(self.tokenizer, skip_special_tokens)
         finally:
             del self._beam_searches[rid]
 

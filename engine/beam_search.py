@@ -103,7 +103,7 @@ class BeamSearch:
         self.complete = sorted(self.complete, key=self.score, reverse=True)[:k]
         self.steps += 1
 
-    def output(self, tokenizer) -> BeamSearchOutput:
+    def output(self, tokenizer, skip_special_tokens: bool = True) -> BeamSearchOutput:
         """The best beam_width beams, best first, with their text."""
         for b in self.live:
             b.finish_reason = "abort" if self.aborted else "length"
@@ -112,5 +112,5 @@ class BeamSearch:
             out = b.tokens[self.num_prompt_tokens:]
             if b.finish_reason == "stop" and not self.params.include_stop_str_in_output:
                 out = out[:-1]
-            b.text = tokenizer.decode(out) if tokenizer is not None else None
+            b.text = tokenizer.decode(out, skip_special_tokens=skip_special_tokens) if tokenizer is not None else None
         return BeamSearchOutput(best)

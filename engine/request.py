@@ -72,6 +72,8 @@ class Request:
         self.grammar = None
         # bad_words as token sequences: set by the engine core (engine/bad_words.py).
         self.bad_words_ids: list[list[int]] = []
+        allowed = er.params.allowed_token_ids       # (an array once, not per step)
+        self.allowed_ids = None if allowed is None else np.asarray(allowed, dtype=np.int64)
         # Draft tokens the next step verifies (speculative decoding); never in token_ids.
         self.spec_token_ids: list[int] = []
         # A predicted output (OpenAI's `prediction`): drafts come from it first;

@@ -144,9 +144,9 @@ def _plan_penalties(reqs: list[Request], V: int, up: _Upload) -> dict | None:
         if banned:
             ban_rows.append(i)
             ban_ids.append(np.asarray(banned, np.int64))
-        if p.allowed_token_ids is not None:
+        if r.allowed_ids is not None:
             allow_rows.append(i)
-            allow_ids.append(np.asarray(p.allowed_token_ids, np.int64))
+            allow_ids.append(r.allowed_ids)
     B, plan = len(reqs), {}
     if rep_rows:
         plan["rep"] = (up.add(_flat(rep_rows, rep_ids, V), np.int64),

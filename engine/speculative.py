@@ -97,8 +97,8 @@ class NgramProposer(Proposer):
     def propose(self, reqs: list[Request], max_drafts: list[int]) -> list[list[int]]:
         drafts = []
         for r, k in zip(reqs, max_drafts):
-            d, n = self._lookup(r.token_array, k) if k > 0 else ([], 0)
             p, m = self._follow(r.prediction, r.output_array, k) if k > 0 and r.prediction is not None else ([], 0)
+            d, n = self._lookup(r.token_array, k) if k > 0 and m != float("inf") else ([], 0)
             r.spec_from_prediction = bool(p) and m >= n
             drafts.append(p if r.spec_from_prediction else d)
         return drafts

@@ -423,6 +423,18 @@ class UnloadLoRAAdapterRequest(_Body):
     lora_int_id: int | None = None
 
 
+def _checked_inputs(v: Prompt) -> Prompt:
+    """An embedding or classification request's `input`: 1..MAX_EMBEDDING_INPUTS non-empty prompts."""
+    inputs = prompt_list(v)
+    if not inputs:
+        raise ValueError("input must not be empty")
+    if any(not p for p in inputs):
+        raise ValueError("input must not contain empty strings or token lists")
+    if len(inputs) > MAX_EMBEDDING_INPUTS:
+        raise ValueError(f"input may hold at most {MAX_EMBEDDING_INPUTS} items, got {len(inputs)}")
+    return v
+
+
 class EmbeddingRequest(_Body):
     """POST /v1/embeddings: OpenAI's fields, plus vLLM's extras, and vLLM's
     chat form: `messages` instead of `input`, rendered by the chat template
@@ -453,16 +465,7 @@ class EmbeddingRequest(_Body):
     def _check_input(cls, v, info):
         if (v is None) == (info.data.get("messages") is None):
             raise ValueError("give exactly one of input or messages (vLLM's chat form)")
-        if v is None:
-            return v
-        inputs = prompt_list(v)
-        if not inputs:
-            raise ValueError("input must not be empty")
-        if any(not p for p in inputs):
-            raise ValueError("input must not contain empty strings or token lists")
-        if len(inputs) > MAX_EMBEDDING_INPUTS:
-            raise ValueError(f"input may hold at most {MAX_EMBEDDING_INPUTS} items, got {len(inputs)}")
-        return v
+        return v if v is None else _checked_inputs(v)
 
     def inputs(self) -> list[str | list[int]]:
         return prompt_list(self.input)
@@ -479,12 +482,7 @@ class ClassificationRequest(_Body):
     @field_validator("input")
     @classmethod
     def _check_input(cls, v):
-        inputs = prompt_list(v)
-        if not inputs or any(not p for p in inputs):
-            raise ValueError("input must be a non-empty text, token list, or list of them")
-        if len(inputs) > MAX_EMBEDDING_INPUTS:
-            raise ValueError(f"input may hold at most {MAX_EMBEDDING_INPUTS} items, got {len(inputs)}")
-        return v
+        return _checked_inputs(v)
 
     def inputs(self) -> list[str | list[int]]:
         return prompt_list(self.input)

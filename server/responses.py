@@ -332,10 +332,9 @@ async def _record_events(state: ServerState, turn: _Turn, stream, log: EventLog)
     body follows: in_progress, then its end, or failed after an error event)."""
     try:
         async for chunk in stream:
+            if not log.events:
+                _update(state, turn.id, turn.body("in_progress", []))
             log.add(chunk)
-            stored = state.responses.peek(turn.id)
-            if stored is not None and stored.body["status"] == "queued":
-                stored.body = turn.body("in_progress", [])
     finally:
         stored = state.responses.peek(turn.id)
         if stored is not None and stored.body["status"] in ("queued", "in_progress"):   # it ended in an error

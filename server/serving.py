@@ -134,17 +134,13 @@ async def beam_generate(state: ServerState, prompt_ids: list[int], params: Sampl
     try:
         try:
             out = await llm.beam_search(prompt_ids, bs, request_id, priority, lora_request=state.loras.get(model),
-                                        cache_salt=cache_salt)
+                                        cache_salt=cache_salt, skip_special_tokens=params.skip_special_tokens)
         except InvalidRequest:
             rejected = True         # refused up front: a 400, not a finished request
             raise
-        outs = []
-        for i, b in enumerate(out.sequences):
-            ids = b.tokens[len(prompt_ids):]
-            shown = ids[:-1] if b.finish_reason == "stop" and not params.include_stop_str_in_output else ids
-            text = llm.tokenizer.decode(shown, skip_special_tokens=params.skip_special_tokens) if llm.tokenizer else ""
-            outs.append(CompletionOutput(i, ids, text, b.logprobs if params.logprobs is not None else None,
-                                         b.finish_reason, b.stop_reason))
+        outs = [CompletionOutput(i, b.tokens[len(prompt_ids):], b.text or "",
+                                 b.logprobs if params.logprobs is not None else None, b.finish_reason, b.stop_reason)
+                for i, b in enumerate(out.sequences)]
         final = RequestOutput(request_id, None, list(prompt_ids), outs, finished=True)
         rlog.token_seen()
         rlog.output_tokens += sum(len(o.token_ids) for o in outs)
