@@ -19,19 +19,20 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Match
 
 from engine.errors import EngineDeadError, RequestFailed
-from server import embeddings, lora, messages_api, responses, scoring, serving
+from server import embeddings, llamacpp_api, lora, messages_api, responses, scoring, serving
 from server.errors import APIError, api_error_response, error_response, from_validation_error
 from server.protocol import (ChatCompletionRequest, ClassificationRequest, CompletionRequest, CountTokensRequest,
-                             DetokenizeRequest, EmbeddingRequest, LoadLoRAAdapterRequest, MessagesRequest,
-                             RerankRequest, ResponsesRequest, ScoreRequest, TokenizeRequest,
-                             UnloadLoRAAdapterRequest)
+                             DetokenizeRequest, EmbeddingRequest, InfillRequest, LlamaCompletionRequest,
+                             LoadLoRAAdapterRequest, MessagesRequest, RerankRequest, ResponsesRequest, ScoreRequest,
+                             TokenizeRequest, UnloadLoRAAdapterRequest)
 from server.state import ServerState
 
 log = logging.getLogger("tqserve.server")
 
 VERSION = "0.1.0"
 # Routes outside /v1 that run the model: behind the API key too.
-COMPUTE_ROUTES = ("/score", "/rerank", "/classify", "/reset_prefix_cache")
+COMPUTE_ROUTES = ("/score", "/rerank", "/classify", "/reset_prefix_cache", "/completion", "/completions", "/infill",
+                  "/props")
 # vLLM's switch for its development routes (/reset_prefix_cache).
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 
@@ -251,6 +252,23 @@ def create_app(state: ServerState) -> FastAPI:
         except APIError as e:
             return messages_api.error_response(e)
 
+    # llama.cpp's native routes (server/llamacpp_api.py).
+    async def llama_completion(request: Request):
+        return await generation(request, "cmpl-", "llama-completion", LlamaCompletionRequest,
+                                llamacpp_api.create_completion)
+    for path in ("/completion", "/completions"):
+        app.add_api_route(path, llama_completion, methods=["POST"])
+
+    @app.post("/infill")
+    async def infill(request: Request):
+        return await generation(request, "cmpl-", "infill", InfillRequest, llamacpp_api.create_infill)
+
+    @app.get("/props")
+    async def props():
+        if not state.ready:
+            raise APIError(503, "The model is still loading.", headers={"Retry-After": "5"})
+        return llamacpp_api.props(state, VERSION)
+
     @app.get("/v1/models")
     async def models():
         if not state.ready:
@@ -336,6 +354,8 @@ def create_app(state: ServerState) -> FastAPI:
             ids = tok.encode(req.prompt, add_special_tokens=True if req.add_special_tokens is None
                              else req.add_special_tokens)
         body = {"count": len(ids), "max_model_len": state.llm.max_model_len, "tokens": ids}
+        if req.with_pieces:
+            body["tokens"] = [{"id": t, "piece": tok.decode([t], skip_special_tokens=False)} for t in ids]
         if req.return_token_strs:
             body["token_strs"] = tok.convert_ids_to_tokens(ids)
         return body
@@ -350,7 +370,8 @@ def create_app(state: ServerState) -> FastAPI:
             bad = [t for t in req.tokens if t >= vocab]
             if bad:
                 raise APIError(400, f"token id {bad[0]} is out of vocabulary (size {vocab})", param="tokens")
-        return {"prompt": tok.decode(req.tokens, skip_special_tokens=False)}
+        text = tok.decode(req.tokens, skip_special_tokens=False)
+        return {"prompt": text, "content": text}        # vLLM's name, llama.cpp's
 
     # CORS outside the gate: a browser's preflight carries no API key, and a 401
     # or 413 needs the CORS headers for the page to read it.

@@ -16,7 +16,7 @@ the OpenAI API and dicts keep the hot streaming path cheap.
 """
 import json
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -398,11 +398,19 @@ class TokenizeRequest(_Body):
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None
     return_token_strs: bool = False
+    # llama.cpp's spelling: content, add_special, with_pieces ([{"id", "piece"}] for tokens)
+    content: str | None = None
+    add_special: bool | None = None
+    with_pieces: bool = False
 
     @model_validator(mode="after")
     def _one_of(self):
-        if (self.prompt is None) == (self.messages is None):
+        if sum(x is not None for x in (self.prompt, self.messages, self.content)) != 1:
             raise ValueError("give exactly one of prompt or messages")
+        if self.content is not None:
+            self.prompt = self.content
+            if self.add_special_tokens is None:
+                self.add_special_tokens = bool(self.add_special)    # llama.cpp's default: none
         return self
 
 
@@ -668,3 +676,109 @@ class CountTokensRequest(_Body):
     tools: list[AnthropicTool] | None = Field(None, max_length=128)
     tool_choice: AnthropicToolChoice | None = None
     thinking: AnthropicThinking | None = None
+
+
+# --------------------------------------------------------------------------
+# llama.cpp's native API (/completion, /infill): its names and defaults.
+# --------------------------------------------------------------------------
+MixedPrompt = str | list[TokenId | str]     # text, token ids, or both in one list (llama.cpp's "mixed")
+MAX_INPUT_EXTRA = 1024
+
+
+class InputExtra(_Body):
+    """/infill's input_extra chunk: another file of the project."""
+    text: str = ""
+    filename: str = "tmp"
+
+
+# llama.cpp samplers this server does not have: a request that turns one on is a 400, not ignored.
+_LLAMA_UNSUPPORTED = (("typical_p", 1.0), ("mirostat", 0), ("dry_multiplier", 0.0), ("xtc_probability", 0.0),
+                      ("dynatemp_range", 0.0), ("post_sampling_probs", False))
+
+
+class LlamaCompletionRequest(_Body):
+    """llama.cpp's POST /completion (its server README). Accepted with no
+    effect here: cache_prompt (the prefix cache always serves), id_slot,
+    samplers (the order is fixed), n_keep, min_keep, t_max_prompt_ms.
+    repeat_last_n is accepted, but the penalties see the whole context
+    (vLLM's rule; llama.cpp's last 64 tokens)."""
+    prompt: MixedPrompt | list[MixedPrompt]
+    model: str | None = None            # a LoRA adapter's name selects it; other names are ignored (llama.cpp)
+    n_predict: int | None = Field(None, ge=-1)      # -1: up to the context
+    max_tokens: int | None = Field(None, ge=-1)     # llama.cpp's alias of n_predict
+    temperature: float = 0.8
+    top_k: int = 40                     # <= 0: off
+    top_p: float = Field(0.95, ge=0, le=1)
+    min_p: float = Field(0.05, ge=0, le=1)
+    repeat_penalty: float = Field(1.0, gt=0)
+    repeat_last_n: int = Field(64, ge=-1)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    typical_p: float = 1.0
+    mirostat: int = 0
+    dry_multiplier: float = 0.0
+    xtc_probability: float = 0.0
+    dynatemp_range: float = 0.0
+    seed: int = Field(-1, ge=MIN_SEED, le=MAX_SEED)     # -1: random
+    stop: list[str] = Field(default_factory=list)
+    ignore_eos: bool = False
+    n_probs: int = Field(0, ge=0)
+    post_sampling_probs: bool = False
+    # [[token id or text, bias or false], ...] or {"id or text": bias or false}; false: never
+    logit_bias: list[list[TokenId | str | float | bool]] | dict[str, float | bool] | None = None
+    grammar: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS)    # GBNF
+    json_schema: dict[str, Any] | None = None
+    stream: bool = False
+    return_tokens: bool = False
+    response_fields: list[str] | None = None
+    t_max_predict_ms: int = Field(0, ge=0)      # stop after this long generating, once a line has ended
+    n_indent: int = Field(0, ge=0)              # stop at a line indented less (code completion)
+    timings_per_token: bool = False
+    lora: list[Any] | None = None
+    needs_prompt: ClassVar[bool] = True
+
+    @model_validator(mode="after")
+    def _check_llama(self):
+        for name, neutral in _LLAMA_UNSUPPORTED:
+            if getattr(self, name) != neutral:
+                raise ValueError(f"{name} {getattr(self, name)!r} is not supported by this server "
+                                 f"(only {neutral!r})")
+        if self.lora:
+            raise ValueError("lora: per-request adapter scales are not supported; load an adapter "
+                             "(/v1/load_lora_adapter) and name it in `model`")
+        if self.grammar is not None and self.json_schema is not None:
+            raise ValueError("give either grammar or json_schema, not both")
+        if self.needs_prompt and (not self.prompt or not all(self.prompts())):
+            raise ValueError("prompt must not be empty")
+        if len(self.prompts()) > MAX_PROMPTS_X_N:
+            raise ValueError(f"at most {MAX_PROMPTS_X_N} prompts are allowed, got {len(self.prompts())}")
+        for pair in self.logit_bias if isinstance(self.logit_bias, list) else ():
+            if len(pair) != 2 or not isinstance(pair[0], (int, str)) or isinstance(pair[0], bool) \
+                    or isinstance(pair[1], str):
+                raise ValueError("logit_bias pairs must be [token id or text, bias or false]")
+        return self
+
+    def limit(self) -> int:
+        """n_predict (or max_tokens); -1: up to the context."""
+        return next((v for v in (self.n_predict, self.max_tokens) if v is not None), -1)
+
+    def prompts(self) -> list[MixedPrompt]:
+        """One prompt (text, ids, or mixed: a list with an id in it) or several."""
+        p = self.prompt
+        if isinstance(p, str) or any(isinstance(x, int) for x in p):
+            return [p]
+        return list(p)
+
+
+class InfillRequest(LlamaCompletionRequest):
+    """llama.cpp's POST /infill: the text before and after the gap, other
+    files of the project, and `prompt`, the text just before the gap (after
+    input_prefix); see model_zoo/fim.infill_prompt."""
+    prompt: MixedPrompt = ""
+    input_prefix: MixedPrompt
+    input_suffix: MixedPrompt
+    input_extra: list[InputExtra] = Field(default_factory=list, max_length=MAX_INPUT_EXTRA)
+    needs_prompt: ClassVar[bool] = False
+
+    def prompts(self) -> list[MixedPrompt]:
+        return [self.prompt]
