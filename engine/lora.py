@@ -10,7 +10,8 @@ admitted slot drains: no new request joins its adapter while one waits, so
 the slot frees once its running requests end, and a steady stream for the
 adapters in the slots cannot starve another adapter. The slot's weights
 are loaded on every rank at the start of the step that first runs it
-(StepPlan.lora_loads). An adapter the leader must read again (its host copy
+(StepPlan.lora_loads carries the leader's copy: no other rank reads the
+adapter's files, which may have changed or gone since). An adapter the leader must read again (its host copy
 aged out) and cannot, because its files changed or went, fails the request
 that asked (AdapterUnreadable: finish_reason "error"), not the engine.
 """
@@ -78,11 +79,13 @@ class LoRAManager:
             except Exception as e:      # (ValueError, OSError, safetensors' errors: files that changed)
                 raise AdapterUnreadable(f"LoRA adapter {lora.lora_name!r} could not be read again: {e}") from e
             self.held[slot] = lora.lora_int_id
-            self.model.keep = set(self.held)        # kept on the host until loaded (followers read at load)
+            self.model.keep = set(self.held)        # kept on the host until the step's plan takes it
             self.pending = [p for p in self.pending if p[0] != slot] + [(slot, lora.lora_int_id, lora.lora_path)]
         self.used_at[slot] = next(self._clock)
         return slot
 
-    def take_pending(self) -> list[tuple[int, int, str]]:
+    def take_pending(self) -> list[tuple[int, int, object]]:
+        """The next step's loads: (slot, adapter id, the adapter as read here,
+        from the host cache that `keep` holds it in)."""
         loads, self.pending = self.pending, []
-        return loads
+        return [(slot, lora_int_id, self.model.read(lora_int_id, path)) for slot, lora_int_id, path in loads]

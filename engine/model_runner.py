@@ -111,7 +111,7 @@ class StepPlan:
     patches: int = 0                 # input ids the previous step samples (asynchronous scheduling; see _send)
     shared_tokens: int = 0           # > 0: the leader shares this many sampled tokens after the step (see follow)
     copies: tuple[int, int] = (0, 0)   # state slot copies (restores, snapshots) packed after the groups (_copy)
-    lora_loads: list[tuple[int, int, str]] = field(default_factory=list)   # (slot, adapter id, path) to load first
+    lora_loads: list[tuple] = field(default_factory=list)   # (slot, adapter id, LoRAAdapter) to load first
     lora_rows: list[tuple[int, int, int]] = field(default_factory=list)    # (slot, first row, end row) per request
 
 

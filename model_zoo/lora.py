@@ -2,11 +2,12 @@
 on a model's linear layers.
 
 `ModelLoRA` is what every tensor-parallel rank holds: the model's adapter
-slots (parallel/lora.py), a cache of the adapters read from disk (each rank
-reads the same path and keeps its own part, as with the model's weights),
-and which adapter each slot holds. The leader decides which adapter goes in
-which slot (engine/lora.py) and every rank loads it before the step that
-needs it.
+slots (parallel/lora.py) and which adapter each slot holds; the leader's
+also a cache of the adapters read from disk. The leader decides which
+adapter goes in which slot (engine/lora.py), and its step plan carries the
+adapter (whole) to every rank, which loads its own part before the step
+that needs it: only the leader reads the files, whose reading it can fail
+one request for (a follower's failed read would end the whole group).
 """
 import json
 import logging
@@ -165,13 +166,11 @@ class ModelLoRA:
             self.cache.pop(victim)
 
     @torch.inference_mode()
-    def load(self, slot: int, lora_int_id: int, path: str) -> None:
-        """Put the adapter in slot (every layer's slot is rewritten: layers
-        it does not target get zeros)."""
+    def load(self, slot: int, lora_int_id: int, adapter: LoRAAdapter) -> None:
+        """Put the adapter (the leader's copy) in slot (every layer's slot is
+        rewritten: layers it does not target get zeros)."""
         if self.slots[slot] == lora_int_id:
             return
-        self.slots[slot] = None         # (what it held may leave the host cache for this one)
-        adapter = self.read(lora_int_id, path)
         for m in self.layers.values():
             m.lora.clear(slot)
         for name, parts in adapter.layers.items():

@@ -201,9 +201,14 @@ def test_adapters_going_into_slots_stay_on_the_host_until_loaded(family):
 
 
 def test_tensor_parallel(tmp_path):
+    """Two ranks equal PEFT; the leader's step plan carries the adapter to
+    the follower, so an adapter whose files went after the leader read them
+    still loads there (the follower once read the files at load, and died)."""
     base = save_tiny_llama(tmp_path / "model").eval()
     ref = save_adapter(base, tmp_path / "a", seed=7, **ADAPTERS["all8"])
+    ref_b = save_adapter(base, tmp_path / "b", seed=8, **ADAPTERS["qv4"])
     lora = LoRARequest("a", 1, str(tmp_path / "a"))
+    gone = LoRARequest("b", 2, str(tmp_path / "b"))
     llm = LLM(str(tmp_path / "model"), dtype="float32", kv_cache_memory=8 << 20, enable_lora=True,
               tensor_parallel_size=2)
     try:
@@ -215,6 +220,11 @@ def test_tensor_parallel(tmp_path):
             got_lp = [out.prompt_logprobs[i][prompt[i]] for i in range(1, len(prompt))]
             assert max(abs(a - b) for a, b in zip(got_lp, want_lp)) < 1e-4
             assert out.outputs[0].token_ids == want
+        llm.add_lora(gone)              # read by the leader, then its files go
+        shutil.rmtree(tmp_path / "b")
+        out = llm.generate(prompts[0], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
+                           lora_request=gone)[0]
+        assert out.outputs[0].token_ids == reference(ref_b, prompts[0], 5)[1]
     finally:
         llm.close()
 
