@@ -244,6 +244,16 @@ class AsyncLLM:
         """Forget every cached block (vLLM's); False while requests hold KV blocks."""
         return await self._call("reset_prefix_cache")
 
+    async def sleep(self, level: int = 1) -> bool:
+        """vLLM's sleep (engine/sleep_mode.py); False while requests hold KV blocks."""
+        return await self._call("sleep", level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self._call("wake_up", tags)
+
+    async def is_sleeping(self) -> bool:
+        return await self._call("is_sleeping")
+
     async def _call(self, method: str, *args):
         """EngineCore.method(*args) in the core process (core_process.CALLS): its
         result, or InvalidRequest with the core's message."""

@@ -16,7 +16,7 @@ from engine.errors import InvalidRequest
 
 
 # EngineCore methods a client may call and wait for (AsyncLLM._call).
-CALLS = ("add_lora", "reset_prefix_cache")
+CALLS = ("add_lora", "reset_prefix_cache", "sleep", "wake_up", "is_sleeping")
 
 
 def die_with_parent() -> None:

@@ -109,6 +109,9 @@ class EngineArgs:
               '"is_original_qwen3_reranker": true}', type=parse_json_object)
     max_logprobs: int = arg(20, "the most logprobs (per token, and per prompt token) a request may ask for "
                                 "(vLLM's flag; -1: no cap)")
+    enable_sleep_mode: bool = arg(False, "allow sleep / wake_up (vLLM's): an idle engine gives back its KV pool "
+                                         "and weights (level 1: weights to host memory; 2: discarded, read "
+                                         "again on waking)")
     enable_lora: bool = arg(False, "serve LoRA adapters (PEFT format) over the model, several per batch")
     max_loras: int = arg(1, "LoRA adapters one step may run at once (each a slot on the device)")
     max_lora_rank: int = arg(16, "the highest LoRA rank an adapter may have (sizes the slots)")

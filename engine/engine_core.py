@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from engine.bad_words import token_sequences
 from engine.engine_args import EngineArgs
 from engine.errors import InvalidRequest
-from engine.follower import Followers
+from engine.follower import Followers, Sleep, WakeUp
 from engine.lora import LoRAManager, LoRARequest
 from engine.model_runner import ModelRunner
 from engine.pooling_params import PoolingParams
@@ -244,6 +244,8 @@ class EngineCore(Worker):
 
     # -- requests -------------------------------------------------------------
     def add_request(self, er: EngineRequest) -> None:
+        if self.asleep is not None:
+            raise InvalidRequest("the engine is sleeping: wake it up first (wake_up, POST /wake_up)")
         check_request(er.prompt_token_ids, er.params, self.max_model_len, self.info.vocab_size,
                       self.args.max_logprobs)
         if er.request_id in self.scheduler.requests:
@@ -286,6 +288,59 @@ class EngineCore(Worker):
         self.kv.reset_prefix_cache()
         log.info("prefix cache reset")
         return True
+
+    # -- sleep mode (engine/sleep_mode.py) ---------------------------------------
+    SLEEP_TAGS = ("weights", "kv_cache")
+
+    def sleep(self, level: int = 1) -> bool:
+        """vLLM's sleep: give back the KV pool and the weights' memory (level
+        1: weights to host memory, 2: discarded) on every rank. False, and
+        nothing given back, while requests hold KV blocks; asleep already:
+        nothing more."""
+        if not self.args.enable_sleep_mode:
+            raise InvalidRequest("sleep mode is not enabled (start the engine with enable_sleep_mode / "
+                                 "--enable-sleep-mode)")
+        if level not in (1, 2):
+            raise InvalidRequest(f"sleep level must be 1 or 2, got {level!r}")
+        if self.has_work():
+            log.warning("not going to sleep: %d request(s) hold KV blocks", len(self.scheduler.requests))
+            return False
+        if self.asleep is not None:
+            return True
+        t0 = time.monotonic()
+        self.kv.reset_prefix_cache()        # the blocks' contents go
+        freed = self._on_every_rank(Sleep(level), lambda: Worker.sleep(self, level, self.runner))
+        if level == 2 and self.loras is not None:
+            self.loras.forget_slots()
+        log.info("asleep (level %d): %.1f MiB given back in %.2fs", level, freed / 2**20, time.monotonic() - t0)
+        return True
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """vLLM's wake_up: take back what sleep gave, all of it or by tag
+        ("weights" first, then "kv_cache", as an RL trainer updates the
+        weights in between)."""
+        tags = tuple(tags or self.SLEEP_TAGS)
+        bad = [t for t in tags if t not in self.SLEEP_TAGS]
+        if bad:
+            raise InvalidRequest(f"wake_up tags are {' and '.join(self.SLEEP_TAGS)}, got {bad[0]!r}")
+        if self.asleep is None:
+            return
+        t0 = time.monotonic()
+        awake = self._on_every_rank(WakeUp(tags), lambda: Worker.wake_up(self, tags, self.runner))
+        log.info("%s (%s) in %.2fs", "awake" if awake else "partly awake", ", ".join(tags), time.monotonic() - t0)
+
+    def is_sleeping(self) -> bool:
+        return self.asleep is not None
+
+    def _on_every_rank(self, msg, run):
+        """run() here after sending msg to the followers, which do the same;
+        the heartbeat waits (both may run collectives: graph capture)."""
+        followers = self.runner.followers
+        if followers is None:
+            return run()
+        with followers.lock:
+            followers.send(msg)
+            return run()
 
     def remove_lora(self, lora_int_id: int) -> None:
         if self.loras is not None:

@@ -21,6 +21,7 @@ import logging
 import multiprocessing as mp
 import sys
 import threading
+from dataclasses import dataclass
 import time
 
 import torch
@@ -33,6 +34,18 @@ from parallel.state import all_reduce, broadcast_object, ping
 log = logging.getLogger("tqserve.engine")
 
 HEARTBEAT, STOP = "heartbeat", "stop"
+
+
+@dataclass(frozen=True)
+class Sleep:
+    """The leader's sleep(level) (engine/sleep_mode.py), for every rank."""
+    level: int
+
+
+@dataclass(frozen=True)
+class WakeUp:
+    """The leader's wake_up(tags), for every rank."""
+    tags: tuple[str, ...]
 
 
 class Followers:
@@ -127,6 +140,12 @@ def run_follower(args: EngineArgs, rank: int) -> None:
             break
         if isinstance(msg, HeadPlan):
             run_head(runner, msg)
+            continue
+        if isinstance(msg, Sleep):
+            worker.sleep(msg.level, runner)
+            continue
+        if isinstance(msg, WakeUp):
+            worker.wake_up(msg.tags, runner)
             continue
         assert isinstance(msg, StepPlan), type(msg)
         runner.follow(msg)

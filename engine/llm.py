@@ -83,6 +83,20 @@ class LLM:
         """vLLM's: forget every cached block (False while requests hold KV blocks)."""
         return self.core.reset_prefix_cache()
 
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's: give back the KV pool and the weights' memory while idle
+        (level 1: weights to host memory; 2: discarded, read again on waking).
+        Needs enable_sleep_mode; raises while requests are unfinished."""
+        if not self.core.sleep(level):
+            raise RuntimeError("cannot sleep while requests are unfinished")
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """vLLM's: take back what sleep gave ("weights", "kv_cache"; default both)."""
+        self.core.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.core.is_sleeping()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate() and chat() use without sampling params: vLLM's
         defaults under the model's recommended ones (--generation-config)."""

@@ -84,6 +84,12 @@ class LoRAManager:
         self.used_at[slot] = next(self._clock)
         return slot
 
+    def forget_slots(self) -> None:
+        """The slots were emptied (sleep level 2): adapters load again when used."""
+        self.held = [None] * len(self.held)
+        self.pending = []
+        self.model.keep = set()
+
     def take_pending(self) -> list[tuple[int, int, object]]:
         """The next step's loads: (slot, adapter id, the adapter as read here,
         from the host cache that `keep` holds it in)."""

@@ -13,6 +13,7 @@ from collections import Counter
 
 import torch
 
+from engine import sleep_mode
 from engine.cuda_graph import DecodeGraphs, why_not_capturable
 from engine.engine_args import EngineArgs
 from engine.kv_calibration import calibrate, set_key_means
@@ -71,8 +72,8 @@ class Worker:
         self.model = self._load_model()
         self.lora = self._init_lora()
         self.caches = self._init_kv_caches()
-        self.graphs = self._capture_graphs() if self.device.type == "cuda" and not args.enforce_eager else None
-        self.head_graphs = self._capture_head_graphs() if self.graphs is not None else None
+        self._init_graphs()
+        self.asleep: sleep_mode.Asleep | None = None      # what sleep() gave back (None: awake)
 
     @property
     def tp(self) -> int:
@@ -184,6 +185,11 @@ class Worker:
             self.max_model_len = min(model_len, self.plan.capacity_tokens)
         return caches
 
+    def _init_graphs(self) -> None:
+        capture = self.device.type == "cuda" and not self.args.enforce_eager
+        self.graphs = self._capture_graphs() if capture else None
+        self.head_graphs = self._capture_head_graphs() if self.graphs is not None else None
+
     def _capture_graphs(self, emulate: bool = False) -> DecodeGraphs | None:
         """One CUDA graph per padded decode batch size (engine/cuda_graph.py),
         and with speculative decoding one per size for verification steps,
@@ -292,3 +298,68 @@ class Worker:
         torch.cuda.synchronize(dev)
         return torch.cuda.max_memory_allocated(dev) - base
 
+
+    # -- sleep mode (engine/sleep_mode.py) ---------------------------------------
+    def sleep(self, level: int, runner) -> int:
+        """Discard the KV pool and the captured graphs; level 1 moves the
+        weights to host memory (on the CPU they are there and stay), level 2
+        discards them. Returns the bytes given back. runner: the ModelRunner
+        whose graphs go too."""
+        kv = sleep_mode.storages([c.pool_tensors() for c in cache_objects(self.caches)])
+        weights = sleep_mode.storages(self.model, skip={s.data_ptr() for s in kv.values()})
+        self.graphs = self.head_graphs = runner.graphs = runner.head_graphs = None
+        if level == 1 and self.device.type == "cpu":
+            weights = {}
+        host = {p: torch.empty(s.nbytes(), dtype=torch.uint8, pin_memory=True).copy_(sleep_mode.as_bytes(s))
+                for p, s in weights.items()} if level == 1 else {}
+        self.asleep = sleep_mode.Asleep(level, kv, sleep_mode.release(kv), weights, sleep_mode.release(weights),
+                                        host)
+        sleep_mode.give_back_memory(self.device)
+        return self.asleep.freed_bytes
+
+    def wake_up(self, tags: tuple[str, ...], runner) -> bool:
+        """Take back what sleep gave ("weights", "kv_cache", or both): the
+        weights from their host copies or the checkpoint, the KV pool zeroed;
+        once both are back, the graphs are captured again. True: awake."""
+        a = self.asleep
+        if a is None:
+            return True
+        if "weights" in tags and a.weight_sizes:
+            if a.level == 1:
+                for path, s in a.weights.items():
+                    s.resize_(a.weight_sizes[path])
+                    sleep_mode.as_bytes(s).copy_(a.host.pop(path))
+            else:
+                self._reload_weights(a)
+            a.weights, a.weight_sizes = {}, {}
+        if "kv_cache" in tags and a.kv_sizes:
+            for path, s in a.kv.items():
+                s.resize_(a.kv_sizes[path])
+                sleep_mode.as_bytes(s).zero_()
+            a.kv, a.kv_sizes = {}, {}
+        if a.weight_sizes or a.kv_sizes:
+            return False
+        self.asleep = None
+        self._init_graphs()
+        runner.graphs, runner.head_graphs = self.graphs, self.head_graphs
+        return True
+
+    def _reload_weights(self, a: sleep_mode.Asleep) -> None:
+        """Level 2: the model loaded again (as at startup), its tensors copied
+        into the discarded ones by attribute path, each freed as it is
+        copied (at most the weights plus one tensor at a time); what no
+        checkpoint holds (LoRA slots) comes back zero, its slots empty."""
+        fresh = sleep_mode.storages(self._load_model())
+        for path, s in a.weights.items():
+            n = a.weight_sizes[path]
+            s.resize_(n)
+            f = fresh.pop(path, None)
+            if f is not None and f.nbytes() == n:
+                sleep_mode.as_bytes(s).copy_(sleep_mode.as_bytes(f))
+                sleep_mode.release({path: f})
+            else:
+                sleep_mode.as_bytes(s).zero_()
+        del fresh
+        sleep_mode.give_back_memory(self.device)
+        if self.lora is not None:
+            self.lora.slots = [None] * len(self.lora.slots)

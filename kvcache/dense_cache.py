@@ -40,7 +40,10 @@ class DenseLayerCache(LayerCache):
 
     @property
     def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+        return sum(t.numel() * t.element_size() for t in self.pool_tensors())
+
+    def pool_tensors(self) -> list[torch.Tensor]:
+        return [self.k, self.v]
 
     def write(self, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # A backend with a store of its own (dense-cpu: both in one compiled

@@ -89,11 +89,14 @@ def partition() -> int:
 
 def _layer(cache):
     """The cache's layer entry, built at first use and rebuilt when its
-    stores or window change: (k, v, window, descriptor tensor, its address,
-    H, D, decode, store); the address is None when the kernel cannot read
-    the cache (then dense-torch's code runs)."""
+    stores, their addresses or the window change: (k, v, window, descriptor
+    tensor, its address, H, D, decode, store, the stores' addresses); the
+    address is None when the kernel cannot read the cache (then dense-torch's
+    code runs)."""
     d = cache.__dict__.get("_dense_cpu")
-    if d is not None and d[0] is cache.k and d[1] is cache.v and d[2] == cache.sliding_window:
+    # (the addresses too: sleep mode gives the same tensors new storage)
+    if d is not None and d[0] is cache.k and d[1] is cache.v and d[2] == cache.sliding_window \
+            and d[9] == (cache.k.data_ptr(), cache.v.data_ptr()):
         return d
     k, v = cache.k, cache.v
     ok = (k.is_cpu and v.is_cpu and k.dtype in DTYPES and v.dtype == k.dtype and k.dim() == 3
@@ -103,7 +106,8 @@ def _layer(cache):
         [k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), v.stride(0), v.stride(1), DTYPES[k.dtype],
          k.shape[1], k.shape[2], cache.block_size, cache.sliding_window or 0, k.shape[0]], dtype=torch.int64)
     cache._dense_cpu = (k, v, cache.sliding_window, desc, None if desc is None else desc.data_ptr(),
-                        k.shape[1], k.shape[2], lib and lib.dense_cpu_decode, lib and lib.dense_cpu_store)
+                        k.shape[1], k.shape[2], lib and lib.dense_cpu_decode, lib and lib.dense_cpu_store,
+                        (k.data_ptr(), v.data_ptr()))
     return cache._dense_cpu
 
 

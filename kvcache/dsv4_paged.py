@@ -274,8 +274,11 @@ class DSV4PagedCache:
     def nbytes(self) -> int:
         """Bytes of the sequences' slots and entry rows (the pad slot and the
         discard row apart, as the plan reserves them)."""
-        return sum(t[:-1].numel() * t.element_size() for layer in self.layers + self.mtp_layers
-                   for t in (*layer.state.values(), *layer.entries.values()))
+        return sum(t[:-1].numel() * t.element_size() for t in self.pool_tensors())
+
+    def pool_tensors(self) -> list[torch.Tensor]:
+        """Every layer's rings and entry rows (what sleep mode discards)."""
+        return [t for layer in self.layers + self.mtp_layers for t in (*layer.state.values(), *layer.entries.values())]
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Slots dst become copies of slots src (every layer's rings)."""

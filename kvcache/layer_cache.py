@@ -27,6 +27,10 @@ class LayerCache:
     def device(self) -> torch.device:
         raise NotImplementedError
 
+    def pool_tensors(self) -> list[torch.Tensor]:
+        """The tensors of its blocks (what sleep mode discards; not its constants)."""
+        raise NotImplementedError
+
     @property
     def backend(self) -> AttentionBackend:
         if self._backend is None:

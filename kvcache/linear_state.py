@@ -62,7 +62,11 @@ class LinearStateCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(t[:self.num_slots].numel() * t.element_size() for t in (self.conv, self.recurrent))
+        return sum(t[:self.num_slots].numel() * t.element_size() for t in self.pool_tensors())
+
+    def pool_tensors(self) -> list[torch.Tensor]:
+        """Its slots (what sleep mode discards)."""
+        return [self.conv, self.recurrent]
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Slots dst become copies of slots src (all checkpoints)."""

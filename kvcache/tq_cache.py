@@ -124,8 +124,10 @@ class TQLayerCache(LayerCache):
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for d in (self.k, self.v, self.hk, self.hv)
-                   for t in d.values())
+        return sum(t.numel() * t.element_size() for t in self.pool_tensors())
+
+    def pool_tensors(self) -> list[torch.Tensor]:
+        return [t for d in (self.k, self.v, self.hk, self.hv) for t in d.values()]
 
     def write(self, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               hot_slots: torch.Tensor | None = None):

@@ -10,7 +10,7 @@ import logging
 import os
 import time
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Match
 
-from engine.errors import EngineDeadError, RequestFailed
+from engine.errors import EngineDeadError, InvalidRequest, RequestFailed
 from server import embeddings, llamacpp_api, lora, messages_api, responses, scoring, serving
 from server.errors import APIError, api_error_response, error_response, from_validation_error
 from server.protocol import (ChatCompletionRequest, ClassificationRequest, CompletionRequest, CountTokensRequest,
@@ -31,8 +31,8 @@ log = logging.getLogger("tqserve.server")
 
 VERSION = "0.1.0"
 # Routes outside /v1 that run the model: behind the API key too.
-COMPUTE_ROUTES = ("/score", "/rerank", "/classify", "/reset_prefix_cache", "/completion", "/completions", "/infill",
-                  "/props")
+COMPUTE_ROUTES = ("/score", "/rerank", "/classify", "/reset_prefix_cache", "/sleep", "/wake_up", "/is_sleeping",
+                  "/completion", "/completions", "/infill", "/props")
 # vLLM's switch for its development routes (/reset_prefix_cache).
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 
@@ -294,14 +294,47 @@ def create_app(state: ServerState) -> FastAPI:
         return PlainTextResponse(await lora.unload_adapter(state, await parse_body(request, state,
                                                                                      UnloadLoRAAdapterRequest)))
 
+    def dev_route(method: str, path: str) -> None:
+        if os.environ.get(DEV_MODE_ENV) != "1":
+            raise APIError(404, f"Not found: {method} {path} (a development route: {DEV_MODE_ENV}=1)")
+
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache():
-        if os.environ.get(DEV_MODE_ENV) != "1":
-            raise APIError(404, f"Not found: POST /reset_prefix_cache (a development route: {DEV_MODE_ENV}=1)")
+        dev_route("POST", "/reset_prefix_cache")
         serving.admit(state, [])
         if not await state.llm.reset_prefix_cache():
             raise APIError(409, "The prefix cache was not reset: requests hold KV blocks. Retry when idle.")
         return Response(status_code=200)
+
+    # vLLM's sleep mode (--enable-sleep-mode; engine/sleep_mode.py): model routes answer 503 while asleep.
+    @app.post("/sleep")
+    async def sleep(level: int = 1):
+        dev_route("POST", "/sleep")
+        if not state.sleeping:
+            serving.admit(state, [])
+        try:
+            asleep = await state.llm.sleep(level)
+        except InvalidRequest as e:
+            raise APIError(400, str(e), param="level") from None
+        if not asleep:
+            raise APIError(409, "Not asleep: requests hold KV blocks. Retry when idle.")
+        state.sleeping = True
+        return Response(status_code=200)
+
+    @app.post("/wake_up")
+    async def wake_up(tags: list[str] | None = Query(None)):
+        dev_route("POST", "/wake_up")
+        try:
+            await state.llm.wake_up(tags)
+        except InvalidRequest as e:
+            raise APIError(400, str(e), param="tags") from None
+        state.sleeping = await state.llm.is_sleeping()
+        return Response(status_code=200)
+
+    @app.get("/is_sleeping")
+    async def is_sleeping():
+        dev_route("GET", "/is_sleeping")
+        return {"is_sleeping": state.sleeping}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):

@@ -426,6 +426,8 @@ def admit(state: ServerState, request_ids: list[str]) -> None:
         raise APIError(503, "The model is still loading.", headers={"Retry-After": "5"})
     if not state.engine_alive():
         raise APIError(503, "The engine core is not running.")
+    if state.sleeping:
+        raise APIError(503, "The model is sleeping (sleep mode): POST /wake_up first.")
     limit = state.config.max_queue
     if limit is not None:
         depth = state.queue_depth()

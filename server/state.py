@@ -38,6 +38,7 @@ class ServerState:
         self.config = config
         self.ready = False
         self.draining = False
+        self.sleeping = False       # the engine was put to sleep (POST /sleep): model routes 503
         self.load_error: str | None = None
         self.started = time.time()
         self.inflight = 0                   # engine requests submitted and not yet finished

@@ -344,11 +344,13 @@ def test_chat_logprobs(client):
     assert all(len(t.top_logprobs) == 2 and t.logprob == -0.25 for t in content)
 
 
-def test_reset_prefix_cache_is_a_dev_route(live):
-    """vLLM's POST /reset_prefix_cache exists with VLLM_SERVER_DEV_MODE=1 only
-    (test_server_ops.py runs it on the real engine)."""
-    r = httpx.post(live.url + "/reset_prefix_cache")
-    assert r.status_code == 404 and "VLLM_SERVER_DEV_MODE=1" in r.json()["error"]["message"]
+def test_dev_routes_need_dev_mode(live):
+    """vLLM's POST /reset_prefix_cache and the sleep mode routes exist with
+    VLLM_SERVER_DEV_MODE=1 only (test_server_ops.py runs them on the real engine)."""
+    for method, path in (("POST", "/reset_prefix_cache"), ("POST", "/sleep"), ("POST", "/wake_up"),
+                         ("GET", "/is_sleeping")):
+        r = httpx.request(method, live.url + path)
+        assert r.status_code == 404 and "VLLM_SERVER_DEV_MODE=1" in r.json()["error"]["message"], path
 
 
 def test_truncate_prompt_tokens(live, client):

@@ -22,7 +22,7 @@ def server(tmp_path_factory):
     # did not outlast 15 s once decoding got faster).
     srv = ServerProcess(tmp_path_factory.mktemp("ops") / "server.log", *SMALL, "--max-model-len", "4096",
                         "--kv-cache-memory", "256MiB", "--max-num-seqs", "2",
-                        "--max-queue", "2", "--api-key", KEYS[0], "--drain-timeout", "5",
+                        "--max-queue", "2", "--api-key", KEYS[0], "--drain-timeout", "5", "--enable-sleep-mode",
                         env={"TQSERVE_API_KEY": KEYS[1], "VLLM_SERVER_DEV_MODE": "1"}, wait=False)
     yield srv
     srv.terminate()
@@ -86,6 +86,40 @@ def test_reset_prefix_cache_in_dev_mode(server):
         next(lines)                 # running now
         busy = httpx.post(u + "/reset_prefix_cache", headers=auth(), timeout=30)
     assert busy.status_code == 409 and "hold KV blocks" in busy.json()["error"]["message"]
+
+
+def test_sleep_and_wake_up_in_dev_mode(server):
+    """vLLM's sleep mode routes (VLLM_SERVER_DEV_MODE=1, behind the key):
+    asleep, the model routes answer 503 and the tokenizer still serves; awake
+    (at once, or weights then KV cache), the same greedy text; 409 while busy."""
+    u = server.url
+    body = {"model": MODEL, "prompt": "The three primary colors are", "max_tokens": 12, "temperature": 0}
+
+    def complete():
+        return httpx.post(u + "/v1/completions", json=body, headers=auth(), timeout=120)
+    want = complete().json()["choices"][0]["text"]
+    assert httpx.post(u + "/sleep").status_code == 401
+    for level, wakes in ((1, [[]]), (2, [["weights"], ["kv_cache"]])):
+        assert httpx.post(u + "/sleep", params={"level": level}, headers=auth(), timeout=60).status_code == 200
+        assert httpx.get(u + "/is_sleeping", headers=auth()).json() == {"is_sleeping": True}
+        r = complete()
+        assert r.status_code == 503 and "sleeping" in r.json()["error"]["message"]
+        assert httpx.post(u + "/tokenize", json={"prompt": "hi"}).status_code == 200
+        assert httpx.get(u + "/health").status_code == 200
+        for tags in wakes:
+            r = httpx.post(u + "/wake_up", params={"tags": tags}, headers=auth(), timeout=120)
+            assert r.status_code == 200
+        assert httpx.get(u + "/is_sleeping", headers=auth()).json() == {"is_sleeping": False}
+        assert complete().json()["choices"][0]["text"] == want
+    r = httpx.post(u + "/sleep", params={"level": 3}, headers=auth(), timeout=30)
+    assert r.status_code == 400 and "level" in r.json()["error"]["message"]
+    long = {"model": MODEL, "prompt": "Go on:", "max_tokens": 400, "ignore_eos": True}
+    with httpx.stream("POST", u + "/v1/completions", json={**long, "stream": True}, headers=auth(), timeout=120) as r:
+        lines = r.iter_lines()
+        next(lines)                 # running now
+        busy = httpx.post(u + "/sleep", headers=auth(), timeout=30)
+    assert busy.status_code == 409 and "hold KV blocks" in busy.json()["error"]["message"]
+    assert httpx.get(u + "/is_sleeping", headers=auth()).json() == {"is_sleeping": False}
 
 
 def test_429_when_queue_full(server):

@@ -358,3 +358,26 @@ def _kv_tensors(llm):
             continue
         out += [v for v in vars(c).values() if isinstance(v, torch.Tensor)]
     return out
+
+
+# ---------------------------------------------------------------- sleep mode
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_gives_back_device_memory_and_wakes_with_graphs(family, level):
+    """Sleep mode on the device: the KV pool and (both levels: level 1 to
+    pinned host memory) the weights leave the GPU's allocations; waking
+    recaptures the CUDA graphs and gives the same greedy tokens as before."""
+    name, path, _, vocab = family
+    llm = LLM(path, device="cuda", dtype="bfloat16", enable_sleep_mode=True, kv_cache_memory=64 << 20,
+              **engine_kw(name))
+    ps = prompts(4, vocab, seed=7)
+    want = toks(llm.generate(ps, greedy(12)))
+    assert llm.core.graphs is not None
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    llm.sleep(level)
+    freed = llm.core.asleep.freed_bytes
+    assert freed >= llm.core.plan.total_bytes + llm.core.resident_bytes * 0.9
+    assert before - torch.cuda.memory_allocated() >= 0.9 * freed
+    llm.wake_up()
+    assert llm.core.graphs is not None and llm.core.runner.graphs is llm.core.graphs
+    assert toks(llm.generate(ps, greedy(12))) == want
