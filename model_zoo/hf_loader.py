@@ -175,6 +175,36 @@ def fill_derived_config(config: dict) -> dict:
     return config
 
 
+def read_tokenizer(folder: Path) -> tuple[Tokenizer | None, dict]:
+    """A directory's tokenizer.json (None without one) and tokenizer_config.json."""
+    tokenizer = None
+    tokenizer_config: dict = {}
+    try:
+        tokenizer_config = load_tokenizer_config(folder)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"tokenizer config in {folder} is not valid JSON: {e}") from e
+    tokenizer_json = folder / "tokenizer.json"
+    if tokenizer_json.exists():
+        try:
+            tokenizer = Tokenizer.from_file(tokenizer_json, tokenizer_config)
+        except Exception as e:  # tokenizers raises plain Exception subclasses on bad JSON
+            raise ModelLoadError(f"tokenizer {tokenizer_json} cannot be loaded: {e}") from e
+    return tokenizer, tokenizer_config
+
+
+def use_tokenizer(source: ModelSource, folder: str | Path) -> None:
+    """vLLM's --tokenizer: another directory's tokenizer and its chat template
+    (if it has one) serve the model."""
+    folder = Path(folder).expanduser()
+    if not folder.is_dir():
+        raise ModelLoadError(f"tokenizer directory {folder} does not exist")
+    tokenizer, tokenizer_config = read_tokenizer(folder)
+    if tokenizer is None:
+        raise ModelLoadError(f"tokenizer directory {folder} has no tokenizer.json")
+    source.tokenizer = tokenizer
+    source.chat_template = _chat_template(folder, tokenizer_config) or source.chat_template
+
+
 def open_hf_dir(folder: str | Path, weights: bool = True) -> ModelSource:
     """weights False: config, tokenizer and stop ids only; the source has no
     weights to load (and the directory needs none)."""
@@ -193,18 +223,7 @@ def open_hf_dir(folder: str | Path, weights: bool = True) -> ModelSource:
     header = _header(files)
     stored = stored_formats(header)
 
-    tokenizer = None
-    tokenizer_config: dict = {}
-    try:
-        tokenizer_config = load_tokenizer_config(folder)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"tokenizer config in {folder} is not valid JSON: {e}") from e
-    tokenizer_json = folder / "tokenizer.json"
-    if tokenizer_json.exists():
-        try:
-            tokenizer = Tokenizer.from_file(tokenizer_json, tokenizer_config)
-        except Exception as e:  # tokenizers raises plain Exception subclasses on bad JSON
-            raise ModelLoadError(f"tokenizer {tokenizer_json} cannot be loaded: {e}") from e
+    tokenizer, tokenizer_config = read_tokenizer(folder)
 
     generation_config = {}
     if (folder / "generation_config.json").exists():

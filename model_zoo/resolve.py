@@ -137,14 +137,21 @@ def resolve_path(name_or_path: str | os.PathLike) -> Path:
     )
 
 
-def open_model(name_or_path: str | os.PathLike, weights: bool = True) -> ModelSource:
+def open_model(name_or_path: str | os.PathLike, weights: bool = True,
+               tokenizer: str | os.PathLike | None = None) -> ModelSource:
     """weights False (load_format dummy): an HF directory needs only config.json
-    (a GGUF file has its weights inside anyway; they are not read)."""
+    (a GGUF file has its weights inside anyway; they are not read);
+    tokenizer: a directory whose tokenizer (and chat template) serve instead."""
     path = resolve_path(name_or_path)
     if path.is_dir():
         from model_zoo.hf_loader import open_hf_dir
 
-        return open_hf_dir(path, weights)
-    from model_zoo.gguf_loader import open_gguf
+        source = open_hf_dir(path, weights)
+    else:
+        from model_zoo.gguf_loader import open_gguf
 
-    return open_gguf(path)
+        source = open_gguf(path)
+    if tokenizer is not None:
+        from model_zoo.hf_loader import use_tokenizer
+        use_tokenizer(source, tokenizer)
+    return source

@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import time
+import uuid
 
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -50,14 +51,20 @@ class _Gate:
             return await self.app(scope, receive, send)
         # Counted per route template when the whole response has gone (streams included).
         t0, status = time.monotonic(), [500]
+        rid = _request_id(scope) if self.state.config.request_id_headers else None
 
         async def send_status(message):
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
+                if rid is not None:
+                    message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid)]}
             await send(message)
+        posted = scope.get("method") == "POST"
+        self.state.server_load += posted
         try:
             await self._gate(scope, receive, send_status)
         finally:
+            self.state.server_load -= posted
             self.state.metrics.observe_http(self._handler(scope), scope.get("method", ""), status[0],
                                             time.monotonic() - t0)
 
@@ -89,6 +96,14 @@ class _Gate:
                 await discard_body(receive, 8 * self.state.config.max_body_bytes)
                 return await _too_large(self.state)(scope, receive, send)
         return await self.app(scope, receive, send)
+
+
+def _request_id(scope) -> bytes:
+    """The request's X-Request-Id (a sane one), else a new one."""
+    for k, v in scope.get("headers") or []:
+        if k == b"x-request-id" and 0 < len(v) <= 256 and v.isascii() and v.decode().isprintable():
+            return v
+    return uuid.uuid4().hex.encode()
 
 
 async def discard_body(receive, limit: int) -> None:
@@ -361,6 +376,11 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/version")
     async def version():
         return {"version": VERSION}
+
+    @app.get("/load")
+    async def load():
+        """vLLM's: the POST requests being handled now (this one is a GET)."""
+        return {"server_load": state.server_load}
 
     @app.get("/metrics")
     async def metrics():

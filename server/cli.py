@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import logging.config
 import os
 import socket
 import sys
@@ -86,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients use as `model`; the first is reported")
     add_engine_args(s)
+    s.add_argument("--kv-cache-memory-bytes", dest="kv_cache_memory", type=parse_bytes_or_fraction,
+                   default=argparse.SUPPRESS, help="vLLM's name of --kv-cache-memory")
+    s.add_argument("--config", default=None,
+                   help="a YAML file of flags ({flag-name: value}, vLLM's); flags given here win")
     s.add_argument("--max-queue", type=int, default=256,
                    help="waiting requests before new ones get 429 (0 = unbounded)")
     s.add_argument("--max-request-bytes", type=parse_bytes_or_fraction, default=8 << 20,
@@ -101,6 +106,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a follower node of a multi-node tensor-parallel group (--node-rank > 0): run this "
                         "node's ranks only, no HTTP; exits when the leader stops")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    # vLLM's logging and HTTP flags, honoured.
+    s.add_argument("--uvicorn-log-level", default=None,
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn's own log level [default: --log-level]")
+    s.add_argument("--disable-log-requests", action="store_true",
+                   help="no log line per request (vLLM's flag)")
+    s.add_argument("--disable-log-stats", action="store_true",
+                   help="no throughput / queue / KV cache line every 10 s while serving (vLLM's flag)")
+    s.add_argument("--log-config-file", default=None,
+                   help="a JSON logging configuration (logging.config.dictConfig) applied at start")
+    s.add_argument("--uds", default=None, help="listen on this Unix domain socket instead of --host / --port")
+    s.add_argument("--enable-request-id-headers", action="store_true",
+                   help="responses carry X-Request-Id (the request's own, else a new one)")
+    s.add_argument("--enable-force-include-usage", action="store_true",
+                   help="streams end with a usage chunk even without stream_options.include_usage")
+    s.add_argument("--response-role", default="assistant",
+                   help="the role chat completions answer with")
+    s.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                   help="a request with tool_choice \"none\" renders its prompt without the tools")
+    s.add_argument("--h11-max-incomplete-event-size", type=int, default=None,
+                   help="the largest HTTP request head (bytes) uvicorn reads [default: uvicorn's]")
     from server.reasoning_parsers import PARSERS as reasoning_parsers
     from server.tool_parsers import PARSERS as tool_parsers
     s.add_argument("--tool-call-parser", default=None, choices=sorted(tool_parsers),
@@ -143,6 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="LoRA adapters (PEFT directories) served by name, with --enable-lora: name=path or "
                         '\'{"name": "sql", "path": "/adapters/sql", "base_model_name": "..."}\'; a request\'s '
                         "`model` picks one")
+    from server import vllm_flags
+    vllm_flags.add_flags(s)
     from server import plan
     plan.add_parser(sub)
     from server import bench
@@ -151,7 +179,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:
+        from server.vllm_flags import expand_config
+        try:
+            argv = ["serve"] + expand_config(argv[1:], _switches(parser))
+        except ValueError as e:
+            parser.error(str(e))
+    args = parser.parse_args(argv)
     if args.command == "serve":
         return serve(args)
     if args.command == "plan":
@@ -164,9 +200,39 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # --------------------------------------------------------------------------
+def _switches(parser: argparse.ArgumentParser):
+    """flag -> "both" (--flag / --no-flag), "on" (--flag only) or None (takes a value), for `serve`."""
+    serve_parser = next(a for a in parser._subparsers._group_actions if a.dest == "command").choices["serve"]
+    actions = serve_parser._option_string_actions
+
+    def kind(flag: str) -> str | None:
+        a = actions.get(flag)
+        if isinstance(a, argparse.BooleanOptionalAction):
+            return "both"
+        if isinstance(a, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            return "on"
+        return None
+    return kind
+
+
 def serve(args) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.log_config_file:
+        import json
+        try:
+            with open(args.log_config_file) as f:
+                logging.config.dictConfig(json.load(f))
+        except (OSError, ValueError, TypeError) as e:
+            log.error("--log-config-file %s: %s", args.log_config_file, e)
+            return 2
+    if args.disable_log_requests:
+        logging.getLogger("tqserve.request").setLevel(logging.WARNING)
+    from server import vllm_flags
+    reason = vllm_flags.refused(args)
+    if reason:
+        log.error("%s", reason)
+        return 2
     model = args.model or args.model_tag or "smollm2-135m"
     if args.headless:
         return _serve_headless(args, model)
@@ -177,13 +243,16 @@ def serve(args) -> int:
     if os.environ.get(ENV_API_KEY):
         keys.append(os.environ[ENV_API_KEY])
     try:
-        sock = _bind(args.host, args.port)
+        sock = _bind_unix(args.uds) if args.uds else _bind(args.host, args.port)
     except OSError as e:
-        log.error("cannot listen on %s:%s: %s", args.host, args.port, e)
+        log.error("cannot listen on %s: %s", args.uds or f"{args.host}:{args.port}", e)
         return 1
-    host = sock.getsockname()[0]
     scheme = "https" if args.ssl_certfile else "http"
-    url = f"{scheme}://{'[' + host + ']' if ':' in host else host}:{sock.getsockname()[1]}"
+    if args.uds:
+        url = f"{scheme}+unix://{args.uds}"
+    else:
+        host = sock.getsockname()[0]
+        url = f"{scheme}://{'[' + host + ']' if ':' in host else host}:{sock.getsockname()[1]}"
     log.info("listening on %s; loading %s (/health is 503 until it is ready)", url, model)
 
     loop = asyncio.new_event_loop()
@@ -233,6 +302,19 @@ def chat_template(value: str | None) -> str | None:
     return text
 
 
+def _bind_unix(path: str) -> socket.socket:
+    """--uds: a Unix domain socket at path (a stale socket file there is replaced)."""
+    import stat
+    with contextlib.suppress(FileNotFoundError):
+        if stat.S_ISSOCK(os.stat(path).st_mode):
+            os.unlink(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(path)
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -276,14 +358,20 @@ async def _serve(args, model: str, keys: list[str], sock: socket.socket, url: st
                                           trust_request_chat_template=args.trust_request_chat_template,
                                           return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                                           allow_credentials=args.allow_credentials,
+                                          request_id_headers=args.enable_request_id_headers,
+                                          force_include_usage=args.enable_force_include_usage,
+                                          response_role=args.response_role,
+                                          exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
                                           **{f"allowed_{k}": getattr(args, f"allowed_{k}")
                                              for k in ("origins", "methods", "headers")
                                              if getattr(args, f"allowed_{k}") is not None}))
     # uvicorn's shutdown starts once state.drain is done (see _server_class), so its
     # grace period is only a backstop for the last chunks of responses that just
     # ended (finish_reason "abort" and [DONE] after --drain-timeout).
+    h11 = {"h11_max_incomplete_event_size": args.h11_max_incomplete_event_size} \
+        if args.h11_max_incomplete_event_size else {}
     config = uvicorn.Config(create_app(state), lifespan="off", access_log=False, log_config=None,
-                            log_level=args.log_level, timeout_graceful_shutdown=5,
+                            log_level=args.uvicorn_log_level or args.log_level, timeout_graceful_shutdown=5, **h11,
                             timeout_keep_alive=args.timeout_keep_alive, root_path=args.root_path,
                             ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
                             ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs)
@@ -318,6 +406,9 @@ async def _serve(args, model: str, keys: list[str], sock: socket.socket, url: st
             if template is not None:
                 llm.chat_template = template
             state.set_ready()
+            if not args.disable_log_stats:
+                from server.stats_log import StatsLogger
+                server._spawn(StatsLogger(state).run())
             kv = llm.kv_info or {}
             log.info("ready: model %s (served as %s) | context %d tokens | KV cache %d tokens, %s bytes/token"
                      " | %s", model, ", ".join(names), llm.max_model_len, kv.get("capacity_tokens", 0),

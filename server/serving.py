@@ -463,7 +463,7 @@ def chat_prompt(state: ServerState, req) -> tuple[str, list[int]]:
                            continue_final_message=req.continue_final_message,
                            bos_token=getattr(tok, "bos_token", None),
                            eos_token=getattr(tok, "eos_token", None),
-                           tools=_template_tools(getattr(req, "tools", None)), **_template_kwargs(req))
+                           tools=_template_tools(_prompt_tools(state, req)), **_template_kwargs(req))
     except (ValueError, TypeError, LookupError) as e:
         raise APIError(400, f"Chat template rendering failed: {e}", param="messages") from None
     except Exception as e:     # jinja2 TemplateError (raise_exception in templates) and friends
@@ -498,6 +498,15 @@ def _template_kwargs(req) -> dict:
     if getattr(req, "documents", None) is not None:
         extra["documents"] = req.documents
     return {**extra, **(req.chat_template_kwargs or {})}
+
+
+def _prompt_tools(state: ServerState, req):
+    """The tools the prompt shows (none with tool_choice "none" under
+    --exclude-tools-when-tool-choice-none, vLLM's flag)."""
+    tools = getattr(req, "tools", None)
+    if tools and state.config.exclude_tools_when_tool_choice_none and getattr(req, "tool_choice", None) == "none":
+        return None
+    return tools
 
 
 def _template_tools(tools) -> list[dict] | None:
@@ -633,6 +642,7 @@ async def chat_completion(state: ServerState, request: Request, req: ChatComplet
     choices = []
     for o in final.outputs:
         msg, called = tools.message(o.text)
+        msg["role"] = chat_role(state, req)
         lp = ({"content": chat_logprobs(token_namer(state, req), o.token_ids, o.logprobs or [], top_k)}
               if req.logprobs else None)
         choices.append({"index": o.index, "message": msg, "logprobs": lp,
@@ -645,6 +655,11 @@ async def chat_completion(state: ServerState, request: Request, req: ChatComplet
             **({"prompt_token_ids": list(prompt_ids)} if req.return_token_ids else {})}
     rlog.done(200)
     return JSONResponse(body)
+
+
+def chat_role(state: ServerState, req: ChatCompletionRequest) -> str:
+    """vLLM's: --response-role when the prompt asks for a new turn, else the last message's role."""
+    return state.config.response_role if req.add_generation_prompt else req.messages[-1].role
 
 
 def _finish(reason: str | None, called: bool) -> str | None:
@@ -751,7 +766,7 @@ async def run_to_end(request: Request, gen, coro):
 
 async def _chat_stream(state, req, rlog, gen, first, created, model, top_k, tools):
     opts = req.stream_options
-    include_usage = bool(opts and opts.include_usage)
+    include_usage = bool(opts and opts.include_usage) or state.config.force_include_usage
     continuous = bool(opts and opts.continuous_usage_stats)
     n_prompt = rlog.prompt_tokens
     sent_text = [0] * req.n
@@ -791,7 +806,7 @@ async def _chat_stream(state, req, rlog, gen, first, created, model, top_k, tool
                 continue
             if not started[i]:
                 started[i] = True
-                parts.append(chunk(i, {"role": "assistant", "content": ""}, n_out=n_out))
+                parts.append(chunk(i, {"role": chat_role(state, req), "content": ""}, n_out=n_out))
             text = o.text[sent_text[i]:]
             new_ids = o.token_ids[sent_tok[i]:]
             lp = None
@@ -918,7 +933,7 @@ def _vllm_prompt_logprobs(state, prompt_ids, plp):
 
 async def _completion_stream(state, req, rlog, merged, first, ids, echo_text, created, model):
     opts = req.stream_options
-    include_usage = bool(opts and opts.include_usage)
+    include_usage = bool(opts and opts.include_usage) or state.config.force_include_usage
     continuous = bool(opts and opts.continuous_usage_stats)
     n = req.n
     slots = len(ids) * n

@@ -28,6 +28,10 @@ class ServerConfig:
     allowed_methods: list[str] = field(default_factory=lambda: ["*"])
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])
     allow_credentials: bool = False
+    request_id_headers: bool = False        # responses carry X-Request-Id (vLLM's --enable-request-id-headers)
+    force_include_usage: bool = False       # streams end with usage unasked (vLLM's --enable-force-include-usage)
+    response_role: str = "assistant"        # chat's answering role (vLLM's --response-role)
+    exclude_tools_when_tool_choice_none: bool = False   # (vLLM's flag of that name)
 
 
 class ServerState:
@@ -38,6 +42,7 @@ class ServerState:
         self.config = config
         self.ready = False
         self.draining = False
+        self.server_load = 0        # POST requests being handled (vLLM's GET /load)
         self.sleeping = False       # the engine was put to sleep (POST /sleep): model routes 503
         self.load_error: str | None = None
         self.started = time.time()

@@ -127,23 +127,10 @@ def test_cli_help_and_bad_port(tmp_path):
 
 
 def test_chat_template_flag(tmp_path):
-    """--chat-template (vLLM's): a file's template replaces the model's for
-    chat (here what /tokenize renders); one that does not compile, or a value
-    that is neither a file nor a template, is one startup error (exit 2)."""
+    """--chat-template (vLLM's): one that does not compile, or a value that is
+    neither a file nor a template, is one startup error (exit 2); a file's
+    template serving chat: test_vllm_flags.py's server."""
     for bad, why in (("{% if %}", "does not compile"), ("no-such-file.jinja", "neither a file nor")):
         r = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--port", "0", "--chat-template", bad],
                            cwd=REPO, capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and why in r.stderr, r.stderr[-2000:]
-    tpl = tmp_path / "t.jinja"
-    tpl.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
-                   "{% if add_generation_prompt %}[assistant]{% endif %}")
-    # with the vLLM flags that are accepted as they are (a copied vLLM command line starts)
-    srv = ServerProcess(tmp_path / "server.log", *SMALL, "--chat-template", str(tpl), "--enable-auto-tool-choice",
-                        "--trust-remote-code")
-    try:
-        r = httpx.post(srv.url + "/tokenize", json={"messages": [{"role": "user", "content": "Hi there"}],
-                                                    "add_special_tokens": False}).json()
-        text = httpx.post(srv.url + "/detokenize", json={"tokens": r["tokens"]}).json()["prompt"]
-        assert text == "[user] Hi there\n[assistant]"
-    finally:
-        assert srv.terminate() == 0, srv.log()[-3000:]
