@@ -244,6 +244,10 @@ def create_app(state: ServerState) -> FastAPI:
     async def responses_get(response_id: str, stream: bool = False, starting_after: int | None = None):
         return responses.get_response(state, response_id, stream, starting_after)
 
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def responses_input_items(response_id: str, limit: int = 20, order: str = "desc", after: str | None = None):
+        return responses.list_input_items(state, response_id, limit, order, after)
+
     @app.delete("/v1/responses/{response_id}")
     async def responses_delete(response_id: str):
         return await responses.delete_response(state, response_id)

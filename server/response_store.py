@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 class EventLog:
@@ -44,6 +44,7 @@ class StoredResponse:
     body: dict
     messages: list[dict]      # the conversation through this response, as chat messages (no instructions)
     events: EventLog | None = None      # a background response created with stream: its events
+    inputs: list[dict] = field(default_factory=list)    # its request's input items (GET .../input_items)
 
 
 class ResponseStore:

@@ -101,6 +101,49 @@ def input_messages(items: str | list[dict]) -> list[dict]:
     return out
 
 
+_ITEM_ID_PREFIX = {"message": "msg_", "function_call": "fc_", "function_call_output": "fco_", "reasoning": "rs_"}
+
+
+def input_items(items: str | list[dict]) -> list[dict]:
+    """A request's input as OpenAI lists it back (GET /v1/responses/{id}/input_items):
+    items with ids, a message's text as input_text (an assistant's: output_text) parts."""
+    if isinstance(items, str):
+        items = [{"type": "message", "role": "user", "content": items}]
+    out = []
+    for item in items:
+        kind = item.get("type", "message" if "role" in item else None)
+        item = {"type": kind, **item}
+        if kind == "message":
+            part = "output_text" if item.get("role") == "assistant" else "input_text"
+            if isinstance(item.get("content"), str):
+                item["content"] = [{"type": part, "text": item["content"]}]
+            item.setdefault("status", "completed")
+        item.setdefault("id", _ITEM_ID_PREFIX.get(kind, "item_") + uuid.uuid4().hex)
+        out.append(item)
+    return out
+
+
+def list_input_items(state: ServerState, response_id: str, limit: int = 20, order: str = "desc",
+                     after: str | None = None) -> dict:
+    """OpenAI's GET /v1/responses/{id}/input_items: a page of the request's input items."""
+    stored = state.responses.get(response_id)
+    if stored is None:
+        raise APIError(404, f"Response with id '{response_id}' not found.", param="response_id")
+    if not 1 <= limit <= 100:
+        raise APIError(400, f"limit must be between 1 and 100, got {limit}", param="limit")
+    if order not in ("asc", "desc"):
+        raise APIError(400, f"order must be asc or desc, got {order!r}", param="order")
+    items = stored.inputs if order == "asc" else stored.inputs[::-1]
+    if after is not None:
+        ids = [i["id"] for i in items]
+        if after not in ids:
+            raise APIError(400, f"No input item with id '{after}' in response '{response_id}'.", param="after")
+        items = items[ids.index(after) + 1:]
+    page = items[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+
+
 def chat_request(req: ResponsesRequest, history: list[dict]) -> tuple[ChatCompletionRequest, list[dict]]:
     """The chat request a Responses request runs as, and its conversation (no instructions)."""
     conversation = history + input_messages(req.input)
@@ -206,6 +249,7 @@ class _Turn:
     model: str
     created: int
     conversation: list[dict]
+    inputs: list[dict]          # the request's input items, with ids (input_items)
 
     def body(self, status: str, output: list[dict], usage: dict | None = None,
              incomplete: dict | None = None, store: bool = True) -> dict:
@@ -262,10 +306,10 @@ async def create_response(state: ServerState, request: Request, req: ResponsesRe
     run = serving.prepare_chat(state, chat, rlog)
     gen = serving.generate(state, run.prompt_ids, run.params, rlog.id, rlog, chat.priority,
                            cache_salt=chat.cache_salt, model=chat.model)
-    turn = _Turn(rlog.id, req, req.model or state.model_name, int(time.time()), conversation)
+    turn = _Turn(rlog.id, req, req.model or state.model_name, int(time.time()), conversation, input_items(req.input))
     if req.background and not req.stream:
         queued = turn.body("queued", [])
-        state.responses.put(turn.id, StoredResponse(queued, conversation))
+        state.responses.put(turn.id, StoredResponse(queued, conversation, inputs=turn.inputs))
         _run_in_background(state, turn.id, _background(state, turn, run, gen, rlog))
         return JSONResponse(queued)
     if req.stream:
@@ -280,7 +324,7 @@ async def create_response(state: ServerState, request: Request, req: ResponsesRe
         if req.background:
             # It runs on whoever reads it: this stream, a GET that resumes it, or no one.
             log = EventLog()
-            state.responses.put(turn.id, StoredResponse(turn.body("queued", []), conversation, log))
+            state.responses.put(turn.id, StoredResponse(turn.body("queued", []), conversation, log, turn.inputs))
             _run_in_background(state, turn.id, _record_events(state, turn, stream, log))
             stream = log.tail()
         return StreamingResponse(stream, media_type="text/event-stream", headers=serving.SSE_HEADERS)
@@ -363,7 +407,7 @@ def _finish(state: ServerState, turn: _Turn, status: str, items: list[dict], usa
     if store:
         prev = state.responses.peek(turn.id)        # (a streamed background response keeps its events)
         state.responses.put(turn.id, StoredResponse(body, turn.conversation + [assistant_message(items)],
-                                                    prev.events if prev is not None else None))
+                                                    prev.events if prev is not None else None, turn.inputs))
     return body
 
 

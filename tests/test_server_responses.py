@@ -171,6 +171,36 @@ def test_previous_response_id_and_the_store(served):
         client.responses.retrieve(unstored.id)
 
 
+def test_input_items_list_a_requests_input(served):
+    """OpenAI's GET /v1/responses/{id}/input_items through the client: the
+    request's own items with ids, newest first by default, paged by limit /
+    after; a text input is one user message of input_text."""
+    _, client = served
+    first = client.responses.create(model="fake", input="Weather in Paris?", tools=[WEATHER])
+    items = client.responses.input_items.list(first.id).data
+    assert len(items) == 1 and items[0].type == "message" and items[0].role == "user"
+    assert items[0].content[0].type == "input_text" and items[0].content[0].text == "Weather in Paris?"
+    call = first.output[-1]
+    given = [{"type": "message", "role": "user", "content": "one"},
+             {"type": "message", "role": "assistant", "content": "two"},
+             {"type": "function_call", "call_id": call.call_id, "name": "get_weather", "arguments": call.arguments},
+             {"type": "function_call_output", "call_id": call.call_id, "output": "18 C"}]
+    second = client.responses.create(model="fake", input=given, tools=[WEATHER])
+    asc = client.responses.input_items.list(second.id, order="asc").data
+    assert [i.type for i in asc] == ["message", "message", "function_call", "function_call_output"]
+    assert asc[1].content[0].type == "output_text" and asc[3].output == "18 C"
+    assert len({i.id for i in asc}) == 4
+    page = client.responses.input_items.list(second.id, limit=2)       # newest first
+    assert [i.id for i in page.data] == [asc[3].id, asc[2].id] and page.has_more
+    rest = client.responses.input_items.list(second.id, limit=2, after=page.data[-1].id)
+    assert [i.id for i in rest.data] == [asc[1].id, asc[0].id] and not rest.has_more
+    assert [i.id for i in client.responses.input_items.list(second.id).data] == [i.id for i in asc[::-1]]
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_nope")
+    with pytest.raises(openai.BadRequestError):
+        client.responses.input_items.list(second.id, limit=500)
+
+
 @pytest.mark.parametrize("served", [(ONE_CALL, {"responses_store_size": 2})], indirect=True)
 def test_store_is_bounded(served):
     _, client = served
