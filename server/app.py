@@ -4,6 +4,7 @@
 interface; the CLI (server.cli) builds the real engine, starts uvicorn and
 flips `state.ready` once the model has loaded.
 """
+import dataclasses
 import hmac
 import json
 import logging
@@ -14,7 +15,7 @@ import uuid
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Match
@@ -24,7 +25,8 @@ from server import embeddings, llamacpp_api, lora, messages_api, responses, scor
 from server.errors import APIError, api_error_response, error_response, from_validation_error
 from server.protocol import (ChatCompletionRequest, ClassificationRequest, CompletionRequest, CountTokensRequest,
                              DetokenizeRequest, EmbeddingRequest, InfillRequest, LlamaCompletionRequest,
-                             LoadLoRAAdapterRequest, MessagesRequest, RerankRequest, ResponsesRequest, ScoreRequest,
+                             LoadLoRAAdapterRequest, MessagesRequest, PoolingRequest, RerankRequest,
+                             ResponsesRequest, ScoreRequest,
                              TokenizeRequest, UnloadLoRAAdapterRequest)
 from server.state import ServerState
 
@@ -32,10 +34,15 @@ log = logging.getLogger("tqserve.server")
 
 VERSION = "0.1.0"
 # Routes outside /v1 that run the model: behind the API key too.
-COMPUTE_ROUTES = ("/score", "/rerank", "/classify", "/reset_prefix_cache", "/sleep", "/wake_up", "/is_sleeping",
-                  "/completion", "/completions", "/infill", "/props")
+COMPUTE_ROUTES = ("/score", "/rerank", "/classify", "/pooling", "/invocations", "/reset_prefix_cache", "/sleep",
+                  "/wake_up", "/is_sleeping", "/server_info", "/completion", "/completions", "/infill", "/props")
 # vLLM's switch for its development routes (/reset_prefix_cache).
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
+
+
+class _AnyBody(BaseModel):
+    """A JSON object of any fields (/invocations reads which it has)."""
+    model_config = ConfigDict(extra="allow")
 
 
 class _Gate:
@@ -193,10 +200,16 @@ def create_app(state: ServerState) -> FastAPI:
         log.exception("unhandled error on %s", request.url.path)
         return error_response(500, f"Internal server error: {type(e).__name__}: {e}")
 
-    async def generation(request: Request, prefix: str, kind: str, model, handler):
+    async def generation(request: Request, prefix: str, kind: str, model, handler, body: dict | None = None):
         rlog = serving.RequestLog(prefix, kind)
         try:
-            req = await parse_body(request, state, model)
+            if body is None:
+                req = await parse_body(request, state, model)
+            else:
+                try:
+                    req = model.model_validate(body)
+                except ValidationError as e:
+                    raise from_validation_error(e) from None
             return await handler(state, request, req, rlog)
         except APIError as e:
             rlog.done(e.status)
@@ -225,6 +238,24 @@ def create_app(state: ServerState) -> FastAPI:
 
     async def rerank(request: Request):
         return await generation(request, "rerank-", "rerank", RerankRequest, scoring.create_rerank)
+
+    @app.post("/pooling")
+    async def pooling(request: Request):
+        return await generation(request, "pool-", "pooling", PoolingRequest, embeddings.create_pooling)
+
+    # SageMaker's route (vLLM's): the body's fields pick the API it runs as.
+    @app.post("/invocations")
+    async def invocations(request: Request):
+        body = (await parse_body(request, state, _AnyBody)).model_dump()
+        for field, route in (("messages", (("chatcmpl-", "chat", ChatCompletionRequest, serving.chat_completion))),
+                             ("prompt", ("cmpl-", "completion", CompletionRequest, serving.completion)),
+                             ("documents", ("rerank-", "rerank", RerankRequest, scoring.create_rerank)),
+                             ("text_1", ("score-", "score", ScoreRequest, scoring.create_score)),
+                             ("input", ("embd-", "embeddings", EmbeddingRequest, embeddings.create_embeddings))):
+            if field in body:
+                return await generation(request, *route, body=body)
+        raise APIError(400, "/invocations: the body has none of messages (chat), prompt (completions), input "
+                            "(embeddings), text_1 (score) or query + documents (rerank)")
 
     @app.post("/classify")
     async def classify(request: Request):
@@ -362,6 +393,18 @@ def create_app(state: ServerState) -> FastAPI:
             if m["id"] == model_id:
                 return m
         raise APIError(404, f"The model `{model_id}` does not exist.", param="model")
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():
+        """SageMaker's health check (vLLM's): /health's answer."""
+        return await health()
+
+    @app.get("/server_info")
+    async def server_info():
+        dev_route("GET", "/server_info")
+        args = getattr(state.llm, "args", None)
+        return {"version": VERSION, "engine_args": dataclasses.asdict(args) if args is not None else None,
+                "server_config": {k: v for k, v in dataclasses.asdict(state.config).items() if k != "api_keys"}}
 
     @app.get("/health")
     async def health():

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 
 from engine.sampling_params import SamplingParams
 from server.errors import APIError
-from server.protocol import EmbeddingRequest
+from server.protocol import EmbeddingRequest, PoolingRequest
 from server.serving import (RequestLog, _merge, admit, chat_prompt, check_length, check_model,
                             check_prompt_vocab, encode_prompts, generate, last_outputs, truncated)
 from server.state import ServerState
@@ -50,22 +50,46 @@ def _encode(vec: list[float], fmt: str):
     return vec if fmt == "float" else base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode()
 
 
-async def create_embeddings(state: ServerState, request: Request, req: EmbeddingRequest,
-                            rlog: RequestLog) -> JSONResponse:
+async def _pooled(state: ServerState, request: Request, req: EmbeddingRequest, rlog: RequestLog,
+                  pooling=None) -> list[list[float]]:
+    """Each input's (or the chat's) pooled output: the model's embedding, or with pooling given that."""
     check_model(state, req.model)
     admit(state, [])
     inputs = req.inputs() if req.messages is None else [chat_prompt(state, req)[1]]
     ids = prompt_ids(state, inputs, req.add_special_tokens, req.truncate_prompt_tokens,
                      param="input" if req.messages is None else "messages")
     rlog.prompt_tokens = sum(map(len, ids))
-    pooling = state.llm.default_pooling
-    pooling = dataclasses.replace(pooling, dimensions=req.dimensions,
-                                  normalize=pooling.normalize if req.normalize is None else req.normalize)
-    vectors = await embed(state, request, ids, pooling, rlog, req.priority, req.model)
-    data = [{"object": "embedding", "index": i, "embedding": _encode(v, req.encoding_format)}
-            for i, v in enumerate(vectors)]
+    if pooling is None:
+        pooling = state.llm.default_pooling
+        pooling = dataclasses.replace(pooling, dimensions=req.dimensions,
+                                      normalize=pooling.normalize if req.normalize is None else req.normalize)
+    return await embed(state, request, ids, pooling, rlog, req.priority, req.model)
+
+
+def _listing(state: ServerState, req, rlog: RequestLog, data: list[dict]) -> JSONResponse:
     n = rlog.prompt_tokens
     rlog.done(200)
     return JSONResponse({"object": "list", "data": data, "model": req.model or state.model_name,
                          "created": int(time.time()), "usage": {"prompt_tokens": n, "total_tokens": n},
                          "id": rlog.id})
+
+
+async def create_embeddings(state: ServerState, request: Request, req: EmbeddingRequest,
+                            rlog: RequestLog) -> JSONResponse:
+    vectors = await _pooled(state, request, req, rlog)
+    return _listing(state, req, rlog, [{"object": "embedding", "index": i, "embedding": _encode(v, req.encoding_format)}
+                                       for i, v in enumerate(vectors)])
+
+
+async def create_pooling(state: ServerState, request: Request, req: PoolingRequest,
+                         rlog: RequestLog) -> JSONResponse:
+    """vLLM's POST /pooling: task "embed" as /v1/embeddings, "classify" as
+    /classify's probabilities (a classifier's default)."""
+    classifier = state.llm.classifier_pooling() if state.ready else None
+    task = req.task or ("classify" if classifier is not None else "embed")
+    if task == "classify" and classifier is None:
+        raise APIError(400, "task classify needs a classifier (a ForSequenceClassification checkpoint, or a "
+                            "yes/no reranker with --hf-overrides)", param="task")
+    out = await _pooled(state, request, req, rlog, classifier if task == "classify" else None)
+    return _listing(state, req, rlog, [{"object": "pooling", "index": i, "data": _encode(v, req.encoding_format)}
+                                       for i, v in enumerate(out)])

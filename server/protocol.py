@@ -479,6 +479,12 @@ class EmbeddingRequest(_Body):
         return prompt_list(self.input)
 
 
+class PoolingRequest(EmbeddingRequest):
+    """POST /pooling (vLLM's): the pooler's output per input, `task` "embed"
+    (the model's embedding) or "classify" (a classifier's label probabilities)."""
+    task: Literal["embed", "classify"] | None = None       # None: classify for a classifier, else embed
+
+
 class ClassificationRequest(_Body):
     """POST /classify (vLLM's): a token classifier's label probabilities per input."""
     model: str | None = None

@@ -201,6 +201,34 @@ def test_http_chat_form(fake_server):
     assert srv.llm.prompts[-1] != srv.llm.prompts[-2]
 
 
+def test_pooling_invocations_ping(fake_server):
+    """vLLM's POST /pooling (an embedding model's task is embed), SageMaker's
+    /invocations (the body's fields pick chat, completions, embeddings) and
+    /ping; /server_info is a development route."""
+    import httpx
+    srv, _ = fake_server
+    tok = srv.llm.tokenizer
+    r = httpx.post(srv.url + "/pooling", json={"model": "fake", "input": ["hello", "a b"]}).json()
+    assert r["id"].startswith("pool-") and [d["object"] for d in r["data"]] == ["pooling"] * 2
+    assert r["data"][0]["data"] == pytest.approx(fake_embedding(tok.encode("hello"), PoolingParams()))
+    assert r["data"][1]["data"] == pytest.approx(fake_embedding(tok.encode("a b"), PoolingParams()))
+    bad = httpx.post(srv.url + "/pooling", json={"input": "hello", "task": "classify"})
+    assert bad.status_code == 400 and "classifier" in bad.json()["error"]["message"]
+    inv = srv.url + "/invocations"
+    r = httpx.post(inv, json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}).json()
+    assert r["object"] == "chat.completion" and len(r["choices"][0]["message"]["content"]) == 3
+    r = httpx.post(inv, json={"prompt": "hi", "max_tokens": 2}).json()
+    assert r["object"] == "text_completion" and len(r["choices"][0]["text"]) == 2
+    r = httpx.post(inv, json={"input": "hello", "encoding_format": "float"}).json()
+    assert r["data"][0]["embedding"] == pytest.approx(fake_embedding(tok.encode("hello"), PoolingParams()))
+    r = httpx.post(inv, json={"nothing": 1})
+    assert r.status_code == 400 and "messages (chat)" in r.json()["error"]["message"]
+    r = httpx.post(inv, json={"messages": []})
+    assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+    assert httpx.get(srv.url + "/ping").status_code == 200 and httpx.post(srv.url + "/ping").status_code == 200
+    assert httpx.get(srv.url + "/server_info").status_code == 404
+
+
 @pytest.mark.parametrize("body, status, words", [
     ({"input": []}, 400, "input must not be empty"),
     ({"input": ["a", ""]}, 400, "must not contain empty"),
