@@ -121,7 +121,7 @@ class AsyncLLM:
         return {"capacity_tokens": i.capacity_tokens, "bytes_per_token": i.bytes_per_token,
                 "block_size": i.block_size, "bytes_per_token_by_kind": dict(i.bytes_per_token_by_kind),
                 "total_bytes": i.kv_total_bytes, "hot_bytes_per_seq": i.hot_bytes_per_seq,
-                "compression_ratio": i.compression_ratio}
+                "compression_ratio": i.compression_ratio, "num_blocks": list(i.num_blocks)}
 
     def stats(self) -> dict:
         return dict(self._stats.__dict__)

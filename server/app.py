@@ -368,6 +368,7 @@ def create_app(state: ServerState) -> FastAPI:
             raise APIError(400, str(e), param="level") from None
         if not asleep:
             raise APIError(409, "Not asleep: requests hold KV blocks. Retry when idle.")
+        state.sleep_level = state.sleep_level or level
         state.sleeping = True
         return Response(status_code=200)
 
@@ -379,6 +380,7 @@ def create_app(state: ServerState) -> FastAPI:
         except InvalidRequest as e:
             raise APIError(400, str(e), param="tags") from None
         state.sleeping = await state.llm.is_sleeping()
+        state.sleep_level = state.sleep_level if state.sleeping else 0
         return Response(status_code=200)
 
     @app.get("/is_sleeping")

@@ -40,11 +40,15 @@ def _token_buckets(max_len: int) -> list[int]:
 
 class Metrics:
     def __init__(self, model_name: str, max_model_len: int = 8192,
-                 stats: Callable[[], dict] | None = None, kv_info: Callable[[], dict | None] | None = None):
+                 stats: Callable[[], dict] | None = None, kv_info: Callable[[], dict | None] | None = None,
+                 cache_config: Callable[[], dict] | None = None, sleep_level: Callable[[], int] | None = None):
+        """cache_config: vLLM's cache_config_info labels; sleep_level: 0 awake, else the sleep level."""
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         self._stats = stats or (lambda: {})
         self._kv_info = kv_info or (lambda: None)
+        self._cache_config = cache_config or (lambda: {})
+        self._sleep_level = sleep_level or (lambda: 0)
         r, L = self.registry, ["model_name"]
         self.prompt_tokens = Counter(P + "prompt_tokens", "Number of prefill tokens processed.", L, registry=r)
         self.generation_tokens = Counter(P + "generation_tokens", "Number of generation tokens processed.",
@@ -75,6 +79,8 @@ class Metrics:
                                       tb)
         self.req_prompt_tokens = hist("request_prompt_tokens", "Number of prefill tokens processed.", tb)
         self.req_gen_tokens = hist("request_generation_tokens", "Number of generation tokens processed.", tb)
+        self.req_max_gen_tokens = hist("request_max_num_generation_tokens",
+                                       "Histogram of maximum number of requested generation tokens.", tb)
         # HTTP level, as vLLM's server exposes them (prometheus-fastapi-instrumentator's names
         # and labels: no prefix, the route's template as handler, status grouped as "2xx").
         self.http_requests = Counter("http_requests", "Total number of requests by method, status and handler.",
@@ -93,6 +99,7 @@ class Metrics:
         self._queue = self.queue_time.labels(m)
         self._req_prompt = self.req_prompt_tokens.labels(m)
         self._req_gen = self.req_gen_tokens.labels(m)
+        self._req_max_gen = self.req_max_gen_tokens.labels(m)
         self._phases = (self.prefill_time.labels(m), self.decode_time.labels(m), self.inference_time.labels(m),
                         self.tpot.labels(m))
         self._params_n, self._params_max_tokens = self.params_n.labels(m), self.params_max_tokens.labels(m)
@@ -120,7 +127,8 @@ class Metrics:
 
     def observe_finished(self, *, prompt_tokens: int, generation_tokens: int,
                          finish_reasons: list[str], ttft: float | None, e2e: float,
-                         queue_time: float | None) -> None:
+                         queue_time: float | None, max_generation_tokens: int | None = None) -> None:
+        """max_generation_tokens: the longest of the request's n sequences (default: all its tokens)."""
         self._prompt_tokens.inc(prompt_tokens)
         self._generation_tokens.inc(generation_tokens)
         for reason in finish_reasons:
@@ -132,6 +140,7 @@ class Metrics:
             self._queue.observe(queue_time)
         self._req_prompt.observe(prompt_tokens)
         self._req_gen.observe(generation_tokens)
+        self._req_max_gen.observe(generation_tokens if max_generation_tokens is None else max_generation_tokens)
 
     def observe_http(self, handler: str, method: str, status: int, seconds: float) -> None:
         self.http_requests.labels(handler, method, f"{status // 100}xx").inc()
@@ -192,6 +201,20 @@ class _EngineCollector:
                                   labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
             g.add_metric([str(s["max_lora"]), ",".join(s.get("running_lora_adapters", [])),
                           ",".join(s.get("waiting_lora_adapters", []))], time.time())
+            yield g
+        # vLLM's: 1 on the engine's state (sleep mode), 0 on the others.
+        g = GaugeMetricFamily(P + "engine_sleep_state", "Engine sleep state; awake = 0 means engine is sleeping; "
+                              "weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2.",
+                              labels=["engine", "sleep_state"])
+        level = self.m._sleep_level()
+        for i, state in enumerate(("awake", "weights_offloaded", "discard_all")):
+            g.add_metric(["0", state], float(level == i))
+        yield g
+        config = self.m._cache_config()
+        if config:
+            g = GaugeMetricFamily(P + "cache_config_info", "Information of the LLMEngine CacheConfig",
+                                  labels=sorted(config))
+            g.add_metric([str(config[k]) for k in sorted(config)], 1.0)
             yield g
         info = self.m._kv_info() or {}
         if info:

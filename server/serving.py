@@ -204,7 +204,8 @@ def _record(state: ServerState, out, n_prompt: int, params: SamplingParams, t0: 
     state.metrics.observe_finished(
         prompt_tokens=len(out.prompt_token_ids),
         generation_tokens=sum(len(o.token_ids) for o in out.outputs),
-        finish_reasons=reasons, ttft=ttft, e2e=e2e, queue_time=queue)
+        finish_reasons=reasons, ttft=ttft, e2e=e2e, queue_time=queue,
+        max_generation_tokens=max((len(o.token_ids) for o in out.outputs), default=0))
 
 
 async def _merge(gens: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:

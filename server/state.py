@@ -44,13 +44,14 @@ class ServerState:
         self.draining = False
         self.server_load = 0        # POST requests being handled (vLLM's GET /load)
         self.sleeping = False       # the engine was put to sleep (POST /sleep): model routes 503
+        self.sleep_level = 0        # its level while it sleeps (tqserve:engine_sleep_state)
         self.load_error: str | None = None
         self.started = time.time()
         self.inflight = 0                   # engine requests submitted and not yet finished
         self._pending: dict[str, float] = {}  # admitted, not yet submitted: id -> time admitted
         self.running_ids: set[str] = set()  # submitted to the engine, not finished
         self.drain_aborted: set[str] = set()  # aborted because a drain ran out of time
-        self.metrics = Metrics(config.model_names[0], stats=self.engine_stats, kv_info=self.kv_info)
+        self.metrics = self._metrics(8192)
         self._tok_str_cache: dict[int, str] = {}
         self.responses = ResponseStore(config.responses_store_size)
         self.background: dict[str, asyncio.Task] = {}     # /v1/responses running in the background, by id
@@ -72,10 +73,23 @@ class ServerState:
     def kv_info(self) -> dict | None:
         return getattr(self.llm, "kv_info", None) if self.ready else None
 
+    def cache_config(self) -> dict:
+        """vLLM's cache_config_info labels, from the engine's settings and its pool."""
+        args, info = getattr(self.llm, "args", None), self.kv_info()
+        if args is None or not info:
+            return {}
+        return {"block_size": info.get("block_size"), "cache_dtype": args.kv_cache_dtype,
+                "enable_prefix_caching": args.enable_prefix_caching,
+                "gpu_memory_utilization": args.gpu_memory_utilization,
+                "num_gpu_blocks": sum(info.get("num_blocks") or []), "capacity_tokens": info.get("capacity_tokens")}
+
+    def _metrics(self, max_model_len: int) -> Metrics:
+        return Metrics(self.config.model_names[0], max_model_len=max_model_len, stats=self.engine_stats,
+                       kv_info=self.kv_info, cache_config=self.cache_config, sleep_level=lambda: self.sleep_level)
+
     def set_ready(self) -> None:
         """Called once the engine is up; fixes values that depend on the model."""
-        self.metrics = Metrics(self.config.model_names[0], max_model_len=self.llm.max_model_len,
-                               stats=self.engine_stats, kv_info=self.kv_info)
+        self.metrics = self._metrics(self.llm.max_model_len)
         self.ready = True
 
     @property

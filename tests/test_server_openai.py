@@ -361,7 +361,11 @@ def test_concurrent_streams_disconnects_and_metrics(server):
     gen = delta("tqserve:generation_tokens_total")
     assert 24 * 12 + 8 * 3 <= gen <= 24 * 12 + 8 * 24
     assert delta("tqserve:request_generation_tokens_sum") == gen
+    assert delta("tqserve:request_max_num_generation_tokens_sum") == gen       # n = 1: its one sequence
     assert metric(after, "tqserve:kv_cache_capacity_tokens") > 0
+    config = next(dict(labels) for name, labels in after if name == "tqserve:cache_config_info")
+    assert int(config["block_size"]) > 0 and int(config["num_gpu_blocks"]) * int(config["block_size"]) >= \
+        metric(after, "tqserve:kv_cache_capacity_tokens") and config["enable_prefix_caching"] == "True"
     assert metric(after, "tqserve:kv_cache_bytes_per_token", kind="all") > 0
     assert metric(after, "tqserve:kv_cache_compression_ratio") == 0.5      # fp32 KV against 16-bit
 

@@ -99,9 +99,16 @@ def test_sleep_and_wake_up_in_dev_mode(server):
         return httpx.post(u + "/v1/completions", json=body, headers=auth(), timeout=120)
     want = complete().json()["choices"][0]["text"]
     assert httpx.post(u + "/sleep").status_code == 401
+
+    def sleep_state():
+        m = server.metrics()
+        return [s for s in ("awake", "weights_offloaded", "discard_all")
+                if metric(m, "tqserve:engine_sleep_state", engine="0", sleep_state=s) == 1]
+    assert sleep_state() == ["awake"]
     for level, wakes in ((1, [[]]), (2, [["weights"], ["kv_cache"]])):
         assert httpx.post(u + "/sleep", params={"level": level}, headers=auth(), timeout=60).status_code == 200
         assert httpx.get(u + "/is_sleeping", headers=auth()).json() == {"is_sleeping": True}
+        assert sleep_state() == [("weights_offloaded", "discard_all")[level - 1]]
         r = complete()
         assert r.status_code == 503 and "sleeping" in r.json()["error"]["message"]
         assert httpx.post(u + "/tokenize", json={"prompt": "hi"}).status_code == 200
@@ -110,7 +117,7 @@ def test_sleep_and_wake_up_in_dev_mode(server):
             r = httpx.post(u + "/wake_up", params={"tags": tags}, headers=auth(), timeout=120)
             assert r.status_code == 200
         assert httpx.get(u + "/is_sleeping", headers=auth()).json() == {"is_sleeping": False}
-        assert complete().json()["choices"][0]["text"] == want
+        assert complete().json()["choices"][0]["text"] == want and sleep_state() == ["awake"]
     r = httpx.post(u + "/sleep", params={"level": 3}, headers=auth(), timeout=30)
     assert r.status_code == 400 and "level" in r.json()["error"]["message"]
     long = {"model": MODEL, "prompt": "Go on:", "max_tokens": 400, "ignore_eos": True}
