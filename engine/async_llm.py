@@ -12,7 +12,7 @@ from engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, c
 from engine.core_process import run_engine_core
 from engine.engine_args import EngineArgs
 from engine.engine_core import EngineStats, ModelInfo, check_pooling, check_priority, check_request
-from engine.errors import EngineDeadError, InvalidRequest
+from engine.errors import EngineDeadError, EngineSleeping, InvalidRequest
 from engine.lora import LoRARequest
 from engine.output_processor import OutputProcessor, child_params
 from engine.outputs import RequestOutput
@@ -163,7 +163,7 @@ class AsyncLLM:
             pid = self.processor.child_to_parent.get(msg[1])
             if pid in self._streams:
                 self._in.put(("abort", self.processor.remove(pid)))
-                self._streams[pid].put_nowait(InvalidRequest(msg[2]))
+                self._streams[pid].put_nowait((EngineSleeping if msg[3] else InvalidRequest)(msg[2]))
         elif kind == "reply":
             fut = self._replies.pop(msg[1], None)
             if fut is not None and not fut.done():

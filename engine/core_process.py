@@ -2,7 +2,7 @@
 computes. Messages in: ("add", EngineRequest) | ("abort", [ids]) |
 ("call", token, method, args) | ("remove_lora", id) | ("shutdown",).
 Messages out: ("ready", ModelInfo) | ("error", text) | ("outputs",
-[EngineCoreOutput], EngineStats) | ("reject", id, text) | ("reply", token,
+[EngineCoreOutput], EngineStats) | ("reject", id, text, asleep) | ("reply", token,
 result, error text or None) | ("dead", text)."""
 import ctypes
 import logging
@@ -12,7 +12,7 @@ import sys
 import traceback
 
 from engine.engine_args import EngineArgs
-from engine.errors import InvalidRequest
+from engine.errors import EngineSleeping, InvalidRequest
 
 
 # EngineCore methods a client may call and wait for (AsyncLLM._call).
@@ -62,7 +62,7 @@ def run_engine_core(args: EngineArgs, in_q, out_q) -> None:
                     try:
                         core.add_request(m[1])
                     except InvalidRequest as e:
-                        out_q.put(("reject", m[1].request_id, str(e)))
+                        out_q.put(("reject", m[1].request_id, str(e), isinstance(e, EngineSleeping)))
                 elif m[0] == "abort":
                     core.abort(m[1])
                 elif m[0] == "call" and m[2] in CALLS:      # a client call with a reply

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from engine.bad_words import token_sequences
 from engine.engine_args import EngineArgs
-from engine.errors import InvalidRequest
+from engine.errors import EngineSleeping, InvalidRequest
 from engine.follower import Followers, Sleep, WakeUp
 from engine.lora import LoRAManager, LoRARequest
 from engine.model_runner import ModelRunner
@@ -245,7 +245,7 @@ class EngineCore(Worker):
     # -- requests -------------------------------------------------------------
     def add_request(self, er: EngineRequest) -> None:
         if self.asleep is not None:
-            raise InvalidRequest("the engine is sleeping: wake it up first (wake_up, POST /wake_up)")
+            raise EngineSleeping("the engine is sleeping: wake it up first (wake_up, POST /wake_up)")
         check_request(er.prompt_token_ids, er.params, self.max_model_len, self.info.vocab_size,
                       self.args.max_logprobs)
         if er.request_id in self.scheduler.requests:

@@ -5,6 +5,11 @@ class InvalidRequest(ValueError):
     """A request that cannot run as asked; the message is meant for the user."""
 
 
+class EngineSleeping(InvalidRequest):
+    """A request reached an engine put to sleep (sleep mode): it may run once
+    the engine wakes up (a 503 over HTTP, not a 400)."""
+
+
 class EngineDeadError(RuntimeError):
     """The engine-core process is gone."""
 

@@ -21,7 +21,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine import BeamSearchParams, CompletionOutput, RequestOutput, SamplingError, SamplingParams
-from engine.errors import EngineDeadError, InvalidRequest, RequestFailed
+from engine.errors import EngineDeadError, EngineSleeping, InvalidRequest, RequestFailed
 from model_zoo.fim import fim_prompt, fim_token_ids
 from server import structured
 from server.errors import APIError, error_body
@@ -675,6 +675,8 @@ async def first_output(request: Request, gen):
         return await until_disconnect(request, gen.__anext__())
     except StopAsyncIteration:
         return None
+    except EngineSleeping as e:
+        raise APIError(503, str(e)) from None
     except InvalidRequest as e:
         raise APIError(400, str(e)) from None
 
@@ -758,6 +760,8 @@ async def last_outputs(request: Request, merged, n: int) -> list:
 async def run_to_end(request: Request, gen, coro):
     try:
         return await until_disconnect(request, coro)
+    except EngineSleeping as e:
+        raise APIError(503, str(e)) from None
     except InvalidRequest as e:
         raise APIError(400, str(e)) from None
     finally:

@@ -114,3 +114,37 @@ def test_what_sleep_refuses(tmp_path):
     assert llm.core.asleep.level == 1
     llm.wake_up()
     assert not llm.is_sleeping()
+
+
+def test_async_engine_sleeps_and_refuses_with_engine_sleeping(tmp_path):
+    """Through the engine-core process: a request that reaches a sleeping
+    engine fails with EngineSleeping (the server's 503), not a plain
+    InvalidRequest (a 400)."""
+    import asyncio
+
+    from engine import AsyncLLM, EngineArgs
+    from engine.errors import EngineSleeping
+    save_tiny_llama(tmp_path)
+    prompt = [5, 6, 7, 8]
+
+    async def main():
+        eng = AsyncLLM(EngineArgs(model=str(tmp_path), dtype="float32", kv_cache_memory=4 << 20,
+                                  enable_sleep_mode=True))
+        await eng.start()
+        try:
+            async def run(rid):
+                out = None
+                async for out in eng.generate(prompt, GREEDY, rid):
+                    pass
+                return out.outputs[0].token_ids
+            want = await run("a")
+            assert await eng.sleep(2) and await eng.is_sleeping()
+            with pytest.raises(EngineSleeping, match="sleeping"):
+                await run("b")
+            await eng.wake_up()
+            assert not await eng.is_sleeping()
+            return want, await run("c")
+        finally:
+            await eng.shutdown()
+    want, got = asyncio.run(main())
+    assert got == want
