@@ -185,6 +185,12 @@ class Progress:
                 "predicted_per_second": 1000 * (n_out - 1) / predicted_ms if predicted_ms > 0 else 0.0}
 
 
+async def _stop(state: ServerState, request_id: str) -> None:
+    """End an engine request at one of llama.cpp's stops (counted as a stop, not an abort)."""
+    state.stopped_here.add(request_id)
+    await state.llm.abort(request_id)
+
+
 def _probs(state: ServerState, ids: list[int], lps: list, k: int) -> list[dict]:
     """llama.cpp's completion_probabilities: each token with its top k."""
     def entry(t, lp):
@@ -252,7 +258,7 @@ async def _run(state: ServerState, request: Request, req: LlamaCompletionRequest
     async def to_end():
         async for i, out in merged:
             if progress[i].finish is None and progress[i].feed(out):
-                await state.llm.abort(rids[i])
+                await _stop(state, rids[i])
     await serving.run_to_end(request, merged, to_end())
     bodies = [_final(state, req, p, pr, model, stream=False, index=i) for i, (p, pr) in enumerate(zip(ids, progress))]
     rlog.output_tokens = sum(len(pr.token_ids) for pr in progress)
@@ -291,9 +297,8 @@ async def _stream(state, req, rlog, merged, first, ids, rids, progress, model):
         pr = progress[i]
         parts = []
         if not done[i]:
-            limited = pr.feed(out)
-            if limited:
-                await state.llm.abort(rids[i])
+            if pr.feed(out):
+                await _stop(state, rids[i])
             text, new_ids = pr.text[sent_text[i]:], pr.token_ids[sent_tok[i]:]
             if req.limit() == 0:
                 text, new_ids = "", []

@@ -200,7 +200,10 @@ def _record(state: ServerState, out, n_prompt: int, params: SamplingParams, t0: 
         first - t0 if first is not None else None)
     queue = m["first_scheduled_time"] - arrival if "first_scheduled_time" in m else None
     e2e = m.get("finished_time", now) - arrival
-    reasons = [o.finish_reason or "abort" for o in out.outputs]
+    stopped = out.request_id in state.stopped_here       # (the abort that ended it was a stop rule's)
+    state.stopped_here.discard(out.request_id)
+    reasons = ["stop" if stopped and o.finish_reason in (None, "abort") else o.finish_reason or "abort"
+               for o in out.outputs]
     state.metrics.observe_finished(
         prompt_tokens=len(out.prompt_token_ids),
         generation_tokens=sum(len(o.token_ids) for o in out.outputs),

@@ -51,6 +51,7 @@ class ServerState:
         self._pending: dict[str, float] = {}  # admitted, not yet submitted: id -> time admitted
         self.running_ids: set[str] = set()  # submitted to the engine, not finished
         self.drain_aborted: set[str] = set()  # aborted because a drain ran out of time
+        self.stopped_here: set[str] = set()   # ended by a server-side stop rule (llama.cpp's n_indent): "stop"
         self.metrics = self._metrics(8192)
         self._tok_str_cache: dict[int, str] = {}
         self.responses = ResponseStore(config.responses_store_size)

@@ -5,6 +5,7 @@ n_indent and t_max_predict_ms stops (the engine request is aborted there),
 errors, /props and the tokenize spellings. The real-model checks (infill and
 /completion tokens and logprobs against transformers) are in test_fim.py."""
 import json
+import time
 
 import httpx
 import pytest
@@ -75,11 +76,21 @@ def test_several_prompts_stop_words_and_fields(live):
     assert r.json()["content"] == "" and r.json()["tokens_predicted"] == 0
 
 
+def _finished(live, reason) -> float:
+    text = httpx.get(live.url + "/metrics").text
+    line = next(x for x in text.splitlines() if x.startswith("tqserve:request_success_total{")
+                and f'finished_reason="{reason}"' in x)
+    return float(line.rsplit(" ", 1)[1])
+
+
 def test_n_indent_ends_at_a_line_indented_less(live):
     before = len(live.llm.aborted)
+    stops, aborts = _finished(live, "stop"), _finished(live, "abort")
     b = _post(live, "/completion", {"prompt": "x", "n_indent": 4}).json()
     assert b["content"] == "    a = 1\n    b = 2\n" and b["stop_type"] == "limit"
     assert len(live.llm.aborted) == before + 1       # the engine stopped generating there
+    time.sleep(0.2)     # (the metrics are recorded as the request's generator closes)
+    assert _finished(live, "stop") == stops + 1 and _finished(live, "abort") == aborts    # a stop, not an abort
     ev = _events(live, "/completion", {"prompt": "x", "n_indent": 4, "stream": True, "timings_per_token": True})
     assert all(e["stop"] is False and "timings" in e for e in ev[:-1])
     assert "".join(e["content"] for e in ev) == b["content"]
