@@ -175,6 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_parser(sub)
     from server import bench
     bench.add_parser(sub)
+    from server import run_batch
+    run_batch.add_parser(sub)
     return p
 
 
@@ -196,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         from server import bench
         return bench.run(args)
+    if args.command == "run-batch":
+        from server import run_batch
+        return run_batch.run(args)
     return 2
 
 
