@@ -130,8 +130,9 @@ class EngineArgs:
     distributed_timeout: float = arg(20.0, "seconds a rank waits on another before failing: a dead or hung "
                                            "rank ends the others (exit non-zero) within about this long")
     speculative_config: dict | None = arg(
-        None, 'speculative decoding, as vLLM spells it: {"method": "ngram" | "mtp", "num_speculative_tokens": k, '
-              '"prompt_lookup_min": n, "prompt_lookup_max": n, "disable_by_batch_size": b}', type=parse_json_object)
+        None, 'speculative decoding, as vLLM spells it: {"method": "ngram" | "mtp" | "draft_model", '
+              '"num_speculative_tokens": k, "prompt_lookup_min": n, "prompt_lookup_max": n, "model": draft model '
+              '(draft_model), "disable_by_batch_size": b}', type=parse_json_object)
 
     # Why each "auto" resolved as it did (resolved() fills it; not a flag).
     auto_reasons: dict = field(default_factory=dict, repr=False, compare=False)
@@ -185,7 +186,10 @@ class EngineArgs:
         self.topology()          # (raises on a bad layout)
         if not self.distributed_timeout > 0:
             raise ValueError(f"distributed_timeout must be > 0, got {self.distributed_timeout}")
-        self.speculative()
+        spec = self.speculative()
+        if spec is not None and spec.method == "draft_model" and self.tensor_parallel_size > 1:
+            raise ValueError("a speculative draft model does not run with tensor parallelism "
+                             "(tensor_parallel_size 1, or method ngram / mtp)")
         self.sampling_defaults(None)     # (raises on a bad generation config)
         self.pooling_defaults(None)
 

@@ -224,7 +224,7 @@ class EngineCore(Worker):
         if self.spec and self.plan.max_rollback is not None and self.plan.max_rollback < self.spec.num_speculative_tokens:
             raise ValueError(f"speculative decoding rolls back rejected drafts, and this model's cache can roll "
                              f"back {self.plan.max_rollback} tokens (max_rollback_tokens)")
-        self.proposer = make_proposer(self.spec, self.runner) if self.spec else None
+        self.proposer = make_proposer(self.spec, self.runner, self.draft, self.info.vocab_size) if self.spec else None
         if self.spec:
             self.stats.spec_decode_num_accepted_tokens_per_pos = [0] * self.spec.num_speculative_tokens
             log.info("speculative decoding: %s, %d tokens per step%s", self.spec.method,
@@ -365,6 +365,12 @@ class EngineCore(Worker):
     def abort(self, request_ids) -> None:
         for rid in request_ids:
             self.scheduler.abort(rid)
+        self._release_drafts()
+
+    def _release_drafts(self) -> None:
+        """What the proposer keeps for requests no longer running goes (a draft model's KV blocks)."""
+        if self.proposer is not None:
+            self.proposer.retain({r.request_id for r in self.scheduler.running})
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self.inflight is not None
@@ -504,6 +510,7 @@ class EngineCore(Worker):
                 if req.prediction is not None:
                     out.prediction = (req.prediction_accepted, req.prediction_rejected)
                 self.scheduler.finish(req)
+        self._release_drafts()
         return outputs
 
     def _propose(self) -> None:
@@ -520,6 +527,7 @@ class EngineCore(Worker):
                 if n > 0:
                     reqs.append(r)
                     room.append(n)
+        self._release_drafts()
         for r, d in zip(reqs, self.proposer.propose(reqs, room)):
             # A grammar keeps the drafts it would take (its masks follow them at verification).
             r.spec_token_ids = d if r.grammar is None else d[:r.grammar.valid_drafts(d)]

@@ -23,7 +23,7 @@ import numpy as np
 from engine.engine_args import parse_json_object
 from engine.request import Request
 
-METHODS = ("ngram", "mtp")
+METHODS = ("ngram", "mtp", "draft_model")
 
 
 @dataclass
@@ -37,6 +37,7 @@ class SpeculativeConfig:
     # drafts paid at every batch size up to the default max_num_seqs (1.85x
     # at 1, 1.37x at 8, 1.03x at 32, 1.48x at 64); a GPU's crossover is its own.
     disable_by_batch_size: int | None = None
+    model: str | None = None                 # draft_model: the drafting model (engine/draft_model.py)
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -50,6 +51,9 @@ class SpeculativeConfig:
             if not 1 <= lo <= hi:
                 raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo} and {hi}")
             self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative method 'draft_model' takes the drafting model as 'model' (a directory, "
+                             ".gguf file or packaged name); other methods take none")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
             raise ValueError(f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
 
@@ -66,6 +70,8 @@ class SpeculativeConfig:
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"unknown speculative_config keys {unknown}; known: {sorted(known)}")
+        if "method" not in value and value.get("model") is not None:
+            value = {**value, "method": "draft_model"}          # vLLM's: a model alone is a draft model
         if "method" not in value or "num_speculative_tokens" not in value:
             raise ValueError("speculative_config needs 'method' and 'num_speculative_tokens'")
         return cls(**value)
@@ -81,6 +87,10 @@ class Proposer(ABC):
     def propose(self, reqs: list[Request], max_drafts: list[int]) -> list[list[int]]:
         """Per request, at most max_drafts[i] tokens to follow req.token_ids
         (reqs may be empty: a proposer with state still sees every step)."""
+
+    def retain(self, request_ids: set[str]) -> None:
+        """Called each step with the running requests' ids: what a proposer
+        keeps for any other request may go."""
 
 
 class NgramProposer(Proposer):
@@ -143,8 +153,12 @@ class NgramProposer(Proposer):
         return [], 0
 
 
-def make_proposer(cfg: SpeculativeConfig, runner) -> Proposer:
+def make_proposer(cfg: SpeculativeConfig, runner, draft=None, vocab_size: int = 0) -> Proposer:
+    """draft: the worker's engine.draft_model.DraftModel (method draft_model)."""
     if cfg.method == "ngram":
         return NgramProposer(cfg)
+    if cfg.method == "draft_model":
+        from engine.draft_model import DraftModelProposer
+        return DraftModelProposer(draft, vocab_size)
     from engine.mtp_proposer import MtpProposer
     return MtpProposer(runner)

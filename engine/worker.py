@@ -70,6 +70,7 @@ class Worker:
         self.spec = args.speculative()
         self._init_distributed(start_local_ranks)
         self.model = self._load_model()
+        self.draft = self._load_draft()
         self.lora = self._init_lora()
         self.caches = self._init_kv_caches()
         self._init_graphs()
@@ -132,6 +133,27 @@ class Worker:
                  if blocks else "")
         return model
 
+    def _load_draft(self):
+        """speculative_config's draft model (engine/draft_model.py), or None."""
+        if self.spec is None or self.spec.method != "draft_model":
+            return None     # (EngineArgs.validate refused one with tensor parallelism)
+        from engine.draft_model import DraftModel
+        src = open_model(self.spec.model)
+        tok, mine = src.tokenizer, self.source.tokenizer
+        probe = "Hello world, 123! The quick brown fox."
+        if tok is not None and mine is not None and tok.encode(probe, add_special_tokens=False) != \
+                mine.encode(probe, add_special_tokens=False):
+            raise ValueError(f"speculative draft model {self.spec.model}: its tokenizer is not the target's "
+                             f"(the drafts would be other tokens)")
+        dtype = getattr(torch, self.args.dtype)
+        fmts = STORED.get(self.args.quantization, ())
+        blocks = {n: f for n, f in src.stored.items() if f in fmts}
+        model = create_model(src.config, dtype, self.device, src.weights(stored=bool(blocks)), self.args.seed,
+                             stored=blocks)
+        draft = DraftModel(model, src.config, dtype, self.args.block_size, self.device)
+        log.info("speculative draft model %s: %.1f MiB resident", self.spec.model, resident_bytes(model) / 2**20)
+        return draft
+
     def _init_lora(self):
         """Adapter slots on every linear layer (before the KV budget, which they come out of)."""
         args = self.args
@@ -154,6 +176,8 @@ class Worker:
         cdtype, key_means = calibrate(self.model, self.source.tokenizer,
                                       int(self.source.config.get("vocab_size", 0)), specs, cdtype)
         budget = self._kv_budget()
+        if self.draft is not None:
+            budget = self._share_with_draft(specs, budget, cdtype)
         if self.tp > 1:
             # Every rank holds the same blocks (the scheduler's, on rank 0) in
             # the same formats: rank 0's bit split, the smallest budget.
@@ -184,6 +208,20 @@ class Worker:
         else:
             self.max_model_len = min(model_len, self.plan.capacity_tokens)
         return caches
+
+    def _share_with_draft(self, specs, budget: int, cdtype) -> int:
+        """The draft model's KV share of the budget, allocated now (its bytes
+        per token over both models': it holds as many tokens as the target's
+        pool); returns the target's share."""
+        args = self.args
+        target = plan_kv_pool(specs, budget, args.block_size, cdtype, args.max_num_seqs,
+                              args.max_num_batched_tokens).bytes_per_token
+        d = self.draft.bytes_per_token
+        share = int(budget * d / (target + d))
+        self.draft.allocate(share)
+        log.info("speculative draft model KV: %d blocks of %d tokens, %.1f MiB", self.draft.num_blocks,
+                 args.block_size, share / 2**20)
+        return budget - share
 
     def _init_graphs(self) -> None:
         capture = self.device.type == "cuda" and not self.args.enforce_eager
@@ -305,8 +343,9 @@ class Worker:
         weights to host memory (on the CPU they are there and stay), level 2
         discards them. Returns the bytes given back. runner: the ModelRunner
         whose graphs go too."""
-        kv = sleep_mode.storages([c.pool_tensors() for c in cache_objects(self.caches)])
-        weights = sleep_mode.storages(self.model, skip={s.data_ptr() for s in kv.values()})
+        pools = [c.pool_tensors() for c in cache_objects(self.caches)]
+        kv = sleep_mode.storages(pools + ([self.draft.pool_tensors()] if self.draft is not None else []))
+        weights = sleep_mode.storages(self._models(), skip={s.data_ptr() for s in kv.values()})
         self.graphs = self.head_graphs = runner.graphs = runner.head_graphs = None
         if level == 1 and self.device.type == "cpu":
             weights = {}
@@ -344,12 +383,16 @@ class Worker:
         runner.graphs, runner.head_graphs = self.graphs, self.head_graphs
         return True
 
+    def _models(self) -> list[torch.nn.Module]:
+        """The target model and a speculative draft model (sleep mode walks both)."""
+        return [self.model] + ([self.draft.model] if self.draft is not None else [])
+
     def _reload_weights(self, a: sleep_mode.Asleep) -> None:
         """Level 2: the model loaded again (as at startup), its tensors copied
         into the discarded ones by attribute path, each freed as it is
         copied (at most the weights plus one tensor at a time); what no
         checkpoint holds (LoRA slots) comes back zero, its slots empty."""
-        fresh = sleep_mode.storages(self._load_model())
+        fresh = sleep_mode.storages([self._load_model()] + ([self._load_draft().model] if self.draft else []))
         for path, s in a.weights.items():
             n = a.weight_sizes[path]
             s.resize_(n)
