@@ -123,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="streams end with a usage chunk even without stream_options.include_usage")
     s.add_argument("--response-role", default="assistant",
                    help="the role chat completions answer with")
+    s.add_argument("--chat-template-content-format", default="auto", choices=["auto", "string", "openai"],
+                   help="message content as the template gets it: a string (auto, string) or a list of "
+                        "{\"type\": \"text\", \"text\": ...} parts (openai)")
     s.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                    help="a request with tool_choice \"none\" renders its prompt without the tools")
     s.add_argument("--h11-max-incomplete-event-size", type=int, default=None,
@@ -366,6 +369,7 @@ async def _serve(args, model: str, keys: list[str], sock: socket.socket, url: st
                                           request_id_headers=args.enable_request_id_headers,
                                           force_include_usage=args.enable_force_include_usage,
                                           response_role=args.response_role,
+                                          chat_template_content_format=args.chat_template_content_format,
                                           exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
                                           **{f"allowed_{k}": getattr(args, f"allowed_{k}")
                                              for k in ("origins", "methods", "headers")

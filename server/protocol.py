@@ -112,10 +112,13 @@ class ChatMessage(_Body):
             return "\n".join(p.text for p in self.content)
         return self.content
 
-    def to_template(self) -> dict[str, Any]:
-        # An assistant turn that only calls tools has content null: templates
-        # expect a string there.
-        d = {"role": self.role, "content": self.text() or ""}
+    def to_template(self, parts: bool = False) -> dict[str, Any]:
+        """The message as a chat template reads it: content a string (an
+        assistant turn that only calls tools has content null: templates
+        expect a string there), or with parts a list of text parts (vLLM's
+        --chat-template-content-format openai)."""
+        text = self.text() or ""
+        d = {"role": self.role, "content": ([{"type": "text", "text": text}] if text else []) if parts else text}
         d.update(self.model_extra or {})
         return d
 

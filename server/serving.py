@@ -460,7 +460,8 @@ def chat_prompt(state: ServerState, req) -> tuple[str, list[int]]:
         template = req.chat_template
     if not template:
         raise APIError(400, "This model has no chat template; use /v1/completions.")
-    messages = [m.to_template() for m in req.messages]
+    parts = state.config.chat_template_content_format == "openai"
+    messages = [m.to_template(parts) for m in req.messages]
     try:
         text = render_chat(template, messages,
                            add_generation_prompt=req.add_generation_prompt,

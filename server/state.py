@@ -31,6 +31,7 @@ class ServerConfig:
     request_id_headers: bool = False        # responses carry X-Request-Id (vLLM's --enable-request-id-headers)
     force_include_usage: bool = False       # streams end with usage unasked (vLLM's --enable-force-include-usage)
     response_role: str = "assistant"        # chat's answering role (vLLM's --response-role)
+    chat_template_content_format: str = "auto"  # "openai": message content as text parts (vLLM's flag)
     exclude_tools_when_tool_choice_none: bool = False   # (vLLM's flag of that name)
 
 

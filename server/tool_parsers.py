@@ -1178,6 +1178,9 @@ PARSERS: dict[str, type[ToolParser]] = {
     p.name: p for p in (HermesToolParser, Llama3JsonToolParser, DeepSeekV3ToolParser, DeepSeekV4ToolParser,
                         DeepSeekV32ToolParser, Qwen3CoderToolParser, PythonicToolParser)
 }
+# vLLM's other names for the same formats (a vLLM command line's --tool-call-parser).
+PARSERS.update({"llama4_json": Llama3JsonToolParser, "llama4_pythonic": PythonicToolParser,
+                "qwen3_xml": Qwen3CoderToolParser})
 
 
 def default_parser(model_type: str | None, chat_template: str | None) -> str | None:

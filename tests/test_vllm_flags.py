@@ -49,7 +49,8 @@ def test_config_file_flags_and_the_command_line_wins(tmp_path):
 @pytest.mark.parametrize("argv, words", [
     (["--enable-chunked-prefill", "--swap-space", "4", "--disable-custom-all-reduce", "--download-dir", "/x",
       "--tokenizer-mode", "auto", "--distributed-executor-backend", "mp", "--pipeline-parallel-size", "1",
-      "--limit-mm-per-prompt", '{"image": 0}', "--compilation-config", "{}", "--task", "generate"], None),
+      "--limit-mm-per-prompt", '{"image": 0}', "--compilation-config", "{}", "--task", "generate",
+      "--tool-call-parser", "llama4_pythonic", "--chat-template-content-format", "openai"], None),
     (["--no-enable-chunked-prefill"], "chunked prefill is always on"),
     (["--pipeline-parallel-size", "2"], "--tensor-parallel-size"),
     (["--data-parallel-size", "2"], "one server per replica"),
@@ -163,3 +164,22 @@ def test_stats_line_while_busy_and_once_after():
     llm.s.update(num_running=0, num_waiting=0)
     assert sl.line() is not None                # the interval it ended in
     assert sl.line() is None
+
+
+def test_chat_template_content_format_openai():
+    """--chat-template-content-format openai: the template gets content as a
+    list of text parts (templates written for OpenAI's shape loop over it)."""
+    from tests.test_server_fake_engine import FakeAsyncLLM, LiveServer
+    template = ("{% for m in messages %}<{{ m['role'] }}>{% for p in m['content'] %}[{{ p['type'] }}:"
+                "{{ p['text'] }}]{% endfor %}{% endfor %}")
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [{"type": "text", "text": "yo"}]}]
+    # (a string under such a template: its characters, each without type or text)
+    for fmt, want in (("openai", "<user>[text:hi]<assistant>[text:yo]"), ("auto", "<user>[:][:]<assistant>[:][:]")):
+        srv = LiveServer(FakeAsyncLLM(), chat_template_content_format=fmt)
+        srv.llm.chat_template = template
+        try:
+            ids = httpx.post(srv.url + "/tokenize", json={"messages": msgs, "add_special_tokens": False,
+                                                          "add_generation_prompt": False}).json()["tokens"]
+            assert srv.llm.tokenizer.decode(ids) == want
+        finally:
+            srv.stop()
