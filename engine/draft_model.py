@@ -9,11 +9,11 @@ layer in one group of blocks handed out here (a sliding-window layer reads
 its window from the full table). Its share of the KV budget is its bytes
 per token over both models' (Worker._init_kv_caches), so it holds as many
 tokens as the target's pool. Each proposer call runs the draft over what it
-has not seen of each request (the prompt the first time, then the tokens
-accepted since, the target's own included) and takes the argmax at the last
-position, then chains k - 1 single-token passes on its own drafts; only the
-verified prefix counts as computed, so a rejected draft's KV is simply
-written over next time. A request it has no blocks for drafts nothing this
+has not seen of each request (the prompt the first time, in chunks of
+CATCH_UP_CHUNK tokens, then the tokens accepted since, the target's own
+included) and takes the argmax at the last position, then chains k - 1
+single-token passes on its own drafts; only the verified prefix counts as
+computed, so a rejected draft's KV is simply written over next time. A request it has no blocks for drafts nothing this
 step; requests that leave the running set free theirs (retain).
 
 Runs on the leader's device, eagerly; not with tensor parallelism (the
@@ -32,6 +32,10 @@ from kvcache.metadata import AttentionMetadata, GroupMetadata
 from kvcache.pool_plan import make_layer_cache
 
 log = logging.getLogger("tqserve.engine")
+
+# The most tokens one catch-up pass feeds the draft (a long prompt goes in
+# chunks of this, as the target's own prefill does, bounding activations).
+CATCH_UP_CHUNK = 2048
 
 
 class DraftModel:
@@ -108,7 +112,11 @@ class DraftModelProposer(Proposer):
         for i in todo:
             r, seq = reqs[i], self.seqs[reqs[i].request_id]
             first = min(seq.computed, r.num_tokens - 1)
-            spans.append((seq, first, r.token_array[first:r.num_tokens].tolist()))
+            toks = r.token_array[first:r.num_tokens].tolist()
+            while len(toks) > CATCH_UP_CHUNK:
+                self._forward([(seq, first, toks[:CATCH_UP_CHUNK])])
+                first, toks = first + CATCH_UP_CHUNK, toks[CATCH_UP_CHUNK:]
+            spans.append((seq, first, toks))
         for i, t in zip(todo, self._forward(spans)):
             out[i].append(t)
             self.seqs[reqs[i].request_id].computed = reqs[i].num_tokens

@@ -109,6 +109,8 @@ class EngineArgs:
               '"is_original_qwen3_reranker": true}', type=parse_json_object)
     max_logprobs: int = arg(20, "the most logprobs (per token, and per prompt token) a request may ask for "
                                 "(vLLM's flag; -1: no cap)")
+    prefix_cache_file: str | None = arg(None, "keep the prefix cache across restarts: read from this file at start "
+                                              "(if it exists and matches the model), written at shutdown")
     tokenizer: str | None = arg(None, "a directory whose tokenizer.json (and chat template) serve instead of "
                                       "the model's (vLLM's flag)")
     enable_sleep_mode: bool = arg(False, "allow sleep / wake_up (vLLM's): an idle engine gives back its KV pool "

@@ -3,11 +3,13 @@
 It runs either in the caller's process (offline LLM, tests) or in its own
 process behind the async client (core_process.py)."""
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
 
 
+from engine import prefix_store
 from engine.bad_words import token_sequences
 from engine.engine_args import EngineArgs
 from engine.errors import EngineSleeping, InvalidRequest
@@ -155,6 +157,7 @@ class EngineCore(Worker):
         super().__init__(args, source, rank=0, start_local_ranks=start_local_ranks)
         args = self.args
         self._init_scheduler(self.caches)
+        self._init_prefix_store()
         self._init_speculation()
         if not self.source.generates:
             log.warning("%s has no language-model head (an embedding checkpoint): embedding requests only",
@@ -202,6 +205,32 @@ class EngineCore(Worker):
             generates=self.source.generates,
             hot_bytes_per_seq=self.plan.hot_bytes_per_seq, compression_ratio=self.plan.compression_ratio)
         self.info.classifier_labels, self.info.classifier_token_ids = self._classifier()
+
+    def _init_prefix_store(self) -> None:
+        """prefix_cache_file (engine/prefix_store.py): the saved prefix cache read into the pool."""
+        path = self.args.prefix_cache_file
+        if not path:
+            return
+        why = prefix_store.unsupported(self.caches, self.plan.groups, self.tp) or (
+            None if self.kv.enable_caching else "prefix caching is off")
+        if why:
+            raise ValueError(f"prefix_cache_file: the prefix cache cannot be kept in a file: {why}")
+        self.kv.remember_tokens = True
+        self._prefix_stamp = prefix_store.fingerprint(self.caches, self.source.config, self.args.block_size,
+                                                      self.args.kv_cache_dtype)
+        if os.path.exists(path):
+            t0 = time.monotonic()
+            n = prefix_store.load(path, self.kv, self.caches, self._prefix_stamp)
+            log.info("prefix cache: %d blocks read from %s in %.2fs", n, path, time.monotonic() - t0)
+
+    def save_prefix_cache(self) -> None:
+        """Write the prefix cache to prefix_cache_file (at close; not while asleep: it was reset)."""
+        path = self.args.prefix_cache_file
+        if not path or self.asleep is not None:
+            return
+        t0 = time.monotonic()
+        n = prefix_store.save(path, self.kv, self.caches, self._prefix_stamp)
+        log.info("prefix cache: %d blocks written to %s in %.2fs", n, path, time.monotonic() - t0)
 
     def _classifier(self) -> tuple[list[str] | None, list[int] | None]:
         """A classifier's labels, and a token classifier's ids (ValueError: a label that is no token)."""
@@ -381,7 +410,11 @@ class EngineCore(Worker):
             self.runner.followers.check()
 
     def close(self) -> None:
-        """Stop the other tensor-parallel ranks (a no-op with one rank)."""
+        """Save the prefix cache (prefix_cache_file), stop the other tensor-parallel ranks."""
+        try:
+            self.save_prefix_cache()
+        except OSError as e:
+            log.error("prefix cache not saved to %s: %s", self.args.prefix_cache_file, e)
         if self.runner.followers is None:
             return
         self.runner.followers.close()

@@ -21,8 +21,8 @@ import logging
 import multiprocessing as mp
 import sys
 import threading
-from dataclasses import dataclass
 import time
+from dataclasses import dataclass
 
 import torch
 

@@ -11,9 +11,10 @@ the slot frees once its running requests end, and a steady stream for the
 adapters in the slots cannot starve another adapter. The slot's weights
 are loaded on every rank at the start of the step that first runs it
 (StepPlan.lora_loads carries the leader's copy: no other rank reads the
-adapter's files, which may have changed or gone since). An adapter the leader must read again (its host copy
-aged out) and cannot, because its files changed or went, fails the request
-that asked (AdapterUnreadable: finish_reason "error"), not the engine.
+adapter's files, which may have changed or gone since). An adapter the
+leader must read again (its host copy aged out) and cannot, because its
+files changed or went, fails the request that asked (AdapterUnreadable:
+finish_reason "error"), not the engine.
 """
 import itertools
 from dataclasses import dataclass

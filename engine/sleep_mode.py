@@ -31,10 +31,12 @@ log = logging.getLogger("tqserve.engine")
 _OWN = ("model_zoo", "parallel", "kvcache", "engine")
 
 
-def storages(root, skip: set[int] = frozenset()) -> dict[str, torch.UntypedStorage]:
+def storages(root, skip: set[int] = frozenset(), private: bool = True) -> dict[str, torch.UntypedStorage]:
     """Every tensor storage reachable from root, by the first attribute path
     that reaches it ({path: storage}; ties and views share one entry),
-    leaving out storages whose address is in skip and empty ones."""
+    leaving out storages whose address is in skip and empty ones. private
+    False: not through objects' _attributes (caches of derived values, such
+    as a kernel descriptor holding addresses)."""
     out: dict[str, torch.UntypedStorage] = {}
     seen_ptrs: set[int] = set(skip)
     seen: set[int] = set()
@@ -50,13 +52,13 @@ def storages(root, skip: set[int] = frozenset()) -> dict[str, torch.UntypedStora
                 seen_ptrs.add(s.data_ptr())
                 out[path] = s
             continue
-        children = _children(obj)
+        children = _children(obj, private)
         # reversed: the stack pops them in their own order (paths stable across models)
         stack.extend((f"{path}.{k}" if path else str(k), v) for k, v in reversed(children))
     return out
 
 
-def _children(obj) -> list[tuple[str, object]]:
+def _children(obj, private: bool = True) -> list[tuple[str, object]]:
     if isinstance(obj, dict):
         return [(repr(k), v) for k, v in obj.items()]
     if isinstance(obj, (list, tuple)):
@@ -65,7 +67,7 @@ def _children(obj) -> list[tuple[str, object]]:
         own = {k: v for k, v in obj.__dict__.items() if k not in ("_parameters", "_buffers", "_modules")}
         return [*obj._parameters.items(), *obj._buffers.items(), *obj._modules.items(), *own.items()]
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type) or type(obj).__module__.split(".")[0] in _OWN:
-        return list(getattr(obj, "__dict__", {}).items())
+        return [(k, v) for k, v in getattr(obj, "__dict__", {}).items() if private or not k.startswith("_")]
     return []
 
 

@@ -278,7 +278,8 @@ class DSV4PagedCache:
 
     def pool_tensors(self) -> list[torch.Tensor]:
         """Every layer's rings and entry rows (what sleep mode discards)."""
-        return [t for layer in self.layers + self.mtp_layers for t in (*layer.state.values(), *layer.entries.values())]
+        return [t for layer in self.layers + self.mtp_layers
+                for t in (*layer.state.values(), *layer.entries.values())]
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Slots dst become copies of slots src (every layer's rings)."""

@@ -149,6 +149,10 @@ class KVCacheManager:
         # a multiple of this many token blocks.
         self.hit_unit = (snapshot_grid(groups, block_size, self.snapshot_interval) if self.snapshot_interval
                          else block_size * lcm(*(g.ratio for g in groups if not g.per_seq))) // block_size
+        # With remember_tokens (a prefix cache kept in a file, engine/prefix_store.py): each
+        # registered hash's (parent hash, tokens), from which the hash is computed again.
+        self.remember_tokens = False
+        self.block_tokens: dict[int, tuple[int, tuple]] = {}
 
     def _blocks(self, req_id: str) -> _ReqBlocks:
         rb = self.reqs.get(req_id)
@@ -352,6 +356,8 @@ class KVCacheManager:
         num_full = self._hashable(token_ids, num_computed)
         if num_full > rb.num_cached:
             self._hashes(token_ids, num_full, rb)
+            if self.remember_tokens:
+                self._remember(rb, token_ids, rb.num_cached, num_full)
             for gi, g in enumerate(self.groups):
                 if g.per_seq:
                     continue
@@ -373,6 +379,27 @@ class KVCacheManager:
             old, rb.superseded = rb.superseded, None if kept else (gi, snap, h)
             if old is not None and self.snapshots[old[0]].block_hash[old[1]] == old[2]:
                 self.snapshots[old[0]].demote(old[1])
+
+    def _remember(self, rb: _ReqBlocks, token_ids: list[int], first: int, end: int) -> None:
+        bs, la = self.block_size, self.lookahead
+        for i in range(first, end):
+            parent = rb.hashes[i - 1] if i else rb.root
+            self.block_tokens[rb.hashes[i]] = (parent, tuple(token_ids[i * bs:(i + 1) * bs + la]))
+        cached = sum(len(p.cached) for p in self.pools)
+        if len(self.block_tokens) > 2 * cached + 1024:      # evicted blocks' entries go, now and then
+            self.block_tokens = {h: v for h, v in self.block_tokens.items()
+                                 if any(h in p.cached for p in self.pools)}
+
+    def chain_known(self, h: int) -> bool:
+        """Whether block hash h's tokens, and its parents' up to an unsalted
+        start (root 0), are remembered: its hash can be computed again."""
+        seen = 0
+        while h != 0:
+            entry = self.block_tokens.get(h)
+            if entry is None or seen > len(self.block_tokens):
+                return False
+            h, seen = entry[0], seen + 1
+        return True
 
     def snapshot(self, req_id: str, end: int, kept: bool = False) -> None:
         """Keep each per-sequence group's state at `end` tokens (on the

@@ -31,6 +31,11 @@ class LayerCache:
         """The tensors of its blocks (what sleep mode discards; not its constants)."""
         raise NotImplementedError
 
+    def pool_tensors_by_group(self) -> dict[int, list[torch.Tensor]]:
+        """pool_tensors by the KV-cache group whose blocks index their rows
+        (slot-major: block b's rows are b * block_size ..)."""
+        return {self.group_id: self.pool_tensors()}
+
     @property
     def backend(self) -> AttentionBackend:
         if self._backend is None:

@@ -129,6 +129,12 @@ class TQLayerCache(LayerCache):
     def pool_tensors(self) -> list[torch.Tensor]:
         return [t for d in (self.k, self.v, self.hk, self.hv) for t in d.values()]
 
+    def pool_tensors_by_group(self) -> dict[int, list[torch.Tensor]]:
+        groups = {self.group_id: [t for d in (self.k, self.v) for t in d.values()]}
+        if self.hot:            # the hot copies live in the hot group's blocks
+            groups[self.extra_groups[0]] = [t for d in (self.hk, self.hv) for t in d.values()]
+        return groups
+
     def write(self, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               hot_slots: torch.Tensor | None = None):
         """Encode new K/V [T, Hkv, D] into their slots, and with hot_slots

@@ -78,7 +78,10 @@ def infill_prompt(tokenizer, ids: tuple[int, int, int], prefix: str | list[int],
     if repo is not None:
         context += [repo[0]] + _ids(tokenizer, "myproject\n")
     for filename, text in extra:
-        context += [repo[1]] + _ids(tokenizer, filename + "\n") if repo else _ids(tokenizer, SNIPPET_SEPARATOR)
+        if repo is not None:
+            context += [repo[1]] + _ids(tokenizer, filename + "\n")
+        else:
+            context += _ids(tokenizer, SNIPPET_SEPARATOR)
         context += _ids(tokenizer, text)
     if repo is not None:
         context += [repo[1]] + _ids(tokenizer, "filename\n")

@@ -26,8 +26,7 @@ from server.errors import APIError, api_error_response, error_response, from_val
 from server.protocol import (ChatCompletionRequest, ClassificationRequest, CompletionRequest, CountTokensRequest,
                              DetokenizeRequest, EmbeddingRequest, InfillRequest, LlamaCompletionRequest,
                              LoadLoRAAdapterRequest, MessagesRequest, PoolingRequest, RerankRequest,
-                             ResponsesRequest, ScoreRequest,
-                             TokenizeRequest, UnloadLoRAAdapterRequest)
+                             ResponsesRequest, ScoreRequest, TokenizeRequest, UnloadLoRAAdapterRequest)
 from server.state import ServerState
 
 log = logging.getLogger("tqserve.server")
@@ -36,7 +35,7 @@ VERSION = "0.1.0"
 # Routes outside /v1 that run the model: behind the API key too.
 COMPUTE_ROUTES = ("/score", "/rerank", "/classify", "/pooling", "/invocations", "/reset_prefix_cache", "/sleep",
                   "/wake_up", "/is_sleeping", "/server_info", "/completion", "/completions", "/infill", "/props")
-# vLLM's switch for its development routes (/reset_prefix_cache).
+# vLLM's switch for its development routes (/reset_prefix_cache, sleep mode's, /server_info).
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 
 

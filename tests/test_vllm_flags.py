@@ -82,7 +82,8 @@ def test_a_vllm_command_line_over_a_unix_socket(tmp_path):
     cfg.write_text(yaml.safe_dump({"chat-template": str(tpl), "response-role": "bot", "served-model-name": "cfg",
                                    "enable-request-id-headers": True, "enable-force-include-usage": True,
                                    "disable-log-requests": True, "enable-chunked-prefill": True,
-                                   "uvicorn-log-level": "warning", "disable-uvicorn-access-log": True}))
+                                   "uvicorn-log-level": "warning", "disable-uvicorn-access-log": True,
+                                   "prefix-cache-file": str(tmp_path / "prefix.pt")}))
     log = open(tmp_path / "server.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--uds", str(sock), "--config", str(cfg),
                              *SMALL, "--served-model-name", "smollm2-135m", "--enable-auto-tool-choice",
@@ -123,6 +124,7 @@ def test_a_vllm_command_line_over_a_unix_socket(tmp_path):
         log.close()
     text = (tmp_path / "server.log").read_text()
     assert " chat prompt_tokens=" not in text and "stopped" in text       # no request lines
+    assert (tmp_path / "prefix.pt").stat().st_size > 0 and "blocks written to" in text     # saved at shutdown
 
 
 def test_tokenizer_flag(tmp_path):
@@ -181,5 +183,23 @@ def test_chat_template_content_format_openai():
             ids = httpx.post(srv.url + "/tokenize", json={"messages": msgs, "add_special_tokens": False,
                                                           "add_generation_prompt": False}).json()["tokens"]
             assert srv.llm.tokenizer.decode(ids) == want
+        finally:
+            srv.stop()
+
+
+def test_exclude_tools_when_tool_choice_none():
+    from tests.test_server_fake_engine import FakeAsyncLLM, LiveServer
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "tools": [tool], "max_tokens": 1}
+    for exclude in (False, True):
+        srv = LiveServer(FakeAsyncLLM(), exclude_tools_when_tool_choice_none=exclude)
+        srv.llm.chat_template = "{% if tools %}[{{ tools[0]['function']['name'] }}]{% endif %}{{ messages[0]['content'] }}"
+        try:
+            shown = []
+            for choice in ("none", "auto"):
+                assert httpx.post(srv.url + "/v1/chat/completions", json={**body, "tool_choice": choice}).status_code \
+                    == 200
+                shown.append("get_weather" in srv.llm.tokenizer.decode(srv.llm.prompts[-1]))
+            assert shown == [not exclude, True]
         finally:
             srv.stop()
