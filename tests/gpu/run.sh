@@ -8,7 +8,7 @@
 # Stages:
 #   tests   pytest: tests/gpu (parity with transformers on CUDA, CUDA graphs = eager, batch
 #           invariance, seeded sampling, preemption / prefix hits, KV presets, NCCL, LoRA adapters
-#           eager and captured vs merged weights), the CUDA
+#           eager and captured vs merged weights, sleep mode's device memory, a draft model), the CUDA
 #           cases of test_sampler / test_engine_device and DeepSeek-V4's kernels (test_dsv4_triton, bf16)
 #   graphs  tests/bench/gpu_engine.py sections 1 and 4 on the Llama-3.2-1B shape (roofline, batch
 #           1 with and without CUDA graphs): the quickest look at the engine's speed
