@@ -131,8 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--h11-max-incomplete-event-size", type=int, default=None,
                    help="the largest HTTP request head (bytes) uvicorn reads [default: uvicorn's]")
     from server.reasoning_parsers import PARSERS as reasoning_parsers
-    from server.tool_parsers import PARSERS as tool_parsers
-    s.add_argument("--tool-call-parser", default=None, choices=sorted(tool_parsers),
+    from server.tool_parsers import ALIASES as tool_aliases, PARSERS as tool_parsers
+    s.add_argument("--tool-call-parser", default=None, choices=sorted([*tool_parsers, *tool_aliases]),
                    help="how tool calls are written in the model's output [default: chosen from the "
                         "model's type and chat template, else hermes]")
     # vLLM command lines carry these; here tool calls are always parsed (tool_choice
@@ -208,6 +208,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # --------------------------------------------------------------------------
+def tool_aliases_of(name: str | None) -> str | None:
+    """--tool-call-parser: vLLM's other names (llama4_json, ...) as this server's."""
+    from server.tool_parsers import ALIASES
+    return ALIASES.get(name, name)
+
+
 def _switches(parser: argparse.ArgumentParser):
     """flag -> "both" (--flag / --no-flag), "on" (--flag only) or None (takes a value), for `serve`."""
     serve_parser = next(a for a in parser._subparsers._group_actions if a.dest == "command").choices["serve"]
@@ -360,7 +366,7 @@ async def _serve(args, model: str, keys: list[str], sock: socket.socket, url: st
                                           max_queue=args.max_queue or None,
                                           max_body_bytes=int(args.max_request_bytes),
                                           max_num_seqs=args.max_num_seqs,
-                                          tool_call_parser=args.tool_call_parser,
+                                          tool_call_parser=tool_aliases_of(args.tool_call_parser),
                                           reasoning_parser=args.reasoning_parser,
                                           responses_store_size=max(0, args.responses_store_size),
                                           trust_request_chat_template=args.trust_request_chat_template,

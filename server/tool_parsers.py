@@ -1179,8 +1179,7 @@ PARSERS: dict[str, type[ToolParser]] = {
                         DeepSeekV32ToolParser, Qwen3CoderToolParser, PythonicToolParser)
 }
 # vLLM's other names for the same formats (a vLLM command line's --tool-call-parser).
-PARSERS.update({"llama4_json": Llama3JsonToolParser, "llama4_pythonic": PythonicToolParser,
-                "qwen3_xml": Qwen3CoderToolParser})
+ALIASES = {"llama4_json": "llama3_json", "llama4_pythonic": "pythonic", "qwen3_xml": "qwen3_coder"}
 
 
 def default_parser(model_type: str | None, chat_template: str | None) -> str | None:

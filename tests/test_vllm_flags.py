@@ -203,3 +203,11 @@ def test_exclude_tools_when_tool_choice_none():
             assert shown == [not exclude, True]
         finally:
             srv.stop()
+
+
+def test_vllm_tool_parser_names():
+    from server.cli import tool_aliases_of
+    from server.tool_parsers import PARSERS
+    assert [tool_aliases_of(n) for n in ("llama4_json", "llama4_pythonic", "qwen3_xml", "hermes", None)] == \
+        ["llama3_json", "pythonic", "qwen3_coder", "hermes", None]
+    assert all(tool_aliases_of(n) in PARSERS for n in ("llama4_json", "llama4_pythonic", "qwen3_xml"))
