@@ -356,8 +356,6 @@ class KVCacheManager:
         num_full = self._hashable(token_ids, num_computed)
         if num_full > rb.num_cached:
             self._hashes(token_ids, num_full, rb)
-            if self.remember_tokens:
-                self._remember(rb, token_ids, rb.num_cached, num_full)
             for gi, g in enumerate(self.groups):
                 if g.per_seq:
                     continue
@@ -365,6 +363,8 @@ class KVCacheManager:
                 for j in range(rb.num_cached // r, num_full // r):
                     if table[j] != NULL_BLOCK:
                         self.pools[gi].cache(table[j], self._hash_of(rb, g, j))
+            if self.remember_tokens:        # (after registering: the pruning keeps what is cached)
+                self._remember(rb, token_ids, rb.num_cached, num_full)
             rb.num_cached = num_full
         while rb.snaps and rb.snaps[0][0] <= num_full * self.block_size:
             n, gi, snap, kept = rb.snaps.pop(0)

@@ -224,3 +224,32 @@ def test_tables_and_free_counts_through_random_steps(seed):
     for r in list(lens):
         kv.free(r)
     assert all(p.num_free == p.num_blocks for p in kv.pools)
+
+
+def test_remembered_tokens_follow_the_cache():
+    """remember_tokens (engine/prefix_store.py): each registered block's
+    (parent, tokens) give its hash again; entries of evicted blocks are
+    pruned as the table grows, never those still cached; a salted chain is
+    not known (its root hash differs between processes)."""
+    kv = KVCacheManager(group_layers([LayerSpec(0, 1, 8)]), [8], 4, True)
+    kv.remember_tokens = True
+    pruned = 0
+    for i in range(600):                       # far more blocks than the pool: old ones evicted
+        rid, toks = f"r{i}", [i, i + 1, i + 2, i + 3] * 2 + [1]
+        assert kv.allocate(rid, toks, 0, len(toks))
+        before = len(kv.block_tokens)
+        kv.cache_full_blocks(rid, toks, len(toks))
+        if len(kv.block_tokens) < before:      # pruned just now: what is cached (this request's too) stays
+            pruned += 1
+            assert set(kv.pools[0].cached) <= set(kv.block_tokens)
+        kv.free(rid)
+    cached = {h for h in kv.pools[0].cached}
+    assert pruned and len(kv.block_tokens) <= 2 * len(cached) + 1024 and cached <= set(kv.block_tokens)
+    for h in cached:
+        parent, tokens = kv.block_tokens[h]
+        assert hash((parent, tokens)) == h and kv.chain_known(h)
+    kv.set_salt("s", "tenant")
+    toks = [9] * 9
+    assert kv.allocate("s", toks, 0, 9)
+    kv.cache_full_blocks("s", toks, 9)
+    assert not kv.chain_known(kv.reqs["s"].hashes[1])
