@@ -73,10 +73,10 @@ def _slots(blocks: list[int], bs: int) -> torch.Tensor:
 
 def save(path: str, kv: KVCacheManager, caches, stamp: str) -> int:
     """Write the cached blocks (with unsalted token chains) to path; returns how many."""
-    bs, layers = kv.block_size, _layers(caches)
+    bs, layers, memo = kv.block_size, _layers(caches), {}
     groups = []
     for gi, pool in enumerate(kv.pools):
-        known = [(h, next(iter(held))) for h, held in pool.cached.items() if kv.chain_known(h)]
+        known = [(h, next(iter(held))) for h, held in pool.cached.items() if kv.chain_known(h, memo)]
         tensors = [t for _, by_group in layers for t in by_group.get(gi, [])]
         idx = _slots([b for _, b in known], bs)
         groups.append({"entries": [kv.block_tokens[h] for h, _ in known],

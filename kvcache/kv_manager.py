@@ -390,16 +390,21 @@ class KVCacheManager:
             self.block_tokens = {h: v for h, v in self.block_tokens.items()
                                  if any(h in p.cached for p in self.pools)}
 
-    def chain_known(self, h: int) -> bool:
+    def chain_known(self, h: int, memo: dict[int, bool] | None = None) -> bool:
         """Whether block hash h's tokens, and its parents' up to an unsalted
-        start (root 0), are remembered: its hash can be computed again."""
-        seen = 0
-        while h != 0:
+        start (root 0), are remembered: its hash can be computed again. memo:
+        answers so far (one walk per chain over many blocks)."""
+        memo = {} if memo is None else memo
+        path = []
+        while h != 0 and h not in memo:
             entry = self.block_tokens.get(h)
-            if entry is None or seen > len(self.block_tokens):
-                return False
-            h, seen = entry[0], seen + 1
-        return True
+            if entry is None or len(path) > len(self.block_tokens):
+                break
+            path.append(h)
+            h = entry[0]
+        known = h == 0 or memo.get(h, False)
+        memo.update((x, known) for x in path)
+        return known
 
     def snapshot(self, req_id: str, end: int, kept: bool = False) -> None:
         """Keep each per-sequence group's state at `end` tokens (on the
