@@ -220,13 +220,19 @@ class AsyncLLM:
             self._in.put(("add", EngineRequest(cid, ids, child_params(params, i), arrival_time=now,
                                                priority=priority, pooling=pooling, cache_salt=cache_salt,
                                                lora=lora_request)))
-        finished = False
+        finished, interval, sent = False, self.args.stream_interval, 0
         try:
             while True:
                 item = await q.get()
                 if isinstance(item, Exception):
                     raise item
                 finished = item.finished
+                if interval > 1 and not finished:
+                    # stream_interval: outputs are cumulative, so one skipped is sent with the next
+                    n = sum(len(o.token_ids) for o in item.outputs)
+                    if sent and n - sent < interval:
+                        continue
+                    sent = n or sent
                 yield item
                 if finished:
                     break

@@ -109,6 +109,9 @@ class EngineArgs:
               '"is_original_qwen3_reranker": true}', type=parse_json_object)
     max_logprobs: int = arg(20, "the most logprobs (per token, and per prompt token) a request may ask for "
                                 "(vLLM's flag; -1: no cap)")
+    stream_interval: int = arg(1, "tokens a streamed request's output gathers before it is sent (vLLM's flag: "
+                                  "the first token and the last always go at once; larger: fewer, bigger "
+                                  "stream chunks, less host work per token under many streams)")
     prefix_cache_file: str | None = arg(None, "keep the prefix cache across restarts: read from this file at start "
                                               "(if it exists and matches the model), written at shutdown")
     tokenizer: str | None = arg(None, "a directory whose tokenizer.json (and chat template) serve instead of "
@@ -186,6 +189,8 @@ class EngineArgs:
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
         self.topology()          # (raises on a bad layout)
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
         if not self.distributed_timeout > 0:
             raise ValueError(f"distributed_timeout must be > 0, got {self.distributed_timeout}")
         spec = self.speculative()

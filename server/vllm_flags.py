@@ -108,7 +108,6 @@ FLAGS = (
                                               "--tensor-parallel-size"),
     Flag("data-parallel-size", int, (1,), "data parallelism is not supported: run one server per replica"),
     Flag("api-server-count", int, (1,), "one API server process serves each engine"),
-    Flag("stream-interval", int, (1,), "every token is streamed as it is decoded"),
     Flag("cpu-offload-gb", float, (0, 0.0), "weights stay on the device (sleep mode frees them when idle)"),
     Flag("num-gpu-blocks-override", int, (), "size the KV pool with --kv-cache-memory or "
                                              "--gpu-memory-utilization"),

@@ -211,3 +211,32 @@ def test_vllm_tool_parser_names():
     assert [tool_aliases_of(n) for n in ("llama4_json", "llama4_pythonic", "qwen3_xml", "hermes", None)] == \
         ["llama3_json", "pythonic", "qwen3_coder", "hermes", None]
     assert all(tool_aliases_of(n) in PARSERS for n in ("llama4_json", "llama4_pythonic", "qwen3_xml"))
+
+
+def test_stream_interval(tmp_path):
+    """--stream-interval N (vLLM's): a stream's outputs gather N tokens; the
+    first and the last go at once, the tokens are the same."""
+    import asyncio
+
+    from engine import AsyncLLM, EngineArgs, SamplingParams
+    from tests.tiny_models import save_tiny_llama
+    save_tiny_llama(tmp_path)
+    sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+
+    async def main():
+        counts = {}
+        for interval in (1, 4):
+            eng = AsyncLLM(EngineArgs(model=str(tmp_path), dtype="float32", kv_cache_memory=4 << 20,
+                                      stream_interval=interval))
+            await eng.start()
+            try:
+                outs = [o async for o in eng.generate([5, 6, 7, 8], sp, "r")]
+                counts[interval] = ([len(o.outputs[0].token_ids) for o in outs], outs[-1].outputs[0].token_ids)
+            finally:
+                await eng.shutdown()
+        return counts
+    counts = asyncio.run(main())
+    assert counts[1][0] == list(range(1, 11))
+    assert counts[4][0] == [1, 5, 9, 10] and counts[4][1] == counts[1][1]
+    with pytest.raises(ValueError, match="stream_interval"):
+        EngineArgs(model=str(tmp_path), stream_interval=0).validate()
