@@ -136,6 +136,8 @@ class Progress:
     first: float | None = None
     last: float | None = None
     cached: int = 0
+    scan: int = 0               # where n_indent's check looks next: the last line not yet passed
+    newline: bool = False       # a line has ended (t_max_predict_ms counts from then)
 
     def feed(self, out) -> bool:
         """Take the prompt's cumulative output; True when a stop here ends it."""
@@ -144,24 +146,31 @@ class Progress:
         if len(o.token_ids) > len(self.token_ids):
             self.first = self.first or now
             self.last = now
-        self.token_ids, self.logprobs, self.cached = list(o.token_ids), list(o.logprobs or []), out.num_cached_tokens
+        # (the output's own lists, not copies: a stop here freezes them)
+        self.token_ids, self.logprobs, self.cached = o.token_ids, o.logprobs or [], out.num_cached_tokens
+        self.newline = self.newline or "\n" in o.text[len(self.text):]
         self.text, self.finish, self.stop_reason = o.text, o.finish_reason, o.stop_reason
         if self.finish is None and self._cut():
             self.finish = "limit"
+            self.token_ids, self.logprobs = list(self.token_ids), list(self.logprobs)
             return True
         return False
 
     def _cut(self) -> bool:
+        """n_indent, then t_max_predict_ms; each line is checked once its first
+        character is in (the scan resumes at the last line not yet passed)."""
         if self.n_indent > 0:
-            start = self.text.find("\n") + 1
+            text, start = self.text, self.scan or self.text.find("\n") + 1
             while start > 0:
-                line = self.text[start:]
-                body = line.lstrip(" \t")
-                if body and body[0] != "\n" and len(line) - len(body) < self.n_indent:
-                    self.text = self.text[:start + len(line) - len(body)]
+                self.scan = start
+                end = start
+                while end < len(text) and text[end] in " \t":
+                    end += 1
+                if end < len(text) and text[end] != "\n" and end - start < self.n_indent:
+                    self.text = text[:end]
                     return True
-                start = self.text.find("\n", start) + 1
-        return (self.t_max_ms > 0 and "\n" in self.text and self.first is not None
+                start = text.find("\n", start) + 1
+        return (self.t_max_ms > 0 and self.newline and self.first is not None
                 and (time.monotonic() - self.first) * 1000 > self.t_max_ms)
 
     def stop_type(self) -> tuple[str, str]:
