@@ -56,8 +56,14 @@ class AttentionBackend:
     one-call entry points, which the default forward uses:
     decode(cache, q [B, Hq, D], block_tables [B, W], seq_lens [B], scale,
     *extra_tables) and prefill(cache, q [Lq, Hq, D], block_table [W],
-    seq_len int, scale, *extra_tables); extra_tables are the block tables of
-    the cache's extra_groups (TurboQuant's hot tokens).
+    seq_len int, scale, *extra_tables, key_limit=None); extra_tables are the
+    block tables of the cache's extra_groups (TurboQuant's hot tokens).
+
+    key_limit (a backend with supports_key_limits): [Lq] long, the last key
+    position each query sees (>= its own, < seq_len); a sliding layer's window
+    still counts back from the query's own position. None: causal. It is how
+    a bidirectional span (Gemma 3's image tokens) attends; forward takes it
+    from meta.key_limits_t.
     """
     name: str = ""
     format: str = ""
@@ -65,6 +71,8 @@ class AttentionBackend:
     # writes it does) may be captured in a CUDA graph: static shapes from the
     # metadata's tensors only, no host syncs, no host-to-device copies.
     capturable: bool = False
+    # prefill honours key_limit (bidirectional spans; see above).
+    supports_key_limits: bool = False
 
     def forward(self, cache, q: torch.Tensor, meta, scale: float) -> torch.Tensor:
         group = meta.groups[cache.group_id]
@@ -74,11 +82,12 @@ class AttentionBackend:
         if nd:
             out[:nd] = self.decode(cache, q[:nd], group.block_tables[:nd], meta.seq_lens_t[:nd], scale,
                                    *[t[:nd] for t in extra])
-        qsl = meta.query_start_loc
+        qsl, lim = meta.query_start_loc, meta.key_limits_t
         for i in range(nd, meta.num_seqs):
             s, e = qsl[i], qsl[i + 1]
+            kw = {} if lim is None else {"key_limit": lim[s:e]}
             out[s:e] = self.prefill(cache, q[s:e], group.block_tables[i], meta.seq_lens[i], scale,
-                                    *[t[i] for t in extra])
+                                    *[t[i] for t in extra], **kw)
         return out
 
     def decode(self, cache, q, block_tables, seq_lens, scale, *extra_tables):

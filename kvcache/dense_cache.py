@@ -72,6 +72,7 @@ class DenseTorchBackend(AttentionBackend):
     """SDPA over the gathered blocks: one batched decode, one call per prefill.
     Runs on any device; its decode reads seq_lens.max() back (a sync on CUDA,
     where dense-triton is the default)."""
+    supports_key_limits = True
 
     def forward(self, cache, q, meta, scale):
         if meta.num_decodes != meta.num_seqs:
@@ -114,7 +115,7 @@ class DenseTorchBackend(AttentionBackend):
         o = F.scaled_dot_product_attention(q.view(B, H, Hq // H, D), k, v, attn_mask=mask, scale=scale)
         return o.reshape(B, Hq, D)
 
-    def prefill(self, cache, q, block_table, seq_len, scale):
+    def prefill(self, cache, q, block_table, seq_len, scale, key_limit=None):
         Lq = q.shape[0]
         start = seq_len - Lq
         lo = 0 if cache.sliding_window is None else max(0, start - cache.sliding_window + 1)
@@ -122,7 +123,7 @@ class DenseTorchBackend(AttentionBackend):
         k, v = cache._gather(block_table, first, nblk, q.dtype)         # [L, H, D]
         kpos = torch.arange(first * cache.block_size, (first + nblk) * cache.block_size, device=q.device)
         qpos = torch.arange(start, seq_len, device=q.device)
-        mask = kpos[None, :] <= qpos[:, None]
+        mask = kpos[None, :] <= (qpos if key_limit is None else key_limit)[:, None]
         if cache.sliding_window is not None:
             mask &= kpos[None, :] > qpos[:, None] - cache.sliding_window
         k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])

@@ -58,6 +58,12 @@ class LayerCache:
         b = self.backend
         return None if b.capturable else f"attention backend {b.name} is not capturable"
 
+    @property
+    def no_key_limits(self) -> str | None:
+        """Why this layer cannot attend bidirectional spans (None: it can)."""
+        b = self.backend
+        return None if b.supports_key_limits else f"attention backend {b.name} has no bidirectional spans"
+
     def spans_not_capturable(self, rows: int) -> str | None:
         """Why a verification step (`rows` = 1 + k rows per sequence) over this layer cannot be a CUDA graph."""
         return self.not_capturable

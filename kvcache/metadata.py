@@ -39,6 +39,11 @@ class AttentionMetadata:
     # The host values are bounds fixed at a CUDA graph's capture, not this
     # step's: nothing may skip work by them.
     frozen: bool = False
+    # Bidirectional spans (Gemma 3's image tokens see each other): per token of
+    # the flat batch, the last key position it may see (its own position
+    # outside a span; the span's last one inside). None, the usual case: causal.
+    # Only prefill rows carry spans (a span lies whole in one chunk's end).
+    key_limits_t: torch.Tensor | None = None        # [T] long, on the model's device
 
     def __post_init__(self):
         if self.seq_lens_t is None:
