@@ -14,6 +14,7 @@ from engine.engine_args import EngineArgs
 from engine.engine_core import EngineStats, ModelInfo, check_pooling, check_priority, check_request
 from engine.errors import EngineDeadError, EngineSleeping, InvalidRequest
 from engine.lora import LoRARequest
+from engine.multimodal import PromptImages
 from engine.output_processor import OutputProcessor, child_params
 from engine.outputs import RequestOutput
 from engine.pooling_params import PoolingParams
@@ -44,6 +45,7 @@ class AsyncLLM:
         self._ranks: list = []
         self._replies: dict[int, asyncio.Future] = {}          # _call()s waiting on the core
         self._beam_searches: dict[str, BeamSearch] = {}         # running beam searches, by request id
+        self.images: PromptImages | None = None     # prompts with images (start)
 
     # -- lifecycle ------------------------------------------------------------
     async def start(self) -> None:
@@ -67,6 +69,9 @@ class AsyncLLM:
         self.default_pooling = self.args.pooling_defaults(source)
         log_sampling_defaults(self.default_sampling)
         self.processor = OutputProcessor(self.tokenizer)
+        from model_zoo.multimodal import image_processor_for
+        self.images = PromptImages(image_processor_for(source.config, source.path), self.tokenizer,
+                                   self.args.image_limit(), self.args.max_num_batched_tokens)
         msg = await loop.run_in_executor(None, self._wait_ready)
         if msg[0] != "ready":
             self._proc.join(timeout=5)
@@ -181,12 +186,16 @@ class AsyncLLM:
                 self.on_dead()
 
     # -- requests -------------------------------------------------------------
-    def encode(self, prompt) -> tuple[str | None, list[int]]:
+    def encode(self, prompt) -> tuple[str | None, list[int], list]:
+        """(text or None, token ids, images: engine.multimodal items) of a
+        prompt: text, token ids, or vLLM's dict with multi_modal_data."""
+        if isinstance(prompt, dict):
+            return self.images.encode_prompt(prompt, self.info.no_images)
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequest("this model has no tokenizer: give prompts as token ids")
-            return prompt, self.tokenizer.encode(prompt)
-        return None, list(prompt)
+            return prompt, self.tokenizer.encode(prompt), []
+        return None, list(prompt), []
 
     def _new_id(self, request_id: str | None, running) -> str:
         """The request's id (a fresh one if None); raises if the engine is dead or the id runs."""
@@ -206,7 +215,7 @@ class AsyncLLM:
         same salt share prefix-cache blocks. lora_request: the adapter it
         runs with (enable_lora)."""
         rid = self._new_id(request_id, self._streams)
-        text, ids = self.encode(prompt)
+        text, ids, items = self.encode(prompt)
         check_request(ids, params, self.info.max_model_len, self.info.vocab_size, self.args.max_logprobs)
         check_priority(priority, self.args.scheduling_policy)
         check_pooling(params, pooling, self.info)
@@ -219,7 +228,7 @@ class AsyncLLM:
         for i, cid in enumerate(cids):
             self._in.put(("add", EngineRequest(cid, ids, child_params(params, i), arrival_time=now,
                                                priority=priority, pooling=pooling, cache_salt=cache_salt,
-                                               lora=lora_request)))
+                                               lora=lora_request, mm_items=items)))
         finished, interval, sent = False, self.args.stream_interval, 0
         try:
             while True:
@@ -292,7 +301,7 @@ class AsyncLLM:
         ends it with the beams so far (finish_reason "abort")."""
         rid = self._new_id(request_id, self._beam_searches)
         check_width(params, self.args.max_logprobs)
-        _, ids = self.encode(prompt)
+        _, ids, _ = self.encode(prompt)
         check_request(ids, SamplingParams(max_tokens=params.max_tokens), self.info.max_model_len,
                       self.info.vocab_size)     # (the longest beam fits)
         search = self._beam_searches[rid] = BeamSearch(ids, params, set(self.info.eos_token_ids))

@@ -138,9 +138,25 @@ class EngineArgs:
         None, 'speculative decoding, as vLLM spells it: {"method": "ngram" | "mtp" | "draft_model", '
               '"num_speculative_tokens": k, "prompt_lookup_min": n, "prompt_lookup_max": n, "model": draft model '
               '(draft_model), "disable_by_batch_size": b}', type=parse_json_object)
+    limit_mm_per_prompt: dict | None = arg(
+        None, 'the most images one prompt may carry (vLLM\'s flag), e.g. {"image": 4}; default: no limit. '
+              'Images only: there are no audio or video inputs', type=parse_json_object)
 
     # Why each "auto" resolved as it did (resolved() fills it; not a flag).
     auto_reasons: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def image_limit(self) -> int | None:
+        """Images per prompt from limit_mm_per_prompt (vLLM's forms: a count
+        or {"count": n}); None: no limit."""
+        limits = {}
+        for k, v in (self.limit_mm_per_prompt or {}).items():
+            n = v.get("count") if isinstance(v, dict) else v
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise ValueError(f"limit_mm_per_prompt[{k!r}] must be a count >= 0, got {v!r}")
+            if k != "image" and n:
+                raise ValueError(f"limit_mm_per_prompt: there are no {k} inputs (images only)")
+            limits[k] = n
+        return limits.get("image")
 
     def validate(self) -> None:
         import torch     # here, not at import: the protocol layer imports this module
@@ -197,6 +213,7 @@ class EngineArgs:
         if spec is not None and spec.method == "draft_model" and self.tensor_parallel_size > 1:
             raise ValueError("a speculative draft model does not run with tensor parallelism "
                              "(tensor_parallel_size 1, or method ngram / mtp)")
+        self.image_limit()               # (raises on a bad limit_mm_per_prompt)
         self.sampling_defaults(None)     # (raises on a bad generation config)
         self.pooling_defaults(None)
 

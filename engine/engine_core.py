@@ -16,6 +16,7 @@ from engine.errors import EngineSleeping, InvalidRequest
 from engine.follower import Followers, Sleep, WakeUp
 from engine.lora import LoRAManager, LoRARequest
 from engine.model_runner import ModelRunner
+from engine.multimodal import check_items
 from engine.pooling_params import PoolingParams
 from engine.request import EngineRequest, Request, Status
 from engine.scheduler import Scheduler
@@ -23,7 +24,9 @@ from engine.speculative import make_proposer
 from engine.structured_output import GrammarCompiler, GrammarState, StructuredOutputError
 from engine.worker import Worker
 from kvcache.kv_manager import KVCacheManager
+from kvcache.pool_plan import cache_objects
 from model_zoo.models import classifier_labels, has_score_head
+from model_zoo.multimodal import image_processor_for
 
 log = logging.getLogger("tqserve.engine")
 
@@ -85,6 +88,7 @@ class ModelInfo:
     # classifier_from_token) or None for a score head (a ForSequenceClassification checkpoint).
     classifier_labels: list[str] | None = None
     classifier_token_ids: list[int] | None = None
+    no_images: str | None = "this model takes no images (text only)"   # why image inputs are refused; None: taken
 
     def classifier_pooling(self) -> PoolingParams | None:
         """How a request runs the classifier (None: the model is none)."""
@@ -205,6 +209,21 @@ class EngineCore(Worker):
             generates=self.source.generates,
             hot_bytes_per_seq=self.plan.hot_bytes_per_seq, compression_ratio=self.plan.compression_ratio)
         self.info.classifier_labels, self.info.classifier_token_ids = self._classifier()
+        self.info.no_images = self._no_images(caches)
+
+    def _no_images(self, caches) -> str | None:
+        """Why this engine refuses images (None: it takes them): a text-only
+        model, or an attention backend that cannot run an image's
+        bidirectional span."""
+        images = image_processor_for(self.source.config)
+        if images is None:
+            return ModelInfo.no_images
+        if images.bidirectional:
+            why = next(filter(None, (c.no_key_limits for c in cache_objects(caches))), None)
+            if why:
+                log.warning("image inputs are refused: %s", why)
+                return f"images are not supported with this KV cache: {why}"
+        return None
 
     def _init_prefix_store(self) -> None:
         """prefix_cache_file (engine/prefix_store.py): the saved prefix cache read into the pool."""
@@ -284,6 +303,13 @@ class EngineCore(Worker):
         check_pooling(er.params, er.pooling, self.info)
         if er.lora is not None:
             self.add_lora(er.lora)
+        if er.mm_items:
+            if self.info.no_images:
+                raise InvalidRequest(self.info.no_images)
+            try:
+                check_items(er.mm_items, len(er.prompt_token_ids), self.args.max_num_batched_tokens)
+            except ValueError as e:
+                raise InvalidRequest(str(e)) from None
         req = Request(er, self.max_model_len)
         if er.params.bad_words:
             req.bad_words_ids = token_sequences(self.source.tokenizer, er.params.bad_words)

@@ -14,12 +14,14 @@ from engine.engine_args import EngineArgs
 from engine.engine_core import EngineCore, check_pooling, check_priority, check_request
 from engine.errors import InvalidRequest
 from engine.lora import LoRARequest
+from engine.multimodal import PromptImages
 from engine.output_processor import OutputProcessor, child_params
 from engine.outputs import (ClassificationOutput, ClassificationRequestOutput, EmbeddingOutput,
                             EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput)
 from engine.pooling_params import PoolingParams, pair_token_ids
 from engine.request import EngineRequest
 from engine.sampling_params import SamplingParams, log_sampling_defaults
+from model_zoo.multimodal import image_processor_for
 
 
 def is_token_prompt(p) -> bool:
@@ -35,16 +37,23 @@ class LLM:
         self.default_pooling = self.core.args.pooling_defaults(self.core.source)
         log_sampling_defaults(self.default_sampling)
         self.processor = OutputProcessor(self.tokenizer)
+        self.images = PromptImages(image_processor_for(self.core.source.config, self.core.source.path),
+                                   self.tokenizer, self.core.args.image_limit(),
+                                   self.core.args.max_num_batched_tokens)
         self._ids = itertools.count()
 
-    def encode(self, prompt) -> tuple[str | None, list[int]]:
+    def encode(self, prompt) -> tuple[str | None, list[int], list]:
+        """(text or None, token ids, images: engine.multimodal items) of a
+        prompt: text, token ids, or vLLM's dict with multi_modal_data."""
+        if isinstance(prompt, dict):
+            return self.images.encode_prompt(prompt, self.core.info.no_images)
         if is_token_prompt(prompt):
-            return None, list(prompt)
+            return None, list(prompt), []
         if not isinstance(prompt, str):
             raise InvalidRequest(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
         if self.tokenizer is None:
             raise InvalidRequest("this model has no tokenizer: give prompts as token ids")
-        return prompt, self.tokenizer.encode(prompt)
+        return prompt, self.tokenizer.encode(prompt), []
 
     def add_request(self, prompt, params: SamplingParams, request_id: str | None = None, priority: int = 0,
                     pooling: PoolingParams | None = None, cache_salt: str | None = None,
@@ -52,12 +61,12 @@ class LLM:
         """pooling: an embedding request (params with max_tokens 0); cache_salt:
         only requests with the same salt share prefix-cache blocks;
         lora_request: the adapter it runs with (enable_lora)."""
-        text, ids = self.encode(prompt)
+        text, ids, items = self.encode(prompt)
         check_priority(priority, self.core.args.scheduling_policy)
-        return self._add(text, ids, params, request_id, priority, pooling, cache_salt, lora_request)
+        return self._add(text, ids, params, request_id, priority, pooling, cache_salt, lora_request, items)
 
     def _add(self, text, ids, params, request_id=None, priority: int = 0, pooling=None, cache_salt=None,
-             lora=None) -> str:
+             lora=None, items=()) -> str:
         rid = request_id or str(next(self._ids))
         check_request(ids, params, self.core.max_model_len, self.core.info.vocab_size,
                       self.core.args.max_logprobs)
@@ -69,7 +78,7 @@ class LLM:
         for i, cid in enumerate(cids):
             self.core.add_request(EngineRequest(cid, ids, child_params(params, i), arrival_time=now,
                                                 priority=priority, pooling=pooling, cache_salt=cache_salt,
-                                                lora=lora))
+                                                lora=lora, mm_items=list(items)))
         return rid
 
     def add_lora(self, lora_request: LoRARequest) -> None:
@@ -122,7 +131,7 @@ class LLM:
                  lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """priority: per prompt, with scheduling_policy "priority" (lower first; vLLM's argument);
         lora_request: the adapter of every prompt, or one per prompt (None: the base model)."""
-        if isinstance(prompts, str) or is_token_prompt(prompts):
+        if isinstance(prompts, (str, dict)) or is_token_prompt(prompts):
             prompts = [prompts]
         params = sampling_params or self.get_default_sampling_params()
         params = params if isinstance(params, list) else [params] * len(prompts)
@@ -136,14 +145,14 @@ class LLM:
             raise InvalidRequest(f"{len(prompts)} prompts but {len(loras)} LoRA requests")
         # Validate every prompt before queueing any, so a bad one disturbs none.
         encoded = [self.encode(p) for p in prompts]
-        for (_, ids), sp, pr, lora in zip(encoded, params, priority, loras):
+        for (_, ids, _), sp, pr, lora in zip(encoded, params, priority, loras):
             check_request(ids, sp, self.core.max_model_len, self.core.info.vocab_size,
                           self.core.args.max_logprobs)
             check_priority(pr, self.core.args.scheduling_policy)
             if lora is not None:
                 self.core.add_lora(lora)
-        order = [self._add(text, ids, sp, priority=pr, lora=lora)
-                 for (text, ids), sp, pr, lora in zip(encoded, params, priority, loras)]
+        order = [self._add(text, ids, sp, priority=pr, lora=lora, items=items)
+                 for (text, ids, items), sp, pr, lora in zip(encoded, params, priority, loras)]
         done = self._run(order, use_tqdm)
         return [done[r] for r in order]
 
@@ -174,7 +183,7 @@ class LLM:
         for p in prompts:
             if isinstance(p, dict):
                 p = p["prompt_token_ids"] if "prompt_token_ids" in p else p["prompt"]
-            _, ids = self.encode(p)
+            _, ids, _ = self.encode(p)
             check_request(ids, SamplingParams(max_tokens=params.max_tokens), self.core.max_model_len,
                           self.core.info.vocab_size)        # (the longest beam fits)
             searches.append(BeamSearch(ids, params, set(self.core.info.eos_token_ids)))
@@ -237,10 +246,11 @@ class LLM:
             prompts = [prompts]
         params = SamplingParams(max_tokens=0)
         encoded = [self.encode(p) for p in prompts]
-        for _, ids in encoded:
+        for _, ids, _ in encoded:
             check_request(ids, params, self.core.max_model_len, self.core.info.vocab_size,
                           self.core.args.max_logprobs)
-        order = [self._add(text, ids, params, pooling=pooling, lora=lora_request) for text, ids in encoded]
+        order = [self._add(text, ids, params, pooling=pooling, lora=lora_request, items=items)
+                 for text, ids, items in encoded]
         done = self._run(order, use_tqdm)
         return [(r, done[r].prompt_token_ids, done[r].embedding) for r in order]
 

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from engine.cuda_graph import DecodeGraphs
+from engine.multimodal import EncoderCache, key_limits
 from engine.request import Request
 from engine.sampler import DraftRow, Sampled, batch_token_logprobs, sample, sample_async
 from engine.scheduler import SchedulerOutput, ScheduledRequest
@@ -113,6 +114,8 @@ class StepPlan:
     copies: tuple[int, int] = (0, 0)   # state slot copies (restores, snapshots) packed after the groups (_copy)
     lora_loads: list[tuple] = field(default_factory=list)   # (slot, adapter id, LoRAAdapter) to load first
     lora_rows: list[tuple[int, int, int]] = field(default_factory=list)    # (slot, first row, end row) per request
+    mm_rows: list[tuple] = field(default_factory=list)   # (first row, rows, MultiModalItem, its first row) per image part
+    key_limits: np.ndarray | None = None    # [T] bidirectional spans' key limits (kvcache.metadata), or None
 
 
 @dataclass
@@ -152,6 +155,7 @@ class ModelRunner:
         self.prev_tokens: torch.Tensor | None = None   # the step in flight's sampled tokens (see _send)
         self.share_tokens = False      # asynchronous scheduling under TP: followers need each step's tokens
         self.slot_caches = [c for c in cache_objects(kv_caches) if c.has_slots]   # per-sequence state
+        self.encoder_cache = EncoderCache()   # images' encoder rows, by content hash
 
     @property
     def groups(self) -> list[KVGroup]:
@@ -358,7 +362,7 @@ class ModelRunner:
         head's chained drafts write before they are scheduled (the next step
         verifies there anyway). DeepSeek-V4's head keeps them in its ring."""
         return isinstance(self.kv_caches, DSV4PagedCache) or \
-            self.kv.allocate(req.request_id, req.token_ids, req.num_computed_tokens, n)
+            self.kv.allocate(req.request_id, req.cache_token_ids, req.num_computed_tokens, n)
 
     def prepare(self, out: SchedulerOutput, prev: StepHandle | None = None
                 ) -> tuple[StepPlan, list[Request], list[tuple[Request, int, int]], list[tuple[Request, int]]]:
@@ -393,6 +397,8 @@ class ModelRunner:
                 plan.pool_rows.append((plan.qsl[i] + span[0] - s.start, plan.qsl[i] + span[1] - s.start))
                 plan.pool_heads.append(req.pooling.head)
                 pool_jobs.append((req, s.start))
+            if req.mm_items and s.start < req.mm_items[-1].end:
+                self._plan_images(plan, i, s)
             if req.prompt_logprobs is None or s.start >= req.num_prompt_tokens:
                 continue
             # Position p predicts token p + 1; only prompt tokens are scored.
@@ -405,6 +411,30 @@ class ModelRunner:
                 jobs.append((req, s.start + first, s.start + n))
         self.sched = sched
         return plan, sampled, jobs, pool_jobs
+
+    def _plan_images(self, plan: StepPlan, i: int, s: ScheduledRequest) -> None:
+        """Sequence i's image rows in this chunk (plan.mm_rows) and its
+        bidirectional spans' key limits (plan.key_limits, positions elsewhere)."""
+        a, b = s.start, s.start + s.num_new_tokens
+        row = plan.qsl[i]
+        for it in s.req.mm_items:
+            lo, hi = max(it.offset, a), min(it.end, b)
+            if lo < hi:
+                plan.mm_rows.append((row + lo - a, hi - lo, it, lo - it.offset))
+        lim = key_limits(s.req.mm_items, a, b - a)
+        if lim is not None:
+            if plan.key_limits is None:
+                plan.key_limits = plan.buf[plan.offs[1]:plan.offs[1] + plan.qsl[-1]].copy()   # the positions
+            plan.key_limits[row:row + b - a] = lim
+
+    def _images(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows [N], embeddings [N, H]) that replace the plan's image
+        placeholders' embeddings; each image encoded once (encoder_cache)."""
+        rows, embeds = [], []
+        for row, n, item, first in plan.mm_rows:
+            rows.append(torch.arange(row, row + n))
+            embeds.append(self.encoder_cache.get(item, self.model.embed_images)[first:first + n])
+        return torch.cat(rows).to(self.device), torch.cat(embeds)
 
     def _uniform(self, sched: list[ScheduledRequest]) -> bool:
         """A DeepSeek-V4 step its pool runs batched: every sequence the same
@@ -424,7 +454,8 @@ class ModelRunner:
             return 0, 0
         for s in sched:
             if s.num_new_tokens - len(s.spec_token_ids) != 1 or s.req.pooling is not None or (
-                    s.req.prompt_logprobs is not None and s.start < s.req.num_prompt_tokens - 1):
+                    s.req.prompt_logprobs is not None and s.start < s.req.num_prompt_tokens - 1) or (
+                    s.req.mm_items and s.start < s.req.mm_items[-1].end):
                 return 0, 0
         q = max((s.num_new_tokens for s in sched), default=1)
         if q > 1:
@@ -483,6 +514,8 @@ class ModelRunner:
         meta = AttentionMetadata(plan.qsl, plan.seq_lens, plan.num_decodes, groups, self.kv_caches,
                                  seq_lens_t=seq_lens_t, query_start_loc_t=qsl_t,
                                  max_seq_len=max(plan.seq_lens, default=0), max_query_len=plan.max_query_len)
+        if plan.key_limits is not None:
+            meta.key_limits_t = torch.from_numpy(plan.key_limits).to(self.device)
         if plan.dsv4_seqs is not None:      # DeepSeek-V4's decodes all at once, the rest per sequence
             meta = self.kv_caches.batch(plan.dsv4_seqs, plan.qsl, meta)
         return ids, pos, meta, rows
@@ -520,6 +553,8 @@ class ModelRunner:
                 streams = self.model.forward_streams(input_ids, positions, meta)
                 self.last_step = StepRecord(self.sched, plan.qsl, streams)
                 hidden = self.model.collapse(streams)
+            elif plan.mm_rows:
+                hidden = self.model(input_ids, positions, meta, mm_embeds=self._images(plan))
             else:
                 hidden = self.model(input_ids, positions, meta)
         finally:

@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from engine.lora import LoRARequest
+from engine.multimodal import MultiModalItem, cache_token_ids
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
@@ -31,6 +32,7 @@ class EngineRequest:
     pooling: PoolingParams | None = None   # an embedding: the prompt's pooled states, no tokens (max_tokens 0)
     cache_salt: str | None = None # vLLM's: only requests with the same salt share prefix-cache blocks
     lora: LoRARequest | None = None   # the adapter it runs with (engine/lora.py)
+    mm_items: list[MultiModalItem] = field(default_factory=list)   # its images, in prompt order
 
 
 class Request:
@@ -40,6 +42,10 @@ class Request:
         self.prompt_token_ids = list(er.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.token_ids = list(er.prompt_token_ids)    # prompt + generated
+        self.mm_items = er.mm_items
+        # What the prefix cache hashes: token_ids itself, or with images a copy
+        # whose placeholders name the image (engine/multimodal.py).
+        self.cache_token_ids = cache_token_ids(self.token_ids, self.mm_items) if self.mm_items else self.token_ids
         self.eos_token_ids = set() if er.params.ignore_eos else set(er.eos_token_ids)
         self.stop_token_ids = set(er.params.stop_token_ids)
         self.arrival_time = er.arrival_time
@@ -124,6 +130,8 @@ class Request:
     def truncate(self, num_tokens: int) -> None:
         """Keep the first num_tokens tokens (the grammar follows)."""
         del self.token_ids[num_tokens:]
+        if self.cache_token_ids is not self.token_ids:
+            del self.cache_token_ids[num_tokens:]
         self._arr_len = min(self._arr_len, num_tokens)
         if self.grammar is not None:
             self.grammar.rollback(self.token_ids, self.num_output_tokens)
@@ -169,6 +177,8 @@ class Request:
     def append(self, token: int) -> None:
         """Add a sampled token; sets finish_reason when it ends the request."""
         self.token_ids.append(token)
+        if self.cache_token_ids is not self.token_ids:
+            self.cache_token_ids.append(token)
         n = self.num_output_tokens
         if self.grammar is not None and self.grammar.accept(self.token_ids, n):
             # The grammar is complete (or, never expected, rejected the token).

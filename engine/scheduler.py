@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.lora import AdapterUnreadable
+from engine.multimodal import chunk_end
 from engine.request import Request, Status
 from engine.request_queue import make_queue
 from kvcache.kv_manager import KVCacheManager
@@ -66,12 +67,14 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _chunk(self, start: int, n: int, budget: int, shared: int = 0) -> int:
+    def _chunk(self, start: int, n: int, budget: int, shared: int = 0, items=()) -> int:
         """Tokens of a request's next n to run from start. With state
         snapshots (kv.snapshot_interval) a chunk that passes a snapshot point
         ends on the last one it passes, so that its end state is kept, or at
         `shared` (the end of a prefix other requests' blocks share, on the
-        snapshot grid) when it passes that."""
+        snapshot grid) when it passes that. A chunk never ends inside an
+        image's bidirectional span (items: engine/multimodal.py); 0 when the
+        span does not fit the budget left (it waits for the next step)."""
         if self.long_prefill_token_threshold:
             n = min(n, self.long_prefill_token_threshold)
         n = min(n, budget)
@@ -80,6 +83,9 @@ class Scheduler:
             end = shared if start < shared < start + n else (start + n) // S * S
             if end > start:
                 n = end - start
+        if items:
+            end = chunk_end(items, start, start + n)
+            n = end - start if end - start <= budget else 0
         return n
 
     def _snapshot(self, s: ScheduledRequest) -> None:
@@ -119,9 +125,12 @@ class Scheduler:
             if todo == 0:               # its last token still in flight ends it (max_tokens)
                 i += 1
                 continue
-            n = self._chunk(req.num_computed_tokens, todo, budget)
+            n = self._chunk(req.num_computed_tokens, todo, budget, items=req.mm_items)
+            if n == 0:              # an image's span waits for a step with room for it
+                i += 1
+                continue
             spec = req.spec_token_ids[:budget - n] if n == todo else []
-            while not self.kv.allocate(req.request_id, req.token_ids, req.num_computed_tokens, n + len(spec)):
+            while not self.kv.allocate(req.request_id, req.cache_token_ids, req.num_computed_tokens, n + len(spec)):
                 if spec:
                     spec = []
                     continue
@@ -162,9 +171,10 @@ class Scheduler:
                     self.kv.set_salt(req.request_id, req.cache_salt)
                 if req.num_computed_tokens == 0:
                     if req.reuses_prefix:
-                        hit = self.kv.find_prefix_hit(req.request_id, req.token_ids)
-                n = self._chunk(hit, req.num_tokens - hit, budget, self.kv.shared_prefix(req.request_id))
-                if not self.kv.allocate(req.request_id, req.token_ids, hit, n, num_prefix_hit=hit):
+                        hit = self.kv.find_prefix_hit(req.request_id, req.cache_token_ids)
+                n = self._chunk(hit, req.num_tokens - hit, budget, self.kv.shared_prefix(req.request_id),
+                                req.mm_items)
+                if n == 0 or not self.kv.allocate(req.request_id, req.cache_token_ids, hit, n, num_prefix_hit=hit):
                     break
                 self.waiting.pop()
                 if req.num_cached_tokens < 0:
@@ -196,7 +206,7 @@ class Scheduler:
             req.num_computed_tokens += s.num_new_tokens - drop
             if drop:
                 self.kv.truncate(req.request_id, req.num_computed_tokens)
-            self.kv.cache_full_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
+            self.kv.cache_full_blocks(req.request_id, req.cache_token_ids, req.num_computed_tokens)
 
     def rollback(self, req: Request, num_tokens: int) -> None:
         """Truncate a request to its first num_tokens tokens, KV included. When

@@ -121,13 +121,16 @@ class Gemma3Model(nn.Module):
             for i, t in enumerate(layer_types(config)))
         self.norm = GemmaRMSNorm(hidden, config.get("rms_norm_eps", 1e-6))
 
-    def forward(self, input_ids, positions, attn_metadata):
+    def forward(self, input_ids, positions, attn_metadata, mm_embeds=None):
         for rope in self.ropes:
             rope.begin(positions)
         x = self.embed_tokens(input_ids)
         # transformers rounds the scale to the weight dtype first (sqrt(640) in
         # bf16 is 25.25, not 25.298); match it.
         x = x * rounded_to(self.embed_scale, x.dtype)
+        if mm_embeds is not None:       # image rows replace their placeholders, unscaled
+            rows, e = mm_embeds
+            x = x.index_copy(0, rows, e.to(x.dtype))
         for layer in self.layers:
             x = layer(positions, x, attn_metadata)
         return self.norm(x)
@@ -175,3 +178,58 @@ class Gemma3ForCausalLM(nn.Module):
         return [LayerSpec(layer.self_attn.attn.layer_idx, layer.self_attn.attn.num_kv_heads,
                           layer.self_attn.head_dim, layer.self_attn.attn.sliding_window)
                 for layer in self.model.layers]
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """Gemma 3 with its SigLIP vision tower (gemma-3-4b/12b/27b): images in,
+    text out. The language model is Gemma3ForCausalLM's; an image's
+    <image_soft_token> placeholders take the encoder's rows
+    (model_zoo/gemma3_vision.py) after the embedding scale, as transformers'
+    Gemma3Model does, and attend to each other bidirectionally (the engine's
+    key limits)."""
+    # Transformers' token_type_ids mask: an image's tokens see the whole image.
+    mm_bidirectional = True
+
+    def __init__(self, config: dict):
+        from model_zoo.gemma3_vision import Gemma3VisionEncoder
+        super().__init__(config)
+        outer = config.get("multimodal_config") or {}
+        self.vision = Gemma3VisionEncoder({**outer, "text_config": config})
+        self.image_token_id = int(outer.get("image_token_index", outer.get("image_token_id", 262144)))
+
+    def embed_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """[N, 3, S, S] -> [N, mm_tokens_per_image, hidden]."""
+        return self.vision(pixel_values.to(self.vision.dtype))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata,
+                mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """mm_embeds: (rows [N], embeddings [N, hidden]) of the step's image placeholders."""
+        if self.image_token_id >= self.config["vocab_size"]:
+            # A placeholder id past the text vocabulary (transformers reads id 0 there).
+            input_ids = input_ids.masked_fill(input_ids == self.image_token_id, 0)
+        return self.model(input_ids, positions, attn_metadata, mm_embeds)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        from model_zoo.gemma3_vision import is_vision_weight
+        vision: list[tuple[str, torch.Tensor]] = []
+
+        def text(ws):
+            for name, t in ws:
+                if is_vision_weight(name):
+                    vision.append((name, t))
+                    continue
+                for old, new in _MM_TEXT_NAMES:
+                    if name.startswith(old):
+                        name = new + name[len(old):]
+                        break
+                yield name, t
+        # The tower's parameters come through vision (its own load checks them).
+        ignore = ("lm_head.weight",) if self.tie_word_embeddings else ()
+        load_packed_weights(self, text(weights), PACKED, ignore, optional=("vision.",))
+        self.vision.load_weights(vision)
+
+
+# The language model's tensors in a multimodal checkpoint: transformers 5's
+# spelling, then the hub files' (language_model.model.*).
+_MM_TEXT_NAMES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                  ("language_model.lm_head.", "lm_head."))

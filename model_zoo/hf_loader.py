@@ -159,7 +159,10 @@ def fill_derived_config(config: dict) -> dict:
         # named by the outer architectures (models.ARCHITECTURES maps them to the text model).
         # The outer file's stop / start ids win (Gemma's multimodal configs state them there).
         ids = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
-        config = {**config["text_config"], **ids, "architectures": config.get("architectures") or []}
+        # The rest of the outer file (vision tower, image token ids) stays for the towers' code.
+        outer = {k: v for k, v in config.items() if k != "text_config"}
+        config = {**config["text_config"], **ids, "architectures": config.get("architectures") or [],
+                  "multimodal_config": outer}
     if "head_dim" not in config and config.get("hidden_size") and config.get("num_attention_heads"):
         config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
     rope = config.get("rope_parameters")

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from model_zoo.deepseek_v4 import DeepseekV4ForCausalLM
-from model_zoo.gemma3 import Gemma3ForCausalLM
+from model_zoo.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from model_zoo.gemma4 import Gemma4ForCausalLM
 from model_zoo.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from model_zoo.qwen3_moe import Qwen3MoeForCausalLM
@@ -24,6 +24,7 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
     "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,   # with its vision tower
     "Gemma4ForCausalLM": Gemma4ForCausalLM,
     "Gemma4ForConditionalGeneration": Gemma4ForCausalLM,            # its language model (text only)
     "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,

@@ -46,11 +46,6 @@ def _json(s: str):
         raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {s!r}") from None
 
 
-def _no_media(v) -> bool:
-    return isinstance(v, dict) and all(n == 0 or (isinstance(n, dict) and n.get("count", 0) == 0)
-                                       for n in v.values())
-
-
 FLAGS = (
     # What tqserve always does.
     Flag("enable-chunked-prefill", bool, (True,), "chunked prefill is always on here"),
@@ -112,7 +107,6 @@ FLAGS = (
     Flag("num-gpu-blocks-override", int, (), "size the KV pool with --kv-cache-memory or "
                                              "--gpu-memory-utilization"),
     Flag("cuda-graph-sizes", str, (), "decode steps are captured at batch sizes set by --max-num-seqs"),
-    Flag("limit-mm-per-prompt", dict, _no_media, "there are no image, audio or video inputs"),
     Flag("compilation-config", dict, ({},), "there is no torch.compile step; CUDA graphs: --enforce-eager"),
     Flag("kv-transfer-config", dict, (), "KV transfer between instances is not supported"),
     Flag("structured-outputs-config", dict, lambda v: isinstance(v, dict) and set(v) <= {"backend"},

@@ -56,7 +56,6 @@ def test_config_file_flags_and_the_command_line_wins(tmp_path):
     (["--data-parallel-size", "2"], "one server per replica"),
     (["--distributed-executor-backend", "ray"], "--nnodes"),
     (["--revision", "main"], "local directory"),
-    (["--limit-mm-per-prompt", '{"image": 2}'], "no image"),
     (["--compilation-config", '{"level": 3}'], "torch.compile"),
     (["--logprobs-mode", "processed_logits"], "logprobs"),
     (["--kv-transfer-config", '{"kv_connector": "x"}'], "KV transfer"),
