@@ -106,6 +106,11 @@ class AsyncLLM:
         self._proc = None
 
     @property
+    def no_images(self) -> str | None:
+        """Why image inputs are refused (None: taken)."""
+        return self.info.no_images
+
+    @property
     def max_model_len(self) -> int:
         return self.info.max_model_len
 

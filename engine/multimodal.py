@@ -149,12 +149,11 @@ class PromptImages:
         p = self.processor
         if p is None:
             return ids if ids is not None else self.tokenizer.encode(text), []
+        from PIL import Image
+        if not all(isinstance(im, Image.Image) for im in images):
+            raise ValueError("images are PIL images")
         if text is not None:
-            found = text.count(p.placeholder)
-            if found != len(images):
-                raise ValueError(f"the prompt has {found} image placeholder(s) {p.placeholder!r} "
-                                 f"for {len(images)} image(s)")
-            ids = self.tokenizer.encode(p.expand(text))
+            ids = self.tokenizer.encode(self.expand_text(text, len(images)))
         elif images and not any(t == p.image_token_id for t in ids):
             ids = p.expand_ids(ids, self.tokenizer)
         spans = p.spans(ids)
@@ -167,6 +166,16 @@ class PromptImages:
             items.append(MultiModalItem(offset, n, data, content_hash(data), p.bidirectional))
         check_items(items, len(ids), self.max_chunk)
         return ids, items
+
+    def expand_text(self, text: str, n: int) -> str:
+        """A rendered prompt with n images: each of its placeholders expanded
+        (ValueError unless it has exactly n)."""
+        self.check_count(n)
+        p = self.processor
+        found = text.count(p.placeholder)
+        if found != n:
+            raise ValueError(f"the prompt has {found} image placeholder(s) {p.placeholder!r} for {n} image(s)")
+        return p.expand(text)
 
     def from_prompt(self, prompt: dict) -> tuple[str | None, list[int], list[MultiModalItem]]:
         """A vLLM prompt dict -> (text or None, ids, items)."""

@@ -128,6 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "{\"type\": \"text\", \"text\": ...} parts (openai)")
     s.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                    help="a request with tool_choice \"none\" renders its prompt without the tools")
+    s.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="file:// image URLs are read under this directory (vLLM's flag; default: none are)")
     s.add_argument("--h11-max-incomplete-event-size", type=int, default=None,
                    help="the largest HTTP request head (bytes) uvicorn reads [default: uvicorn's]")
     from server.reasoning_parsers import PARSERS as reasoning_parsers
@@ -377,6 +379,7 @@ async def _serve(args, model: str, keys: list[str], sock: socket.socket, url: st
                                           response_role=args.response_role,
                                           chat_template_content_format=args.chat_template_content_format,
                                           exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+                                          allowed_local_media_path=args.allowed_local_media_path,
                                           **{f"allowed_{k}": getattr(args, f"allowed_{k}")
                                              for k in ("origins", "methods", "headers")
                                              if getattr(args, f"allowed_{k}") is not None}))

@@ -18,7 +18,8 @@ import json
 import re
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator,
+                      model_validator)
 
 
 # Request limits. OpenAI allows 4 stop strings and 300 logit_bias entries;
@@ -75,8 +76,19 @@ class TextPart(_Body):
     text: str
 
 
+class ImageURL(_Body):
+    url: str                                # data:image/...;base64,..., http(s)://, file:// (server/media.py)
+    detail: Literal["auto", "low", "high"] | None = None     # accepted; the model's processor sizes images
+
+
+class ImagePart(_Body):
+    type: Literal["image_url"]
+    image_url: ImageURL
+    _image: Any = PrivateAttr(default=None)   # the decoded image (server.media.load_images)
+
+
 class OtherPart(_Body):
-    """A non-text content part (image_url, input_audio, ...): rejected with a clear message."""
+    """A content part of another kind (input_audio, ...): rejected with a clear message."""
     model_config = ConfigDict(extra="allow")
     type: str
 
@@ -84,16 +96,19 @@ class OtherPart(_Body):
 class ChatMessage(_Body):
     model_config = ConfigDict(extra="allow")   # name, tool_calls, tool_call_id, ... go to the template
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart | OtherPart] | None = None
+    content: str | list[TextPart | ImagePart | OtherPart] | None = None
 
     @model_validator(mode="after")
     def _check(self):
         if isinstance(self.content, list):
             for part in self.content:
-                if not isinstance(part, TextPart) and part.type == "text":
-                    raise ValueError("a text content part needs a string `text`")
-                if not isinstance(part, TextPart):
-                    raise ValueError(f"content part type {part.type!r} is not supported (text only)")
+                if isinstance(part, OtherPart) and part.type in ("text", "image_url"):
+                    raise ValueError(f"a {part.type} content part needs "
+                                     f"{'a string `text`' if part.type == 'text' else 'an object `image_url` with a string `url`'}")
+                if isinstance(part, OtherPart):
+                    raise ValueError(f"content part type {part.type!r} is not supported (text and image_url)")
+                if isinstance(part, ImagePart) and self.role != "user":
+                    raise ValueError(f"images are taken in user messages, not {self.role!r} ones")
         # Extra fields go to the chat template as they are: those templates read get their
         # JSON types checked (tool_calls: 5 would otherwise fail in the server, a 500).
         extra = self.model_extra or {}
@@ -109,18 +124,30 @@ class ChatMessage(_Body):
 
     def text(self) -> str | None:
         if isinstance(self.content, list):
-            return "\n".join(p.text for p in self.content)
+            return "\n".join(p.text for p in self.content if isinstance(p, TextPart))
         return self.content
+
+    def images(self) -> list["ImagePart"]:
+        return [p for p in self.content if isinstance(p, ImagePart)] if isinstance(self.content, list) else []
 
     def to_template(self, parts: bool = False) -> dict[str, Any]:
         """The message as a chat template reads it: content a string (an
         assistant turn that only calls tools has content null: templates
         expect a string there), or with parts a list of text parts (vLLM's
-        --chat-template-content-format openai)."""
+        --chat-template-content-format openai). A message with images is
+        its parts as given, each image {"type": "image"} (what HF templates read)."""
         text = self.text() or ""
+        if self.images():
+            d = {"role": self.role, "content": _template_parts(self.content)}
+            d.update(self.model_extra or {})
+            return d
         d = {"role": self.role, "content": ([{"type": "text", "text": text}] if text else []) if parts else text}
         d.update(self.model_extra or {})
         return d
+
+
+def _template_parts(content: list) -> list[dict]:
+    return [{"type": "image"} if isinstance(p, ImagePart) else {"type": "text", "text": p.text} for p in content]
 
 
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]

@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import anyio
 from fastapi import Request
@@ -25,6 +25,7 @@ from engine.errors import EngineDeadError, EngineSleeping, InvalidRequest, Reque
 from model_zoo.fim import fim_prompt, fim_token_ids
 from server import structured
 from server.errors import APIError, error_body
+from server.media import load_images
 from server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from server.state import ServerState
 from server.structured import ChatTools
@@ -70,10 +71,12 @@ class RequestLog:
 # --------------------------------------------------------------------------
 async def generate(state: ServerState, prompt_ids: list[int], params: SamplingParams,
                    request_id: str, rlog: RequestLog, priority: int = 0, pooling=None,
-                   cache_salt: str | None = None, model: str | None = None) -> AsyncIterator:
+                   cache_salt: str | None = None, model: str | None = None, images: list | None = None
+                   ) -> AsyncIterator:
     """llm.generate with metrics; aborts the engine request if left unfinished.
     pooling (engine.PoolingParams): an embedding request; model: the
-    request's `model` (a LoRA adapter's name runs with it)."""
+    request's `model` (a LoRA adapter's name runs with it); images: the
+    prompt's, whose placeholder runs prompt_ids holds."""
     llm, metrics = state.llm, state.metrics
     t0 = time.monotonic()
     first = last = None
@@ -81,7 +84,8 @@ async def generate(state: ServerState, prompt_ids: list[int], params: SamplingPa
     final = None
     rejected = False
     state.start_request(request_id)
-    gen = llm.generate(prompt_ids, params, request_id, priority, pooling=pooling, cache_salt=cache_salt,
+    prompt = {"prompt_token_ids": prompt_ids, "multi_modal_data": {"image": images}} if images else prompt_ids
+    gen = llm.generate(prompt, params, request_id, priority, pooling=pooling, cache_salt=cache_salt,
                        lora_request=state.loras.get(model))
     try:
         try:
@@ -152,14 +156,17 @@ async def beam_generate(state: ServerState, prompt_ids: list[int], params: Sampl
 
 
 def engine_outputs(state: ServerState, req: _SamplingFields, prompt_ids: list[int], params: SamplingParams,
-                   request_id: str, rlog: RequestLog) -> AsyncIterator:
+                   request_id: str, rlog: RequestLog, images: list | None = None) -> AsyncIterator:
     """A chat or completion prompt's outputs: sampled (generate), or with
-    use_beam_search the best n beams at the end (beam_generate)."""
+    use_beam_search the best n beams at the end (beam_generate). images: the
+    prompt's (its placeholder runs already in prompt_ids)."""
     if req.use_beam_search:
+        if images:
+            raise APIError(400, "beam search does not take images", param="use_beam_search")
         return beam_generate(state, prompt_ids, params, req.length_penalty, request_id, rlog, req.priority,
                              req.cache_salt, req.model)
     return generate(state, prompt_ids, params, request_id, rlog, req.priority, cache_salt=req.cache_salt,
-                    model=req.model)
+                    model=req.model, images=images)
 
 
 # What beam search leaves out (vLLM ignores them; here they are a 400).
@@ -475,7 +482,20 @@ def chat_prompt(state: ServerState, req) -> tuple[str, list[int]]:
         if type(e).__module__.startswith("jinja2"):
             raise APIError(400, f"Chat template rendering failed: {e}", param="messages") from None
         raise
+    images = [p for m in req.messages for p in m.images()]
+    if images:
+        if any(p._image is None for p in images):
+            raise APIError(400, "image_url content parts are taken by /v1/chat/completions only", param="messages")
+        try:
+            return text, tok.encode(state.llm.images.expand_text(text, len(images)), add_special_tokens=False)
+        except ValueError as e:     # a template that places no image (or too few)
+            raise APIError(400, f"image_url content parts: {e}", param="messages") from None
     return text, tok.encode(text, add_special_tokens=False)
+
+
+def request_images(req) -> list:
+    """The decoded images of a chat request's messages, in order (server.media.load_images)."""
+    return [p._image for m in req.messages for p in m.images()]
 
 
 def joined_text(content, where: str, kinds: tuple[str, ...], param: str) -> str:
@@ -600,6 +620,7 @@ class ChatRun:
     params: SamplingParams
     tools: ChatTools
     top_k: int              # top logprobs per token (0: none)
+    images: list = field(default_factory=list)   # the prompt's images (PIL), in order
 
 
 def prepare_chat(state: ServerState, req: ChatCompletionRequest, rlog: RequestLog) -> ChatRun:
@@ -628,14 +649,15 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest, rlog: RequestLo
         text = joined_text(req.prediction.content, "prediction.content", ("text",), "prediction")
         params.prediction_token_ids = state.llm.tokenizer.encode(text, add_special_tokens=False) or None
     admit(state, [rlog.id])
-    return ChatRun(prompt_ids, params, tools, top_k)
+    return ChatRun(prompt_ids, params, tools, top_k, request_images(req))
 
 
 async def chat_completion(state: ServerState, request: Request, req: ChatCompletionRequest,
                           rlog: RequestLog) -> Response:
+    await load_images(state, req.messages)
     run = prepare_chat(state, req, rlog)
     prompt_ids, tools, top_k = run.prompt_ids, run.tools, run.top_k
-    gen = engine_outputs(state, req, prompt_ids, run.params, rlog.id, rlog)
+    gen = engine_outputs(state, req, prompt_ids, run.params, rlog.id, rlog, images=run.images)
     created = int(time.time())
     model = req.model or state.model_name
     if req.stream:

@@ -33,6 +33,7 @@ class ServerConfig:
     response_role: str = "assistant"        # chat's answering role (vLLM's --response-role)
     chat_template_content_format: str = "auto"  # "openai": message content as text parts (vLLM's flag)
     exclude_tools_when_tool_choice_none: bool = False   # (vLLM's flag of that name)
+    allowed_local_media_path: str | None = None  # file:// image URLs under it are read (vLLM's flag)
 
 
 class ServerState:

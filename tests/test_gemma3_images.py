@@ -181,3 +181,192 @@ def test_bad_image_inputs_are_refused(model, tmp_path):
     with pytest.raises(InvalidRequest, match="no images"):
         llm(str(tmp_path)).generate({"prompt_token_ids": [1, 2, 3], "multi_modal_data": {"image": [image(0)]}},
                                     greedy())
+
+
+# --------------------------------------------------------------------------
+# Over HTTP: OpenAI's client with image_url parts against a live server.
+# --------------------------------------------------------------------------
+# google/gemma-3-4b-it's chat template (its images are {"type": "image"} parts).
+GEMMA3_TEMPLATE = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'image' -%}
+                {{ '<start_of_image>' }}
+            {%- elif item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- endif -%}
+    {{ '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model\n'}}
+{%- endif -%}
+"""
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    """The tiny vision model with SmolLM2's tokenizer plus Gemma 3's image tokens and chat template."""
+    from tests.fixtures_models import hf_tokenizer
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
+    d = tmp_path_factory.mktemp("gemma3_vision_chat")
+    tok = hf_tokenizer("smollm2-135m")
+    tok.add_special_tokens({"additional_special_tokens": ["<start_of_image>", "<end_of_image>",
+                                                         "<image_soft_token>"]})
+    tok.chat_template = GEMMA3_TEMPLATE
+    boi, eoi, img = tok.convert_tokens_to_ids(["<start_of_image>", "<end_of_image>", "<image_soft_token>"])
+    torch.manual_seed(5)
+    text = Gemma3TextConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=32,
+                            layer_types=["sliding_attention", "full_attention"], max_position_embeddings=1024,
+                            query_pre_attn_scalar=32, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    vision = SiglipVisionConfig(image_size=32, patch_size=4, hidden_size=32, intermediate_size=64,
+                                num_hidden_layers=2, num_attention_heads=2)
+    cfg = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=N_IMG, image_token_index=img,
+                       boi_token_index=boi, eoi_token_index=eoi, bos_token_id=tok.bos_token_id,
+                       eos_token_id=tok.eos_token_id)
+    m = Gemma3ForConditionalGeneration(cfg).float().eval()
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if "mm_input_projection" in n:
+                p.copy_(torch.randn_like(p) * 0.5)
+            elif "norm" not in n and "vision" not in n:
+                p.mul_(4.0)
+    m.save_pretrained(d, safe_serialization=True)
+    tok.save_pretrained(d)
+    from transformers import AutoTokenizer     # with the names Gemma3Processor reads
+    tok = AutoTokenizer.from_pretrained(d, extra_special_tokens={
+        "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"})
+    return d, m, tok
+
+
+@pytest.fixture(scope="module")
+def chat_server(chat_model, tmp_path_factory):
+    from tests.test_server_process import ServerProcess
+    path, _, _ = chat_model
+    media = tmp_path_factory.mktemp("media")
+    image(7).save(media / "seven.png")
+    srv = ServerProcess(tmp_path_factory.mktemp("vision-server") / "server.log", "--model", str(path),
+                        "--dtype", "float32", "--kv-cache-memory", "16MiB", "--allowed-local-media-path", str(media),
+                        "--limit-mm-per-prompt", '{"image": 2}')
+    srv.media = media
+    yield srv
+    srv.stop()
+
+
+def data_url(im: Image.Image) -> str:
+    import base64
+    import io
+    buf = io.BytesIO()
+    im.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def test_chat_with_images_over_http_equals_transformers(chat_model, chat_server):
+    """Data URL, file:// and http:// images through OpenAI's client: the
+    prompt ids equal transformers' Gemma3Processor's and the greedy tokens
+    its model's."""
+    import http.server
+    import threading
+
+    import openai
+    from transformers.models.gemma3 import Gemma3Processor
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+    path, hf, tok = chat_model
+    served = image(8, (40, 30))
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            import io
+            buf = io.BytesIO()
+            served.save(buf, format="PNG")
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.end_headers()
+            self.wfile.write(buf.getvalue())
+
+        def log_message(self, *a):
+            pass
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    client = openai.OpenAI(base_url=chat_server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    proc = Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": 32, "width": 32}),
+                           tokenizer=tok, image_seq_length=N_IMG, chat_template=GEMMA3_TEMPLATE)
+    cases = [([image(6)], [data_url(image(6))]),
+             ([image(7), served], ["file://" + str(chat_server.media / "seven.png"),
+                                   f"http://127.0.0.1:{httpd.server_address[1]}/x.png"])]
+    try:
+        for images, urls in cases:
+            parts = [{"type": "text", "text": "Compare"}] + \
+                [{"type": "image_url", "image_url": {"url": u}} for u in urls] + [{"type": "text", "text": "now."}]
+            r = client.chat.completions.create(
+                model=str(path), messages=[{"role": "user", "content": parts}], max_tokens=6, temperature=0,
+                extra_body={"return_token_ids": True, "ignore_eos": True})
+            hf_parts = [{"type": "text", "text": "Compare"}] + [{"type": "image"}] * len(urls) + \
+                [{"type": "text", "text": "now."}]
+            text = proc.apply_chat_template([{"role": "user", "content": hf_parts}], add_generation_prompt=True,
+                                            tokenize=False)
+            x = proc(text=[text], images=[images], return_tensors="pt")
+            assert r.prompt_token_ids == x["input_ids"][0].tolist()
+            with torch.no_grad():
+                want = hf.generate(**x, max_new_tokens=6, do_sample=False, eos_token_id=None,
+                                   pad_token_id=0)[0, x["input_ids"].shape[1]:].tolist()
+            assert r.choices[0].token_ids == want
+            assert r.usage.prompt_tokens == len(r.prompt_token_ids)
+    finally:
+        httpd.shutdown()
+
+
+@pytest.mark.parametrize("url, words", [
+    ("data:image/png;base64,@@@", "not valid base64"),
+    ("data:image/png;base64,aGVsbG8=", "cannot be decoded"),
+    ("file:///etc/passwd", "outside --allowed-local-media-path"),
+    ("ftp://x/y.png", "data:, http(s):// or file://"),
+    ("http://127.0.0.1:9/none.png", "could not be fetched"),
+])
+def test_bad_image_urls_are_a_400(chat_model, chat_server, url, words):
+    import openai
+    path, _, _ = chat_model
+    client = openai.OpenAI(base_url=chat_server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=str(path), max_tokens=2, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}])
+    assert words in e.value.body["message"], e.value.body
+
+
+def test_too_many_images_and_misplaced_images_are_a_400(chat_model, chat_server):
+    import openai
+    path, _, _ = chat_model
+    client = openai.OpenAI(base_url=chat_server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    part = {"type": "image_url", "image_url": {"url": data_url(image(1))}}
+    with pytest.raises(openai.BadRequestError, match="at most 2 image"):
+        client.chat.completions.create(model=str(path), max_tokens=2,
+                                       messages=[{"role": "user", "content": [part] * 3}])
+    with pytest.raises(openai.BadRequestError, match="user messages"):
+        client.chat.completions.create(model=str(path), max_tokens=2, messages=[
+            {"role": "user", "content": "hi"}, {"role": "assistant", "content": [part]}])
+    # The server is still fine.
+    r = client.chat.completions.create(model=str(path), max_tokens=2, messages=[
+        {"role": "user", "content": [part, {"type": "text", "text": "ok?"}]}])
+    assert r.choices[0].finish_reason in ("length", "stop")

@@ -19,6 +19,7 @@ import torch
 
 from engine.engine_core import EngineCoreOutput
 from engine.errors import InvalidRequest
+from engine.multimodal import PromptImages
 from engine.output_processor import OutputProcessor, child_params
 from engine.pooling_params import PoolingParams
 
@@ -84,6 +85,8 @@ class FakeAsyncLLM:
                         "bytes_per_token_by_kind": {"full": 46080}, "hot_bytes_per_seq": 190080,
                         "compression_ratio": 3.76}
         self.processor = OutputProcessor(self.tokenizer)
+        self.images = PromptImages(None, self.tokenizer)     # a text-only model
+        self.no_images = "this model takes no images (text only)"
         self.streams: dict[str, asyncio.Queue] = {}
         self.waiting: list = []
         self.running: dict[str, dict] = {}
