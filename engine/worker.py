@@ -347,6 +347,7 @@ class Worker:
         kv = sleep_mode.storages(pools + ([self.draft.pool_tensors()] if self.draft is not None else []))
         weights = sleep_mode.storages(self._models(), skip={s.data_ptr() for s in kv.values()})
         self.graphs = self.head_graphs = runner.graphs = runner.head_graphs = None
+        runner.encoder_cache.clear()     # images' rows: device memory, cheap to encode again
         if level == 1 and self.device.type == "cpu":
             weights = {}
         host = {p: torch.empty(s.nbytes(), dtype=torch.uint8, pin_memory=True).copy_(sleep_mode.as_bytes(s))

@@ -199,7 +199,8 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
 
     def embed_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[N, 3, S, S] -> [N, mm_tokens_per_image, hidden]."""
-        return self.vision(pixel_values.to(self.vision.dtype))
+        w = self.vision.multi_modal_projector.mm_input_projection_weight
+        return self.vision(pixel_values.to(w.device, w.dtype, non_blocking=True))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata,
                 mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:

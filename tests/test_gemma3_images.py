@@ -370,3 +370,20 @@ def test_too_many_images_and_misplaced_images_are_a_400(chat_model, chat_server)
     r = client.chat.completions.create(model=str(path), max_tokens=2, messages=[
         {"role": "user", "content": [part, {"type": "text", "text": "ok?"}]}])
     assert r.choices[0].finish_reason in ("length", "stop")
+
+
+def test_tensor_parallel_images_equal_one_rank(model):
+    """Two ranks: the step plan carries the images to the follower, whose own
+    encoder rows fill its placeholders; the tokens and logprobs equal transformers'."""
+    path, hf = model
+    ids, seeds = PROMPTS[1]
+    images = [image(s) for s in seeds]
+    engine = llm(path, tensor_parallel_size=2, kv_cache_memory=8 << 20)
+    try:
+        out = engine.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": images}},
+                              greedy(logprobs=1, prompt_logprobs=1))[0]
+    finally:
+        engine.close()
+    ref_tokens, ref = hf_reference(hf, ids, images, 8)
+    assert out.outputs[0].token_ids == ref_tokens
+    assert gap(out, ids, ref) < LOGPROB_TOL
