@@ -11,8 +11,8 @@ One kernel (dense_triton_kernels.dense_paged_attn_kernel) serves both:
   log-sum-exp;
 - chunked prefill: every prefilling sequence of the step in one launch
   (varlen through query_start_loc), causal over its paged prefix and the
-  chunk itself (already written to the cache), tiles of (token, query head)
-  rows.
+  chunk itself (already written to the cache), or up to each row's key
+  limit (bidirectional spans), tiles of (token, query head) rows.
 Both read the block tables directly and honour a sliding window. The grids
 come from host-side numbers only (batch size, KV heads, the block tables'
 width as a bound on the keys, the longest prefill chunk: ints the model
@@ -131,12 +131,12 @@ def dense_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         o_st, l_st = o.stride()[:3], ls.stride()
     dp = _next_pow2(max(D, 16))
     attn[(1, B, H * splits)](
-        q, k_cache, v_cache, o, ls, block_tables, seq_lens, seq_lens, 0,
+        q, k_cache, v_cache, o, ls, block_tables, seq_lens, seq_lens, seq_lens, 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         *o_st, *l_st, block_tables.stride(0), sliding_window or 0, scale * LOG2E, splits,
         G=G, BLOCK_SIZE=block_size, D=D, D_PAD=dp, ROWS=rows, BLOCK_N=bn, DECODE=True,
         HAS_WINDOW=sliding_window is not None, F32=q.dtype == torch.float32,
-        WRITE_LSE=return_lse or splits > 1, num_warps=warps)
+        WRITE_LSE=return_lse or splits > 1, HAS_LIMITS=False, num_warps=warps)
     if splits > 1:
         lo = lse if return_lse else ls
         merge[(B, Hq)](o, ls, out, lo, *o.stride()[:3], *ls.stride(), out.stride(0), out.stride(1),
@@ -150,7 +150,8 @@ def dense_paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                         scale: float, block_size: int, max_query_len: int, sliding_window: int | None = None,
                         first_seq: int = 0, num_seqs: int | None = None, rows: int | None = None,
-                        block_n: int | None = None, out: torch.Tensor | None = None, return_lse: bool = False):
+                        block_n: int | None = None, out: torch.Tensor | None = None, return_lse: bool = False,
+                        key_limits: torch.Tensor | None = None):
     """Causal (and windowed) attention of several sequences' new tokens over
     their paged K/V, which already hold those tokens: one launch.
 
@@ -160,6 +161,8 @@ def dense_paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     seq_lens[i] positions; block_tables [B, W], seq_lens [B],
     query_start_loc [B + 1]: integer tensors on q's device. max_query_len:
     a host-side bound on those sequences' row counts (sizes the grid).
+    key_limits: [T] integer on q's device, the last key position each row
+    sees (bidirectional spans: AttentionMetadata.key_limits_t), None: its own.
     Writes those rows of out (default: a new tensor like q, other rows
     unset); returns out, and with return_lse the log-sum-exp [T, Hq] float32.
     """
@@ -177,13 +180,13 @@ def dense_paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if n_seqs > 0 and n_tiles > 0:
         attn[(n_tiles, n_seqs, H)](
             q, k_cache, v_cache, out, lse if return_lse else out, block_tables, query_start_loc, seq_lens,
-            first_seq, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-            v_cache.stride(0), v_cache.stride(1), 0, out.stride(0), out.stride(1),
+            seq_lens if key_limits is None else key_limits, first_seq, q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), 0, out.stride(0), out.stride(1),
             *((0, lse.stride(0), lse.stride(1)) if return_lse else (0, 0, 0)),
             block_tables.stride(0), sliding_window or 0, scale * LOG2E, 1,
             G=G, BLOCK_SIZE=block_size, D=D, D_PAD=_next_pow2(max(D, 16)), ROWS=rows, BLOCK_N=bn,
             DECODE=False, HAS_WINDOW=sliding_window is not None, F32=q.dtype == torch.float32,
-            WRITE_LSE=return_lse, num_warps=warps)
+            WRITE_LSE=return_lse, HAS_LIMITS=key_limits is not None, num_warps=warps)
     return (out, lse) if return_lse else out
 
 
@@ -191,8 +194,10 @@ def dense_paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 class DenseTritonBackend(AttentionBackend):
     """A step in two launches: the decodes (batched, split-K) and every
     prefill chunk (varlen); no per-sequence Python loop, no host sync. The
-    new K/V go in with one more (store_kv)."""
+    new K/V go in with one more (store_kv). Key limits are read by the
+    prefill launch (a constexpr: the causal kernel is unchanged)."""
     capturable = True
+    supports_key_limits = True
 
     def store(self, cache, slot_mapping, k, v):
         if k.stride(-1) != 1 or v.stride(-1) != 1:
@@ -215,15 +220,16 @@ class DenseTritonBackend(AttentionBackend):
         if B > nd:
             dense_paged_prefill(q, cache.k, cache.v, group.block_tables, meta.seq_lens_t, meta.query_start_loc_t,
                                 scale, cache.block_size, meta.max_query_len, cache.sliding_window,
-                                first_seq=nd, num_seqs=B - nd, out=out)
+                                first_seq=nd, num_seqs=B - nd, out=out, key_limits=meta.key_limits_t)
         return out
 
     def decode(self, cache, q, block_tables, seq_lens, scale):
         return dense_paged_decode(q, cache.k, cache.v, block_tables, seq_lens.to(q.device), scale,
                                   cache.block_size, cache.sliding_window)
 
-    def prefill(self, cache, q, block_table, seq_len, scale):
+    def prefill(self, cache, q, block_table, seq_len, scale, key_limit=None):
         dev = q.device
         qsl = torch.tensor([0, q.shape[0]], device=dev)
         return dense_paged_prefill(q, cache.k, cache.v, block_table[None], torch.tensor([seq_len], device=dev),
-                                   qsl, scale, cache.block_size, q.shape[0], cache.sliding_window)
+                                   qsl, scale, cache.block_size, q.shape[0], cache.sliding_window,
+                                   key_limits=key_limit)

@@ -10,13 +10,13 @@ LN2 = tl.constexpr(0.6931471805599453)
 # Arguments that change from step to step are not specialised on (value 1,
 # divisibility by 16): one compiled kernel serves every batch.
 @triton.jit(do_not_specialize=["seq0", "sl_s", "s_bt", "splits"])
-def dense_paged_attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bt_ptr, qsl_ptr, seq_len_ptr, seq0,
+def dense_paged_attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bt_ptr, qsl_ptr, seq_len_ptr, klim_ptr, seq0,
                             sq_t, sq_h, sk_slot, sk_h, sv_slot, sv_h,
                             so_s, so_t, so_h, sl_s, sl_t, sl_h, s_bt, window, qk_scale, splits,
                             G: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                             ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                             DECODE: tl.constexpr, HAS_WINDOW: tl.constexpr, F32: tl.constexpr,
-                            WRITE_LSE: tl.constexpr):
+                            WRITE_LSE: tl.constexpr, HAS_LIMITS: tl.constexpr):
     """Grid (row tiles, sequences, KV heads * splits). A program takes ROWS
     (token, query head) rows of sequence seq0 + program_id(1), token-major,
     all of one KV head's G query heads, so each K/V tile it loads serves all
@@ -29,7 +29,11 @@ def dense_paged_attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bt_ptr, qsl_ptr
     context including the queries, whose K/V are already in the cache.
     With splits > 1 the key range is cut in that many parts, each writing its
     partial output and log-sum-exp at split * so_s / sl_s (flash-decoding),
-    merged by merge_splits_kernel."""
+    merged by merge_splits_kernel.
+
+    HAS_LIMITS (prefill only): token row i sees keys up to klim[i] (a
+    bidirectional span; >= its position) instead of its position; the
+    window still counts back from its position."""
     tile = tl.program_id(0)
     b = seq0 + tl.program_id(1)
     h = tl.program_id(2) // splits
@@ -55,13 +59,18 @@ def dense_paged_attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bt_ptr, qsl_ptr
     q = tl.load(q_ptr + tok[:, None] * sq_t + qh[:, None] * sq_h + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
-    # Keys this tile can see: [lo, hi).
+    # Each row's last key, and the keys this tile can see: [lo, hi).
     p_min = ctx + (tile * ROWS) // G
     p_max = tl.minimum(ctx + (tile * ROWS + ROWS - 1) // G, seq_len - 1)
+    k_max = p_max
+    klim = qpos
+    if HAS_LIMITS:
+        klim = tl.load(klim_ptr + tok, mask=row_ok, other=0).to(tl.int32)
+        k_max = tl.maximum(p_max, tl.max(klim, 0))
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(p_min - window + 1, 0)
-    hi = tl.where(p_min <= p_max, p_max + 1, lo)       # empty for a tile past the queries
+    hi = tl.where(p_min <= p_max, k_max + 1, lo)       # empty for a tile past the queries
     n_tiles = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)
     per_split = tl.cdiv(n_tiles, splits)
     i_first = split * per_split
@@ -86,7 +95,7 @@ def dense_paged_attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bt_ptr, qsl_ptr
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k.to(q.dtype)))
-        valid = (kpos[None, :] <= qpos[:, None]) & kmask[None, :]
+        valid = (kpos[None, :] <= klim[:, None]) & kmask[None, :]
         if HAS_WINDOW:
             valid = valid & (kpos[None, :] > qpos[:, None] - window)
         s = tl.where(valid, s * qk_scale, -1e30)

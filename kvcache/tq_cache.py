@@ -30,6 +30,12 @@ outputs merge by log-sum-exp. Which copy a key is read from depends only on
 the query's position, so chunking, batching and prefix hits do not change
 a result. Small models lean on these few tokens: SmolLM2 k4v4 +3.3% -> ~1%
 perplexity (tests/bench/results/kv_levers_*).
+
+Key limits (a bidirectional span, AttentionBackend's key_limit): a query at
+p sees keys up to its limit L >= p instead of p. The keys past p lie in the
+query's own chunk, so the HOT part is [0, sink) and [own block start, L]:
+every key of the chunk's blocks from the query's own one on is read int8
+(the CODED part, below the own block, is unchanged). All backends honour it.
 """
 import torch
 
@@ -208,14 +214,15 @@ class TQLayerCache(LayerCache):
         return k, self.vc.dequantize(self._rows(self.v, slots), dtype)
 
     # -- attention (the math the backends share) ------------------------------
-    def _attend_torch(self, qr, cols, block_tables, qpos, seq_lens, part=ALL, v_tables=None):
+    def _attend_torch(self, qr, cols, block_tables, qpos, seq_lens, part=ALL, v_tables=None, klim=None):
         """Online-softmax attention over compressed blocks (the reference).
 
         qr: [B, H, G, Lq, D] rotated, scaled queries; cols: [B, nblk] block
         columns to read (in block-table order); qpos: [B, Lq] query positions;
         seq_lens: [B]; part: which keys (ALL / CODED / HOT) from which stores
         (part_stores); v_tables: the values' block tables when they differ
-        from the keys' (hot keys with coded values). Returns the rotated-domain
+        from the keys' (hot keys with coded values); klim: [B, Lq] the last
+        key each query sees (None: its own position). Returns the rotated-domain
         output [B, H, G, Lq, D] in qr's dtype and its log-sum-exp [B, H, G, Lq]
         float32 (-inf, with output 0, for a row that sees no key).
         """
@@ -228,6 +235,7 @@ class TQLayerCache(LayerCache):
         acc = torch.zeros_like(qr)
         qf = qr.reshape(B, H, G * Lq, D)
         offs = torch.arange(bs, device=dev)
+        klim = qpos if klim is None else klim
         # Every chunk has the same length (the last one padded with masked
         # blocks), so a sequence's arithmetic never depends on its batch.
         C = self.chunk_blocks
@@ -244,7 +252,7 @@ class TQLayerCache(LayerCache):
             k = kc.decode(self._rows(ks, kslots), qr.dtype).view(B, n, H, D).transpose(1, 2)
             v = vc.decode(self._rows(vs, vslots), qr.dtype).view(B, n, H, D).transpose(1, 2)
             s = torch.matmul(qf, k.transpose(-1, -2)).view(B, H, G, Lq, n)
-            valid = (kpos <= qpos[:, :, None]) & (kpos < seq_lens[:, None, None])
+            valid = (kpos <= klim[:, :, None]) & (kpos < seq_lens[:, None, None])
             if self.sliding_window is not None:
                 valid &= kpos > qpos[:, :, None] - self.sliding_window
             own = (qpos // bs * bs)[:, :, None]                                  # the query's block start
@@ -277,12 +285,13 @@ class TQLayerCache(LayerCache):
         o = acc.float() @ self.kc.rot_t(acc.device).T            # unrotate(acc)
         return o.permute(0, 3, 1, 2, 4).reshape(B, Lq, H * G, D).to(dtype)
 
-    def _hot_prefill(self, qr, block_table, hot_table, seq_len, new_rows):
+    def _hot_prefill(self, qr, block_table, hot_table, seq_len, new_rows, klim=None):
         """The HOT pass of a prefill chunk: each query attends to block 0
-        and to its own block up to itself, rows before the chunk from the hot
-        pool, the chunk's own rows new_rows (hot K, hot or coded V) from
-        store() (their middle blocks have no hot block). Block-diagonal, so
-        [nb, bs, 2 * bs] scores at most.
+        and to its own block up to itself (with klim [Lq]: from its own
+        block up to its limit, W blocks at most), rows before the chunk from
+        the hot pool, the chunk's own rows new_rows (hot K, hot or coded V)
+        from store() (their middle blocks have no hot block). Block-banded,
+        so [nb, bs, (1 + W) * bs] scores at most (W = 1 without limits).
         Returns (out [1, H, G, Lq, D], lse [1, H, G, Lq])."""
         new_k, new_v = new_rows
         _, H, G, Lq, D = qr.shape
@@ -291,6 +300,14 @@ class TQLayerCache(LayerCache):
         b0 = start // bs
         nb = -(-seq_len // bs) - b0
         before = start - b0 * bs                      # own-block rows written by earlier steps
+        # Each padded query row's last key (its position, or its limit), and
+        # how many blocks from its own one on any query reaches.
+        lim = b0 * bs + torch.arange(nb * bs, device=dev)
+        W = 1
+        if klim is not None:
+            W = int((klim // bs - lim[before:before + Lq] // bs).max()) + 1
+            lim[before:before + Lq] = klim
+        lim = lim.view(nb, bs)
         kc, k_store, vc, v_store = self.part_stores(HOT)
         v_table = self.hot_v_tables(hot_table, block_table)
 
@@ -300,7 +317,7 @@ class TQLayerCache(LayerCache):
             return kc.decode(self._rows(k_store, ks), f32), vc.decode(self._rows(v_store, vs), f32)
 
         nk, nv = kc.decode(new_k, f32), vc.decode(new_v, f32)
-        own_k = torch.zeros(nb * bs, H, D, dtype=f32, device=dev)
+        own_k = torch.zeros((nb + W - 1) * bs, H, D, dtype=f32, device=dev)    # W - 1 blocks of padding
         own_v = torch.zeros_like(own_k)
         if before:
             own_k[:before], own_v[:before] = rows(b0 * bs + torch.arange(before, device=dev))
@@ -317,17 +334,22 @@ class TQLayerCache(LayerCache):
         q = torch.zeros(H, G, nb * bs, D, dtype=f32, device=dev)
         q[:, :, before:before + Lq] = qr[0].float()
         q = q.view(H, G, nb, bs, D)
-        s_sink = torch.einsum("hgnqd,khd->hgnqk", q, sink_k)
-        s_own = torch.einsum("hgnqd,nkhd->hgnqk", q, own_k.view(nb, bs, H, D))
         blk = b0 + torch.arange(nb, device=dev)
-        causal = torch.ones(bs, bs, dtype=torch.bool, device=dev).tril()
-        s_sink = s_sink.masked_fill((blk == 0)[:, None, None], float("-inf"))
-        s_own = s_own.masked_fill(~causal, float("-inf"))
-        s = torch.cat([s_sink, s_own], -1)
+        s = [torch.einsum("hgnqd,khd->hgnqk", q, sink_k).masked_fill((blk == 0)[:, None, None], float("-inf"))]
+
+        def band(x, w):     # [nb, bs, H, D]: block n + w for the queries of block n
+            return x[w * bs:(w + nb) * bs].view(nb, bs, H, D)
+
+        for w in range(W):
+            kpos = (blk[:, None] + w) * bs + torch.arange(bs, device=dev)              # [nb, bs]
+            s_w = torch.einsum("hgnqd,nkhd->hgnqk", q, band(own_k, w))
+            s.append(s_w.masked_fill(kpos[:, None, :] > lim[:, :, None], float("-inf")))
+        s = torch.cat(s, -1)
         lse = torch.logsumexp(s, -1)
         p = torch.exp(s - lse.unsqueeze(-1))
-        o = torch.einsum("hgnqk,khd->hgnqd", p[..., :bs], sink_v) + \
-            torch.einsum("hgnqk,nkhd->hgnqd", p[..., bs:], own_v.view(nb, bs, H, D))
+        o = torch.einsum("hgnqk,khd->hgnqd", p[..., :bs], sink_v)
+        for w in range(W):
+            o = o + torch.einsum("hgnqk,nkhd->hgnqd", p[..., (w + 1) * bs:(w + 2) * bs], band(own_v, w))
         o = o.reshape(H, G, nb * bs, D)[:, :, before:before + Lq]
         lse = lse.reshape(H, G, nb * bs)[:, :, before:before + Lq]
         return o[None].to(qr.dtype), lse[None]
@@ -338,7 +360,11 @@ class TQTorchBackend(AttentionBackend):
     """The reference: TQLayerCache._attend_torch (chunks of blocks, online
     softmax in torch), one batched decode and one call per prefill; runs on
     any device. tq-cpu (tq_cpu.py) is this with attend / attend_passes in
-    the compiled kernel."""
+    the compiled kernel. Key limits: the ALL pass takes them as klim; a hot
+    cache's CODED pass needs none (its keys lie below each query's own
+    block) and its HOT pass (_hot_prefill) reads the band of blocks up to
+    each limit."""
+    supports_key_limits = True
 
     def hot_span_rows(self, cache) -> int:
         """Rows per sequence up to which a prefill's HOT pass reads only the
@@ -351,13 +377,13 @@ class TQTorchBackend(AttentionBackend):
         coded V; [T, ...] as the flat batch)."""
         return cache.write(slot_mapping, k, v, hot_slots)
 
-    def attend(self, cache, qr, cols, block_tables, qpos, seq_lens, part=ALL, v_tables=None):
+    def attend(self, cache, qr, cols, block_tables, qpos, seq_lens, part=ALL, v_tables=None, klim=None):
         """One pass (TQLayerCache._attend_torch's contract) -> (acc, lse)."""
-        return cache._attend_torch(qr, cols, block_tables, qpos, seq_lens, part, v_tables)
+        return cache._attend_torch(qr, cols, block_tables, qpos, seq_lens, part, v_tables, klim)
 
-    def attend_passes(self, cache, qr, passes, qpos, seq_lens):
+    def attend_passes(self, cache, qr, passes, qpos, seq_lens, klim=None):
         """The union of disjoint passes [(part, cols, block_tables, v_tables)] -> (acc, lse)."""
-        outs = [self.attend(cache, qr, c, t, qpos, seq_lens, part, v) for part, c, t, v in passes]
+        outs = [self.attend(cache, qr, c, t, qpos, seq_lens, part, v, klim) for part, c, t, v in passes]
         if len(outs) == 1:
             return outs[0]
         return merge(*outs[0], *outs[1]), torch.logaddexp(outs[0][1], outs[1][1])
@@ -381,7 +407,7 @@ class TQTorchBackend(AttentionBackend):
         acc, _ = self.attend_passes(cache, qr, passes, qpos, seq_lens)
         return cache._finish(acc, q.dtype)[:, 0]
 
-    def prefill(self, cache, q, block_table, seq_len, scale, hot_table=None):
+    def prefill(self, cache, q, block_table, seq_len, scale, hot_table=None, key_limit=None):
         qr = cache._rotate_q(q.unsqueeze(0), scale)
         Lq = q.shape[0]
         start = seq_len - Lq
@@ -391,7 +417,7 @@ class TQTorchBackend(AttentionBackend):
         if cache.hot:
             # Coded pass over blocks 1 up to the last query's own block;
             # the hot pass (block 0 + each query's own block) in torch.
-            hot = cache._hot_prefill(qr, block_table, hot_table, seq_len, cache.next_chunk_rows())
+            hot = cache._hot_prefill(qr, block_table, hot_table, seq_len, cache.next_chunk_rows(), key_limit)
             cols = torch.arange(1, max(1, (seq_len - 1) // bs), device=dev)[None]
             if cols.shape[1] == 0:
                 return cache._finish(hot[0], q.dtype)[0]
@@ -399,5 +425,6 @@ class TQTorchBackend(AttentionBackend):
             return cache._finish(merge(*coded, *hot), q.dtype)[0]
         lo = 0 if cache.sliding_window is None else max(0, start - cache.sliding_window + 1)
         cols = torch.arange(lo // bs, -(-seq_len // bs), device=dev)[None]
-        acc, _ = self.attend(cache, qr, cols, block_table[None], qpos, lens)
+        klim = None if key_limit is None else key_limit[None]
+        acc, _ = self.attend(cache, qr, cols, block_table[None], qpos, lens, klim=klim)
         return cache._finish(acc, q.dtype)[0]

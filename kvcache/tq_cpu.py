@@ -57,7 +57,7 @@ def _lib() -> ctypes.CDLL:
     lib = build_shared_library(SRC, CXX, FLAGS, "TurboQuant CPU attention kernel", "TQSERVE_TQ_CPU=torch")
     lib.tq_cpu_attend.restype = ctypes.c_int
     lib.tq_cpu_attend.argtypes = ([ctypes.POINTER(_Pass), ctypes.c_int] + [ctypes.c_void_p] * 3
-                                  + [ctypes.c_int] * 6 + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+                                  + [ctypes.c_int] * 6 + [ctypes.c_void_p] * 3 + [ctypes.c_int64]
                                   + [ctypes.c_int] * 3)
     return lib
 
@@ -87,15 +87,16 @@ def _comp(codec, store) -> _Comp:
     return c
 
 
-def attend(cache, qr, cols, block_tables, qpos, seq_lens, part=0, v_tables=None):
+def attend(cache, qr, cols, block_tables, qpos, seq_lens, part=0, v_tables=None, klim=None):
     """Same contract as TQLayerCache._attend_torch: qr [B, H, G, Lq, D] rotated,
     scaled queries -> (rotated output [B, H, G, Lq, D] in qr's dtype, log-sum-exp
     [B, H, G, Lq] float32), over the keys `part` selects, from the stores
-    cache.part_stores(part); values through v_tables (None: block_tables)."""
-    return attend_passes(cache, qr, [(part, cols, block_tables, v_tables)], qpos, seq_lens)
+    cache.part_stores(part); values through v_tables (None: block_tables);
+    klim [B, Lq]: each query's last key (None: its position), in the kernel."""
+    return attend_passes(cache, qr, [(part, cols, block_tables, v_tables)], qpos, seq_lens, klim)
 
 
-def attend_passes(cache, qr, passes, qpos, seq_lens):
+def attend_passes(cache, qr, passes, qpos, seq_lens, klim=None):
     """Attention over the union of disjoint passes' keys in one kernel call
     (one online softmax): passes = [(part, cols, block_tables, v_tables)],
     each as in attend. A hot-token decode's CODED and HOT passes run as one
@@ -118,8 +119,11 @@ def attend_passes(cache, qr, passes, qpos, seq_lens):
                        cols.data_ptr(), cols.shape[1], int(part), 0)
     qpos = qpos.to(torch.int64).expand(B, Lq).contiguous()
     seq_lens = seq_lens.to(torch.int64).contiguous()
+    if klim is not None:
+        klim = klim.to(torch.int64).expand(B, Lq).contiguous()
     rc = _lib().tq_cpu_attend(arr, len(passes), q.data_ptr(), out.data_ptr(), lse.data_ptr(), B, H, G, Lq, D,
-                              cache.block_size, qpos.data_ptr(), seq_lens.data_ptr(), cache.sliding_window or 0,
+                              cache.block_size, qpos.data_ptr(), None if klim is None else klim.data_ptr(),
+                              seq_lens.data_ptr(), cache.sliding_window or 0,
                               cache.sink, torch.get_num_threads(), ROW_TILE)
     if rc != 0:
         raise ValueError(f"TurboQuant CPU kernel: unsupported head_dim {D}, parts "
@@ -131,14 +135,16 @@ def attend_passes(cache, qr, passes, qpos, seq_lens):
 class TQCpuBackend(TQTorchBackend):
     """tq-torch's decode / prefill with their passes in the compiled kernel
     (this module's attend / attend_passes), or in torch where enabled() says
-    no: TQSERVE_TQ_CPU=torch, or a head_dim the kernel has no build for."""
+    no: TQSERVE_TQ_CPU=torch, or a head_dim the kernel has no build for.
+    Key limits (bidirectional spans) go into the kernel (klim); a hot
+    cache's HOT prefill pass is tq-torch's (_hot_prefill) either way."""
 
-    def attend(self, cache, qr, cols, block_tables, qpos, seq_lens, part=0, v_tables=None):
+    def attend(self, cache, qr, cols, block_tables, qpos, seq_lens, part=0, v_tables=None, klim=None):
         if enabled(cache.head_dim):
-            return attend(cache, qr, cols, block_tables, qpos, seq_lens, part, v_tables)   # the module's
-        return super().attend(cache, qr, cols, block_tables, qpos, seq_lens, part, v_tables)
+            return attend(cache, qr, cols, block_tables, qpos, seq_lens, part, v_tables, klim)   # the module's
+        return super().attend(cache, qr, cols, block_tables, qpos, seq_lens, part, v_tables, klim)
 
-    def attend_passes(self, cache, qr, passes, qpos, seq_lens):
+    def attend_passes(self, cache, qr, passes, qpos, seq_lens, klim=None):
         if enabled(cache.head_dim):
-            return attend_passes(cache, qr, passes, qpos, seq_lens)
-        return super().attend_passes(cache, qr, passes, qpos, seq_lens)
+            return attend_passes(cache, qr, passes, qpos, seq_lens, klim)
+        return super().attend_passes(cache, qr, passes, qpos, seq_lens, klim)

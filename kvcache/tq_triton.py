@@ -30,7 +30,9 @@ without a hot copy: the step's store (tq_store, the same one launch) then
 also writes every new token's int8 hot rows in batch order, and the HOT
 launch reads the new tokens' keys (and with hot "kv" values) from those
 rows, each key's row pointer from its one source. Either way the step
-stores in one launch with no host sync (capturable).
+stores in one launch with no host sync (capturable). Key limits
+(bidirectional spans: a row sees keys up to its limit, not its position)
+are one more per-row load in the ALL and HOT launches.
 
 triton is imported on first use: importing kvcache never needs it.
 """
@@ -183,7 +185,8 @@ def prefill_tiles(D: int, part: int = ALL):
 def tq_prefill(cache, qr: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                query_start_loc: torch.Tensor, max_query_len: int, first_seq: int = 0,
                num_seqs: int | None = None, part: int = ALL, hot_tables: torch.Tensor | None = None,
-               new_rows: tuple | None = None, rows: int | None = None, block_n: int | None = None):
+               new_rows: tuple | None = None, rows: int | None = None, block_n: int | None = None,
+               key_limits: torch.Tensor | None = None):
     """Causal (and windowed) attention of several sequences' new tokens over
     their compressed prefix, which already holds those tokens: one launch.
 
@@ -201,6 +204,9 @@ def tq_prefill(cache, qr: torch.Tensor, block_tables: torch.Tensor, seq_lens: to
     tq_store(new_rows=True) or TQLayerCache.write return them ([T, H, ...]
     as the flat batch), supply every new token's int8 key, and with hot
     "kv" its int8 value (with "k" its coded value is in its block).
+    key_limits: [T] integer on qr's device, the last key each row sees
+    (bidirectional spans: AttentionMetadata.key_limits_t; None: its own
+    position); with HOT the keys past a row's position are read hot too.
     Returns (rotated output [T, Hq, D] in qr's dtype, log-sum-exp [T, Hq]
     float32, -inf with output 0 for a row that sees no key); only those
     sequences' rows are written.
@@ -236,14 +242,14 @@ def tq_prefill(cache, qr: torch.Tensor, block_tables: torch.Tensor, seq_lens: to
     win = cache.sliding_window
     # Query head h * G + g of token t sits at t * stride(0) + (h * G + g) * stride(1).
     kernel[(n_tiles, n_seqs, H)](
-        qr, out, lse, kt, vt, query_start_loc, seq_lens, first_seq,
+        qr, out, lse, kt, vt, query_start_loc, seq_lens, seq_lens if key_limits is None else key_limits, first_seq,
         kd, ks, kcb, vd, vs, vcb, nkd, nks, nvd, nvs,
         qr.stride(0), G * qr.stride(1), qr.stride(1), out.stride(0), G * out.stride(1), out.stride(1),
         lse.stride(0), G * lse.stride(1), lse.stride(1), kt.stride(0), vt.stride(0),
         *kst, *vst, *nkst, *nvst, win or 0, cache.sink, G=G, BLOCK_SIZE=cache.block_size, D=D, ROWS=rows,
         BLOCK_N=bn, K_KIND=kce[0], K_BITS=kce[1], K_GROUP=kce[2], V_KIND=vce[0], V_BITS=vce[1], V_GROUP=vce[2],
         HAS_WINDOW=win is not None, F32=qr.dtype == torch.float32, PART=part, V_TABLE=vt is not kt,
-        NEW_ROWS=new, num_warps=warps, num_stages=stages)
+        NEW_ROWS=new, HAS_LIMITS=key_limits is not None, num_warps=warps, num_stages=stages)
     return out, lse
 
 
@@ -254,8 +260,11 @@ class TQTritonBackend(AttentionBackend):
     with hot tokens their HOT pass (one more). The new K/V go in with one
     more (kvcache/tq_store.py), which also keeps the new tokens' int8 rows
     for the HOT launch when a chunk is longer than hot_span_rows. No host
-    sync: decode-only and verification steps can be captured."""
+    sync: decode-only and verification steps can be captured. Key limits
+    (bidirectional spans) reach the ALL and HOT launches; the CODED one
+    needs none (its keys lie below each query's own block)."""
     capturable = True
+    supports_key_limits = True
 
     def hot_span_rows(self, cache) -> int:
         """Rows per sequence whose HOT pass reads only the hot pool: block_size
@@ -284,35 +293,35 @@ class TQTritonBackend(AttentionBackend):
         if B > nd:
             self._prefills(cache, q, scale, out, group.block_tables, hot, meta.seq_lens_t, meta.query_start_loc_t,
                            meta.query_start_loc, nd, meta.max_query_len,
-                           cache.new_rows if cache.reads_new_rows(meta) else None)
+                           cache.new_rows if cache.reads_new_rows(meta) else None, meta.key_limits_t)
         return out
 
     def _prefills(self, cache, q, scale, out, block_tables, hot_tables, seq_lens_t, qsl_t, qsl, first,
-                  max_query_len, new_rows):
+                  max_query_len, new_rows, key_limits=None):
         """Sequences first.. of the flat batch, each a chunk over its prefix;
         new_rows: the step's rows from store() when a chunk is longer than
-        hot_span_rows (None: none is)."""
+        hot_span_rows (None: none is); key_limits: [T] as the flat batch."""
         t0 = qsl[first]
         qr = torch.empty_like(q)
         qr[t0:] = _rotate(cache, q[t0:], scale)
         o, lse = tq_prefill(cache, qr, block_tables, seq_lens_t, qsl_t, max_query_len, first_seq=first,
-                            part=CODED if cache.hot else ALL)
+                            part=CODED if cache.hot else ALL, key_limits=None if cache.hot else key_limits)
         if not cache.hot:
             out[t0:] = _derotate(cache, o[t0:], q.dtype)
             return
         ho, hlse = tq_prefill(cache, qr, block_tables, seq_lens_t, qsl_t, max_query_len, first_seq=first,
-                              part=HOT, hot_tables=hot_tables, new_rows=new_rows)
+                              part=HOT, hot_tables=hot_tables, new_rows=new_rows, key_limits=key_limits)
         out[t0:] = _derotate(cache, merge(o[t0:], lse[t0:], ho[t0:], hlse[t0:]), q.dtype)
 
     def decode(self, cache, q, block_tables, seq_lens, scale, hot_tables=None):
         return tq_paged_decode(cache, q, block_tables, seq_lens.to(q.device), scale, hot_tables)
 
-    def prefill(self, cache, q, block_table, seq_len, scale, hot_table=None):
+    def prefill(self, cache, q, block_table, seq_len, scale, hot_table=None, key_limit=None):
         dev = q.device
         out = torch.empty_like(q)
         # One sequence: the next prefill of the step's rows from store(), as tq-torch reads them.
         rows = cache.next_chunk_rows() if cache.hot and q.shape[0] > self.hot_span_rows(cache) else None
         self._prefills(cache, q, scale, out, block_table[None], None if hot_table is None else hot_table[None],
                        torch.tensor([seq_len], device=dev), torch.tensor([0, q.shape[0]], device=dev),
-                       [0, q.shape[0]], 0, q.shape[0], rows)
+                       [0, q.shape[0]], 0, q.shape[0], rows, key_limit)
         return out

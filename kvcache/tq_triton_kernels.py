@@ -259,7 +259,7 @@ def _int8_new_or_stored(new, rows, n_data, n_scale, sn_t, sn_h, snc_t, snc_h,
 
 
 @triton.jit
-def _prefill_ranges(q, m, l, acc, lo, hi, lo2, hi2, qpos, own, bt_row, vbt_row, window, sink,
+def _prefill_ranges(q, m, l, acc, lo, hi, lo2, hi2, qpos, klim, own, bt_row, vbt_row, window, sink,
                     k_data, k_scale, k_cb, v_data, v_scale, v_cb, h,
                     ks_slot, ks_h, ksc_slot, ksc_h, vs_slot, vs_h, vsc_slot, vsc_h,
                     ctx, q_start, nk_data, nk_scale, nks_t, nks_h, nksc_t, nksc_h,
@@ -272,8 +272,9 @@ def _prefill_ranges(q, m, l, acc, lo, hi, lo2, hi2, qpos, own, bt_row, vbt_row, 
     """Online softmax (base 2) of one prefill row tile over the keys [lo, hi)
     then [lo2, hi2) (one loop: a second inlined loop body spills registers),
     K through bt_row and V through vbt_row when V_TABLE (else the same
-    blocks), with each row's causal, window and part masks (rows of one
-    tile sit at different positions, in different blocks). NEW_ROWS: keys
+    blocks), with each row's causal (up to klim: its position, or its key
+    limit), window and part masks (rows of one tile sit at different
+    positions, in different blocks). NEW_ROWS: keys
     at positions >= ctx, the sequence's new tokens, come from the step's
     hot K rows (nk, int8, row q_start + position - ctx) instead of the
     blocks, and with NEW_ROWS 2 (hot "kv") their values from the hot V rows
@@ -295,7 +296,7 @@ def _prefill_ranges(q, m, l, acc, lo, hi, lo2, hi2, qpos, own, bt_row, vbt_row, 
             k = _load_tile(k_data, k_scale, k_cb, slots, h, kmask, ks_slot, ks_h, ksc_slot, ksc_h,
                            K_KIND, K_BITS, K_GROUP, BLOCK_N, D)
         s = _dot(q, tl.trans(k), F32)
-        valid = (kpos[None, :] <= qpos[:, None]) & kmask[None, :]
+        valid = (kpos[None, :] <= klim[:, None]) & kmask[None, :]
         if HAS_WINDOW:
             valid = valid & (kpos[None, :] > qpos[:, None] - window)
         if PART == 1:       # CODED
@@ -314,7 +315,7 @@ def _prefill_ranges(q, m, l, acc, lo, hi, lo2, hi2, qpos, own, bt_row, vbt_row, 
 
 
 @triton.jit(do_not_specialize=["seq0", "s_bt", "s_vbt", "window", "sink"])
-def tq_attn_kernel(q_ptr, o_ptr, lse_ptr, bt_ptr, vbt_ptr, qsl_ptr, seq_len_ptr, seq0,
+def tq_attn_kernel(q_ptr, o_ptr, lse_ptr, bt_ptr, vbt_ptr, qsl_ptr, seq_len_ptr, klim_ptr, seq0,
                    k_data, k_scale, k_cb, v_data, v_scale, v_cb, nk_data, nk_scale, nv_data, nv_scale,
                    sq_t, sq_h, sq_g, so_t, so_h, so_g, sl_t, sl_h, sl_g, s_bt, s_vbt,
                    ks_slot, ks_h, ksc_slot, ksc_h, vs_slot, vs_h, vsc_slot, vsc_h,
@@ -324,7 +325,7 @@ def tq_attn_kernel(q_ptr, o_ptr, lse_ptr, bt_ptr, vbt_ptr, qsl_ptr, seq_len_ptr,
                    K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr,
                    V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr,
                    HAS_WINDOW: tl.constexpr, F32: tl.constexpr, PART: tl.constexpr,
-                   V_TABLE: tl.constexpr, NEW_ROWS: tl.constexpr):
+                   V_TABLE: tl.constexpr, NEW_ROWS: tl.constexpr, HAS_LIMITS: tl.constexpr):
     """Chunked prefill over compressed blocks: grid (row tiles, sequences,
     KV heads). A program takes ROWS (token, query head) rows, token-major,
     of sequence seq0 + program_id(1), whose queries are rows
@@ -339,8 +340,12 @@ def tq_attn_kernel(q_ptr, o_ptr, lse_ptr, bt_ptr, vbt_ptr, qsl_ptr, seq_len_ptr,
     NEW_ROWS the new tokens' keys come from the step's hot K rows nk
     ([T, H, D] as the flat batch) instead, and with NEW_ROWS 2 (hot "kv")
     their values from the hot V rows nv. Keys through bt_ptr,
-    values through vbt_ptr when V_TABLE (HOT with hot "k": coded values). Writes the
-    rotated output and its log-sum-exp (natural log)."""
+    values through vbt_ptr when V_TABLE (HOT with hot "k": coded values).
+    HAS_LIMITS: token row i sees keys up to klim[i] (a bidirectional span)
+    instead of its position, the window still counting from its position;
+    HOT then covers [own(p), klim] (the keys past p are in the chunk: the
+    hot pool's last block or the new rows). Writes the rotated output and
+    its log-sum-exp (natural log)."""
     tile = tl.program_id(0)
     b = seq0 + tl.program_id(1)
     h = tl.program_id(2)
@@ -361,13 +366,23 @@ def tq_attn_kernel(q_ptr, o_ptr, lse_ptr, bt_ptr, vbt_ptr, qsl_ptr, seq_len_ptr,
     q = tl.load(q_ptr + tok[:, None] * sq_t + h * sq_h + g[:, None] * sq_g + d[None, :],
                 mask=row_ok[:, None], other=0.0)
 
-    # Key range this tile can see: [lo, hi).
+    # Each row's last key; the key range this tile can see: [lo, hi).
     p_min = ctx + (tile * ROWS) // G
     p_max = tl.minimum(ctx + (tile * ROWS + ROWS - 1) // G, seq_len - 1)
+    k_max = p_max
+    klim = qpos
+    if HAS_LIMITS:
+        klim = tl.load(klim_ptr + tok, mask=row_ok, other=0).to(tl.int32)
+        # The tile's tokens' largest limit from a load of its own: reducing
+        # klim in the rows' layout spills registers in the loop (sm_90, hot
+        # "kv" at head_dim 256).
+        tt = (tile * ROWS) // G + tl.arange(0, ROWS)
+        tt_ok = (tt <= (tile * ROWS + ROWS - 1) // G) & (tt < q_len)
+        k_max = tl.maximum(p_max, tl.max(tl.load(klim_ptr + q_start + tt, mask=tt_ok, other=0).to(tl.int32), 0))
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(p_min - window + 1, 0)
-    hi = tl.where(p_min <= p_max, p_max + 1, lo)       # empty for a tile past the queries
+    hi = tl.where(p_min <= p_max, k_max + 1, lo)       # empty for a tile past the queries
 
     m = tl.full([ROWS], -1e30, tl.float32)
     l = tl.zeros([ROWS], tl.float32)
@@ -381,10 +396,10 @@ def tq_attn_kernel(q_ptr, o_ptr, lse_ptr, bt_ptr, vbt_ptr, qsl_ptr, seq_len_ptr,
         lo2 = tl.maximum(p_min // BLOCK_SIZE * BLOCK_SIZE, sink)
         hi2 = hi
         hi = tl.minimum(hi, sink)
-    elif PART == 1:                                     # CODED: [sink, last row's own block)
+    elif PART == 1:                                     # CODED: [sink, last row's own block), below any limit
         lo = tl.maximum(lo, sink)
         hi = tl.minimum(hi, p_max // BLOCK_SIZE * BLOCK_SIZE)
-    m, l, acc = _prefill_ranges(q, m, l, acc, lo, hi, lo2, hi2, qpos, own, bt_row, vbt_row, window,
+    m, l, acc = _prefill_ranges(q, m, l, acc, lo, hi, lo2, hi2, qpos, klim, own, bt_row, vbt_row, window,
                                 sink, k_data, k_scale, k_cb, v_data, v_scale, v_cb, h,
                                 ks_slot, ks_h, ksc_slot, ksc_h, vs_slot, vs_h, vsc_slot, vsc_h,
                                 ctx, q_start, nk_data, nk_scale, nks_t, nks_h, nksc_t, nksc_h,

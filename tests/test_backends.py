@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from engine.model_runner import ModelRunner
 from engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -104,6 +105,80 @@ def test_imports_do_not_need_triton():
     assert r.returncode == 0, r.stderr
 
 
+# -- key limits (bidirectional spans) ------------------------------------------
+# A decode; a chunk starting mid-span (the span [30, 44]'s first tokens cached
+# before it); a whole prompt whose span [10, 25] crosses a block boundary.
+SPAN_LENS, SPAN_QLENS, SPANS = [21, 50, 36], [1, 14, 36], [None, (30, 44), (10, 25)]
+
+
+def span_meta(tables, bs=16, lens=SPAN_LENS, qlens=SPAN_QLENS, spans=SPANS):
+    """A mixed batch (decodes first) over block tables [B, W] of block size
+    bs, whose rows inside a span see up to its end: (metadata with
+    key_limits_t, query positions [T], limits [T]). The kernel tests' too."""
+    qsl = [0]
+    for n in qlens:
+        qsl.append(qsl[-1] + n)
+    pos = torch.cat([torch.arange(L - n, L) for L, n in zip(lens, qlens)])
+    lim = pos.clone()
+    for i, sp in enumerate(spans):
+        if sp:
+            seg = lim[qsl[i]:qsl[i + 1]]
+            seg[(seg >= sp[0]) & (seg <= sp[1])] = sp[1]
+    seq = torch.cat([torch.full((n,), i) for i, n in enumerate(qlens)])
+    groups = [GroupMetadata(t[seq, pos // bs] * bs + pos % bs, t) for t in tables]
+    meta = AttentionMetadata(qsl, lens, sum(n == 1 for n in qlens), groups)
+    meta.key_limits_t = lim
+    return meta, pos, lim
+
+
+def masked_sdpa(q, kv, meta, pos, lim, scale, window=None):
+    """The explicit-mask reference: kv(i, L) -> sequence i's K, V [L, H, D];
+    query row r sees keys <= lim[r] (and > pos[r] - window)."""
+    out = torch.empty_like(q)
+    qsl = meta.query_start_loc
+    for i, L in enumerate(meta.seq_lens):
+        s, e = qsl[i], qsl[i + 1]
+        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], 1).transpose(0, 1) for x in kv(i, L))
+        kp = torch.arange(L)
+        mask = kp[None] <= lim[s:e, None]
+        if window is not None:
+            mask &= kp[None] > pos[s:e, None] - window
+        out[s:e] = F.scaled_dot_product_attention(q[s:e].transpose(0, 1), k, v, attn_mask=mask,
+                                                  scale=scale).transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 8])
+def test_key_limits_dense_and_every_backend(window, monkeypatch):
+    """dense-torch and dense-cpu honour key limits (SDPA with the span mask;
+    the window counts from the query's own position), and so does every
+    dense and TurboQuant backend by its flag (their own tests check the
+    numbers)."""
+    monkeypatch.delenv("TQSERVE_ATTN_BACKEND", raising=False)
+    g = torch.Generator().manual_seed(0)
+    W = 5
+    c = DenseLayerCache(3 * W, 16, 2, 64, torch.float32, 0, window)
+    bt = torch.randperm(3 * W, generator=g).view(3, W)
+    c.k.copy_(torch.randn(c.k.shape, generator=g))
+    c.v.copy_(torch.randn(c.v.shape, generator=g))
+    meta, pos, lim = span_meta([bt])
+    q = torch.randn(len(pos), 6, 64, generator=g)
+
+    def kv(i, L):
+        slots = bt[i, torch.arange(L) // 16] * 16 + torch.arange(L) % 16
+        return c.k[slots], c.v[slots]
+    ref = masked_sdpa(q, kv, meta, pos, lim, 0.125, window)
+    for name in ("dense-torch", "dense-cpu"):
+        c.backend = name
+        assert c.no_key_limits is None
+        torch.testing.assert_close(c.attention(q, meta, 0.125), ref, rtol=1e-5, atol=1e-5)
+    meta.key_limits_t = None
+    assert (c.attention(q, meta, 0.125) - ref).abs().amax((1, 2)).gt(1e-3).equal(lim > pos)
+    for fmt in ("dense", "tq"):
+        assert all(get_backend(n).supports_key_limits for n in backend_names(fmt))
+
+
+
 # -- the step inputs (ModelRunner.prepare / inputs) -------------------------------------------
 BS = 4
 
@@ -162,7 +237,8 @@ def _sched(specs, vocab=1000, per_seq=()):
     out, tables = [], {}
     for rid, known, start, n, tbl in specs:
         req = SimpleNamespace(request_id=rid, token_ids=list(range(7 * len(rid), 7 * len(rid) + known)),
-                              num_tokens=known, num_placeholders=0, prompt_logprobs=None, pooling=None, lora=None)
+                              num_tokens=known, num_placeholders=0, prompt_logprobs=None, pooling=None, lora=None,
+                              mm_items=[])
         out.append(ScheduledRequest(req, n, start))
         tables[rid] = tbl
     return out, _KV(tables, per_seq)

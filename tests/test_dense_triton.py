@@ -21,6 +21,7 @@ from kvcache.backends import get_backend
 from kvcache.dense_cache import DenseLayerCache
 from kvcache.dense_triton import dense_paged_decode, dense_paged_prefill
 from kvcache.metadata import AttentionMetadata, GroupMetadata
+from test_backends import SPAN_LENS, SPAN_QLENS, masked_sdpa, span_meta
 from tq_paged import assert_close
 from triton_compile import assert_fit, spec
 
@@ -162,22 +163,49 @@ def test_mixed_batch_two_launches(H, G, D, window, monkeypatch):
     assert launches == [(1, 2, H), (-(-36 * G // 64), 3, H)]     # decodes, then every prefill
 
 
+@pytest.mark.parametrize("window", [None, 8])
+def test_key_limits_bidirectional_span(window):
+    """Key limits (meta.key_limits_t) in the prefill launch: SDPA with the
+    span mask, the window from each query's own position. The whole prompt's
+    first tile (64 rows, G = 3: positions 0-21) reads on to its span's end
+    (25); the one-call prefill takes its rows' limits too."""
+    c, bt, nan = paged(2, 64, SPAN_LENS, window=window)
+    meta, pos, lim = span_meta([poisoned(bt, SPAN_LENS, nan, window, SPAN_QLENS)])
+    q = _q(len(pos), 6, 64, 4)
+
+    def kv(i, L):
+        slots = bt[i, torch.arange(L) // BS] * BS + torch.arange(L) % BS
+        return c.k[slots], c.v[slots]
+    ref = masked_sdpa(q, kv, meta, pos, lim, 0.125, window)
+    c.backend = "dense-triton"
+    out = c.attention(q, meta, 0.125)
+    assert_close(out, ref, 1e-5)
+    s = meta.query_start_loc[2]
+    assert_close(c.backend.prefill(c, q[s:], meta.groups[0].block_tables[2], 36, 0.125, key_limit=lim[s:]),
+                 ref[s:], 1e-5)
+    meta.key_limits_t = None
+    assert (c.attention(q, meta, 0.125) - ref).abs().amax((1, 2)).gt(1e-3).equal(lim > pos)
+
+
 # -- compiling for the GPUs ---------------------------------------------------------
 _DIV = ("q_ptr", "k_ptr", "v_ptr", "o_ptr", "lse_ptr", "bt_ptr", "qsl_ptr", "seq_len_ptr", "sq_t", "sq_h",
         "sk_slot", "sk_h", "sv_slot", "sv_h", "so_s", "so_t", "so_h")
-# q dtype, storage, head_dim, rows, block_n, splits, decode, window, warps: the
-# tiles dense_triton._tiles picks for split bf16 decodes, bf16 prefills with
-# and without a window, an fp32 prefill.
-_SPECS = {90: ["bf16,bf16,128,16,64,4,1,0,4", "bf16,bf16,256,64,32,1,0,1,8", "fp32,fp32,64,64,32,1,0,0,8"],
-          121: ["bf16,bf16,128,64,32,1,0,1,4", "bf16,bf16,256,16,32,4,1,0,4"]}
+# q dtype, storage, head_dim, rows, block_n, splits, decode, window, warps[,
+# key limits]: the tiles dense_triton._tiles picks for split bf16 decodes,
+# bf16 prefills with and without a window (and with key limits: Gemma 3's
+# head_dim 256), an fp32 prefill.
+_SPECS = {90: ["bf16,bf16,128,16,64,4,1,0,4", "bf16,bf16,256,64,32,1,0,1,8", "fp32,fp32,64,64,32,1,0,0,8",
+               "bf16,bf16,256,64,32,1,0,1,8,1"],
+          121: ["bf16,bf16,128,64,32,1,0,1,4", "bf16,bf16,256,16,32,4,1,0,4", "bf16,bf16,256,64,32,1,0,1,8,1"]}
 
 
 def _attn_spec(arch, case):
-    q, kv, d, rows, bn, splits, decode, win, warps = case.split(",")
+    q, kv, d, rows, bn, splits, decode, win, warps, *lim = case.split(",")
     const = dict(G=4, BLOCK_SIZE=16, D=int(d), D_PAD=int(d), ROWS=int(rows), BLOCK_N=int(bn),
-                 DECODE=decode == "1", HAS_WINDOW=win == "1", F32=q == "fp32", WRITE_LSE=int(splits) > 1)
+                 DECODE=decode == "1", HAS_WINDOW=win == "1", F32=q == "fp32", WRITE_LSE=int(splits) > 1,
+                 HAS_LIMITS=lim == ["1"])
     ptrs = dict(q_ptr=q, k_ptr=kv, v_ptr=kv, o_ptr="fp32" if int(splits) > 1 else q, lse_ptr="fp32",
-                bt_ptr="i64", qsl_ptr="i64", seq_len_ptr="i64")
+                bt_ptr="i64", qsl_ptr="i64", seq_len_ptr="i64", klim_ptr="i64")
     # Launches specialise 16-divisible ints and pointers: so does this.
     return spec("kvcache.dense_triton_kernels:dense_paged_attn_kernel", arch, const, ptrs, int(warps),
                 floats=("qk_scale",), divisible=_DIV)

@@ -13,6 +13,7 @@ from kvcache import tq_cpu
 from kvcache.metadata import AttentionMetadata, GroupMetadata
 from kvcache.tq_cache import CODED, HOT, merge
 from kvcache.turboquant import F16, INT8, tq
+from test_backends import SPAN_LENS, masked_sdpa, span_meta
 from tq_paged import BS, assert_close, paged_cache
 
 FORMATS = {"f16": F16, "int8": INT8, "tq2": tq(2), "tq3": tq(3), "tq4": tq(4), "tq4g32": tq(4, 32),
@@ -242,3 +243,28 @@ def test_hot_entry_points_equal_torch_path(hot, monkeypatch):
         out = _hot_prefill(c, bt[i], ht[i], L, x, n)
         monkeypatch.setenv("TQSERVE_TQ_CPU", "torch")
         assert_close(out, _hot_prefill(c, bt[i], ht[i], L, x, n), 2e-5)
+
+
+# -- key limits (bidirectional spans) ------------------------------------------
+@pytest.mark.parametrize("window", [None, 8])
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_key_limits_bidirectional_span(path, window, monkeypatch):
+    """tq-cpu (the kernel, and its torch path: tq-torch's code) with key
+    limits == SDPA with the span mask over the decoded K/V; a window still
+    counts from the query's own position (8: the chunk's queries lose the
+    span's first keys but keep its last)."""
+    monkeypatch.setenv("TQSERVE_TQ_CPU", path)
+    c, bt = paged_cache(tq(4), tq(3), 2, 64, SPAN_LENS, window)
+    assert c.backend.name == "tq-cpu" and c.no_key_limits is None
+    meta, pos, lim = span_meta([bt])
+    q = torch.randn(len(pos), 6, 64, generator=torch.Generator().manual_seed(3))
+
+    def kv(i, L):
+        return c.dequantized(bt[i, torch.arange(L) // BS] * BS + torch.arange(L) % BS)
+    out = c.attention(q, meta, 0.125)
+    assert_close(out, masked_sdpa(q, kv, meta, pos, lim, 0.125, window), 2e-5)
+    meta.key_limits_t = None
+    causal = c.attention(q, meta, 0.125)
+    assert_close(causal, masked_sdpa(q, kv, meta, pos, pos, 0.125, window), 2e-5)
+    differs = (out - causal).abs().amax((1, 2)) > 1e-3
+    assert torch.equal(differs, lim > pos)         # exactly the rows that see past themselves

@@ -13,9 +13,10 @@ from kvcache.turboquant import INT8, tq
 BS, H, G, D = 16, 2, 3, 64
 
 
-def _run(hot, kf, vf, chunks, seed=0):
+def _run(hot, kf, vf, chunks, seed=0, lims=None):
     """One sequence through store() + attention() in the given chunks, with
-    block tables from a real KVCacheManager. Returns (outputs, reference)."""
+    block tables from a real KVCacheManager; lims: each position's last key
+    (key_limits_t; None: causal). Returns (outputs, reference)."""
     g = torch.Generator().manual_seed(seed)
     total = sum(chunks)
     k = torch.randn(total, H, D, generator=g) * 2 + 0.5
@@ -36,6 +37,8 @@ def _run(hot, kf, vf, chunks, seed=0):
         bts = [torch.tensor(t).clamp(min=0)[None] for t in tables]
         meta = AttentionMetadata([0, n], [done + n], int(n == 1), [GroupMetadata(s, b) for s, b in zip(slots, bts)],
                                  [c])
+        if lims is not None:
+            meta.key_limits_t = lims[done:done + n]
         c.store(meta, k[done:done + n], v[done:done + n])
         outs.append(c.attention(q[done:done + n], meta, D ** -0.5))
         # the reference's view of these tokens, rotated exactly as store() did
@@ -53,9 +56,11 @@ def _run(hot, kf, vf, chunks, seed=0):
     ref = []
     qr = c._rotate_q(q.unsqueeze(0), D ** -0.5)[0]                   # [H, G, T, D]
     for p in range(total):
-        pos = torch.arange(p + 1)
-        use = ((pos < BS) | (pos // BS == p // BS))[:, None, None]
-        kk, vv = torch.where(use, khot[:p + 1], kcod[:p + 1]), torch.where(use, vhot[:p + 1], vcod[:p + 1])
+        n = p + 1 if lims is None else int(lims[p]) + 1
+        pos = torch.arange(n)
+        # past a query's own block (its span's keys) is hot too
+        use = ((pos < BS) | (pos // BS >= p // BS))[:, None, None]
+        kk, vv = torch.where(use, khot[:n], kcod[:n]), torch.where(use, vhot[:n], vcod[:n])
         s = torch.einsum("hgd,thd->hgt", qr[:, :, p], kk)
         ref.append(torch.einsum("hgt,thd->hgd", s.softmax(-1), vv))
     ref = c._finish(torch.stack(ref, 2)[None], torch.float32)[0]
@@ -73,6 +78,35 @@ def test_hot_reads_int8_for_sink_and_own_block(monkeypatch, hot, kf, vf, backend
     out, ref = _run(hot, kf, vf, CHUNKS)
     err = float((out - ref).abs().max())
     assert err <= 2e-5 * float(ref.abs().max()), err
+
+
+# Positions 0-4, 5-24, 25, 26-55, 56-67, 68-107, 108. Spans: [8, 22] from block
+# 0 into 1; [30, 50] over blocks 1-3; [60, 90], which the chunk at 68 starts in
+# the middle of (60-67 came in the chunk before, which ended there: 67 their limit).
+SPAN_CHUNKS = [5, 20, 1, 30, 12, 40, 1]
+
+
+def _span_limits():
+    lims = torch.arange(sum(SPAN_CHUNKS))
+    for a, b in ((8, 22), (30, 50), (60, 67), (68, 90)):
+        lims[a:b + 1] = b
+    return lims
+
+
+@pytest.mark.parametrize("hot", ["k", "kv"])
+@pytest.mark.parametrize("backend", ["torch", "kernel"])
+def test_hot_key_limits_read_the_span_hot(monkeypatch, hot, backend):
+    """Key limits with hot tokens: a query in a span sees the keys up to its
+    limit, those from its own block on read int8 (the chunk's new rows),
+    those below it as before."""
+    monkeypatch.setenv("TQSERVE_TQ_CPU", backend)
+    lims = _span_limits()
+    out, ref = _run(hot, tq(4), tq(3), SPAN_CHUNKS, lims=lims)
+    err = float((out - ref).abs().max())
+    assert err <= 2e-5 * float(ref.abs().max()), err
+    causal, _ = _run(hot, tq(4), tq(3), SPAN_CHUNKS)
+    differs = (out - causal).abs().amax((1, 2)) > 1e-3
+    assert torch.equal(differs, lims > torch.arange(len(lims)))
 
 
 def test_hot_is_closer_than_codes_alone():

@@ -21,6 +21,7 @@ from kvcache.metadata import AttentionMetadata, GroupMetadata
 from kvcache.tq_cache import ALL, CODED, HOT, TQLayerCache
 from kvcache.tq_triton import decode_tiles, prefill_tiles, tq_paged_decode, tq_prefill
 from kvcache.turboquant import F16, INT8, tq
+from test_backends import SPAN_LENS, masked_sdpa, span_meta
 from tq_paged import BS, assert_close, paged_cache
 from triton_compile import assert_fit, spec
 
@@ -263,6 +264,60 @@ def test_attention_mixed_batch_matches_torch_path(hot, window):
     _close(tri_c.attention(q, meta, 0.125), ref_c.attention(q, meta, 0.125))
 
 
+@pytest.mark.parametrize("hot,window", [("", None), ("", 8), ("k", None), ("kv", None)])
+def test_attention_key_limits(hot, window):
+    # Bidirectional spans (test_backends.span_meta: a chunk starting mid-span,
+    # a whole prompt whose first row tile ends before its span does) in the
+    # ALL / HOT launches == the torch path; without hot tokens also == SDPA
+    # with the span mask (the window counts from each query's own position).
+    ref_c, *tables = paged_cache(tq(4), INT8, 2, 64, SPAN_LENS, window=window, hot=hot)
+    meta, pos, lim = span_meta(tables)
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(len(pos), 6, 64, generator=g)
+    ref_c.store(meta, torch.randn(len(pos), 2, 64, generator=g), torch.randn(len(pos), 2, 64, generator=g))
+    tri_c = TQLayerCache.__new__(TQLayerCache)
+    tri_c.__dict__.update(ref_c.__dict__)
+    tri_c.backend = "tq-triton"
+    out = tri_c.attention(q, meta, 0.125)
+    _close(out, ref_c.attention(q, meta, 0.125))
+    if not hot:
+        bt = tables[0]
+
+        def kv(i, L):
+            return ref_c.dequantized(bt[i, torch.arange(L) // BS] * BS + torch.arange(L) % BS)
+        _close(out, masked_sdpa(q, kv, meta, pos, lim, 0.125, window))
+    meta.key_limits_t = None
+    assert (tri_c.attention(q, meta, 0.125) - out).abs().amax((1, 2)).gt(1e-3).equal(lim > pos)
+
+
+@pytest.mark.parametrize("hot", ["k", "kv"])
+def test_prefill_hot_part_key_limits(hot):
+    # A short span's HOT launch (pool only) with key limits: spans [30, 40]
+    # over blocks 1-2 (a BS + 1 chunk from 28) and [12, 18] from block 0 into
+    # 1; every hot column but 0 and the chunk's first and last poisoned.
+    lens, chunks = [45, 20], [BS + 1, 9]
+    c, bt, ht = paged_cache(tq(4), tq(3), 2, 64, lens, hot=hot)
+    qsl = [0, chunks[0], sum(chunks)]
+    pos = torch.cat([torch.arange(L - n, L) for L, n in zip(lens, chunks)])
+    lim = pos.clone()
+    lim[2:13], lim[chunks[0] + 1:chunks[0] + 8] = 40, 18
+    cols = [sorted({0, (L - n) // BS, (L - 1) // BS}) for L, n in zip(lens, chunks)]
+    q = torch.randn(qsl[-1], 6, 64, generator=torch.Generator().manual_seed(9))
+    qr = (q @ c.kc.rot_t("cpu")) * 0.125
+    out, lse = tq_prefill(c, qr, bt, torch.tensor(lens), torch.tensor(qsl), max(chunks), part=HOT,
+                          hot_tables=_poisoned(c, ht, cols), rows=32, block_n=16, key_limits=lim)
+    qr5 = c._rotate_q(q.unsqueeze(0), 0.125)
+    for i, L in enumerate(lens):
+        s, e = qsl[i], qsl[i + 1]
+        args = (qr5[:, :, :, s:e], torch.arange(-(-L // BS))[None], ht[i:i + 1], pos[None, s:e],
+                torch.tensor([L]), HOT, c.hot_v_tables(ht[i:i + 1], bt[i:i + 1]))
+        ref, ref_lse = c._attend_torch(*args, lim[None, s:e])
+        _close(out[s:e].view(e - s, 2, 3, 64).permute(1, 2, 0, 3)[None], ref)
+        torch.testing.assert_close(lse[s:e].view(e - s, 2, 3).permute(1, 2, 0)[None], ref_lse, rtol=0, atol=1e-4)
+        causal, _ = c._attend_torch(*args)
+        assert (ref - causal).abs().amax((0, 1, 2, 4)).gt(1e-3).equal(lim[s:e] > pos[s:e])
+
+
 def test_import_does_not_need_triton():
     code = "import sys, kvcache.tq_triton, kvcache.tq_cache, kvcache.tq_store; assert 'triton' not in sys.modules"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -288,17 +343,18 @@ def _decode_spec(arch, dt, D, k, v, hot):
     return spec("kvcache.tq_triton_kernels:tq_decode_kernel", arch, const, ptrs, warps, stages, ("q_scale", "o_scale"))
 
 
-def _prefill_spec(arch, dt, D, k, v, part):
+def _prefill_spec(arch, dt, D, k, v, part, limits=False):
     (kk, kb, kg), (vk, vb, vg) = k, v
     kg, vg = kg or D, vg or D                           # 0: one norm per head
     rows, bn, warps, stages = prefill_tiles(D, part)
     const = dict(G=4, BLOCK_SIZE=16, D=D, ROWS=rows, BLOCK_N=bn, K_KIND=kk, K_BITS=kb, K_GROUP=kg, V_KIND=vk,
                  V_BITS=vb, V_GROUP=vg, HAS_WINDOW=part == ALL, F32=dt == "fp32", PART=part,
-                 V_TABLE=part == HOT and vk != 1, NEW_ROWS=0 if part != HOT else 1 if vk != 1 else 2)
+                 V_TABLE=part == HOT and vk != 1, NEW_ROWS=0 if part != HOT else 1 if vk != 1 else 2,
+                 HAS_LIMITS=limits)
     # HOT: hot "k" (coded V through its own table; new K rows of a long chunk) or "kv" (int8 V;
     # new K and V rows): the long-chunk variants, which hold the most.
     ptrs = dict(q_ptr=dt, o_ptr=dt, lse_ptr="fp32", bt_ptr="i64", vbt_ptr="i64", qsl_ptr="i64", seq_len_ptr="i64",
-                nk_data="i8", nk_scale="fp16", nv_data="i8", nv_scale="fp16",
+                klim_ptr="i64", nk_data="i8", nk_scale="fp16", nv_data="i8", nv_scale="fp16",
                 k_data=_STORE[kk], k_scale="fp16", k_cb="fp32", v_data=_STORE[vk], v_scale="fp16", v_cb="fp32")
     return spec("kvcache.tq_triton_kernels:tq_attn_kernel", arch, const, ptrs, warps, stages)
 
@@ -306,13 +362,13 @@ def _prefill_spec(arch, dt, D, k, v, part):
 TQ4, TQ3, TQ2, TQ5G32, Q8, F16K = (2, 4, 0), (2, 3, 0), (2, 2, 0), (2, 5, 32), (1, 8, 0), (0, 16, 0)
 # bf16 / fp16 queries (what GPU models run) over the presets' formats: the
 # tiles tq_triton picks must compile without spills within the card's shared
-# memory. (dtype, head_dim, K, V, hot 0/1/2 or prefill part)
+# memory. (dtype, head_dim, K, V, hot 0/1/2 or prefill part[, key limits])
 _DECODES = [("bf16", 128, TQ4, TQ4, 0), ("bf16", 128, TQ4, TQ4, 1), ("bf16", 128, TQ3, TQ3, 1),
             ("bf16", 128, Q8, TQ4, 2), ("fp16", 64, TQ2, F16K, 0), ("bf16", 256, TQ5G32, TQ3, 0),
             ("bf16", 512, (2, 5, 0), (2, 5, 0), 0)]
 _PREFILLS = [("bf16", 128, TQ4, TQ3, CODED), ("bf16", 128, Q8, TQ4, ALL), ("bf16", 256, TQ5G32, TQ3, ALL),
              ("bf16", 512, TQ4, TQ3, ALL), ("bf16", 128, Q8, TQ4, HOT), ("bf16", 128, Q8, Q8, HOT),
-             ("bf16", 256, Q8, TQ4, HOT)]
+             ("bf16", 256, Q8, TQ4, HOT), ("bf16", 256, TQ4, TQ3, ALL, True), ("bf16", 256, Q8, Q8, HOT, True)]
 
 
 @pytest.mark.parametrize("arch", [90, 121])

@@ -191,8 +191,8 @@ struct PassDec {     // a TQPass with its decoders built
 
 template <int DD>
 void attend_impl(const std::vector<PassDec>& passes, const float* q, float* out, float* lse, int B, int H,
-                 int G, int Lq, int bs, const int64_t* qpos, const int64_t* seq_lens, int64_t window,
-                 int64_t sink, int nthreads, int row_tile) {
+                 int G, int Lq, int bs, const int64_t* qpos, const int64_t* klim, const int64_t* seq_lens,
+                 int64_t window, int64_t sink, int nthreads, int row_tile) {
     // An item takes a tile of query tokens with all G query heads of one KV
     // head, so each decoded block serves G * tile rows.
     const int R = G * Lq;
@@ -213,9 +213,14 @@ void attend_impl(const std::vector<PassDec>& passes, const float* q, float* out,
             const int b = it / ((int64_t)tiles * H);
             const int l0 = t * row_tile, nt = std::min(row_tile, Lq - l0), nr = G * nt;
             const int64_t* qp = qpos + (int64_t)b * Lq + l0;
+            const int64_t* kl = klim ? klim + (int64_t)b * Lq + l0 : qp;   // each row's last key
             const int64_t slen = seq_lens[b];
-            int64_t qmax = qp[0], qmin = qp[0];
-            for (int i = 1; i < nt; i++) { qmax = std::max(qmax, qp[i]); qmin = std::min(qmin, qp[i]); }
+            int64_t qmax = qp[0], qmin = qp[0], kmax = kl[0];
+            for (int i = 1; i < nt; i++) {
+                qmax = std::max(qmax, qp[i]);
+                qmin = std::min(qmin, qp[i]);
+                kmax = std::max(kmax, kl[i]);
+            }
             const int64_t base = ((int64_t)b * H + h) * R;
             for (int r = 0; r < nr; r++) {
                 const int g = r / nt, lq = l0 + r % nt;
@@ -230,7 +235,7 @@ void attend_impl(const std::vector<PassDec>& passes, const float* q, float* out,
                 for (int i = 0; i < nt; i++) {
                     const int64_t p = qp[i], own = p / bs * bs;
                     lo[i] = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
-                    hi[i] = std::min(slen, p + 1);
+                    hi[i] = std::min(slen, kl[i] + 1);
                     hlo[i] = hhi[i] = 0;
                     if (part == PART_CODED) {
                         lo[i] = std::max(lo[i], sink);
@@ -241,8 +246,9 @@ void attend_impl(const std::vector<PassDec>& passes, const float* q, float* out,
                     }
                 }
                 // Keys [kbeg, kend) may be seen by some row; blocks inside
-                // [sink, hole_end) are in every row's HOT hole.
-                int64_t kend = std::min(slen, qmax + 1);
+                // [sink, hole_end) are in every row's HOT hole. CODED keys lie
+                // below each row's own block: limits past it do not matter.
+                int64_t kend = std::min(slen, kmax + 1);
                 int64_t kbeg = window > 0 ? std::max<int64_t>(0, qmin - window + 1) : 0;
                 if (part == PART_CODED) {
                     kbeg = std::max(kbeg, sink);
@@ -318,11 +324,13 @@ extern "C" {
 // output); lse: [B, H, G, Lq] float32, the log-sum-exp of each row's scores
 // (-inf, with output 0, for a row that sees no key), over the union of the
 // npasses passes' keys (see TQPass; part: 0 all keys, 1 coded, 2 hot, see
-// PART_*); qpos: [B, Lq]; window 0 = none; sink: tokens of the hot first
-// block (0 or bs). Returns 0, or -1 for an unsupported head_dim, part or sink.
+// PART_*); qpos: [B, Lq]; klim: [B, Lq] each query's last visible key (a
+// bidirectional span; the window still counts from qpos) or null: causal;
+// window 0 = none; sink: tokens of the hot first block (0 or bs). Returns 0,
+// or -1 for an unsupported head_dim, part or sink.
 int tq_cpu_attend(const TQPass* passes, int npasses, const float* q, float* out, float* lse, int B, int H,
-                  int G, int Lq, int D, int bs, const int64_t* qpos, const int64_t* seq_lens, int64_t window,
-                  int sink, int nthreads, int row_tile) {
+                  int G, int Lq, int D, int bs, const int64_t* qpos, const int64_t* klim, const int64_t* seq_lens,
+                  int64_t window, int sink, int nthreads, int row_tile) {
     if (sink % bs) return -1;
     std::vector<PassDec> pd;
     for (int i = 0; i < npasses; i++) {
@@ -331,7 +339,7 @@ int tq_cpu_attend(const TQPass* passes, int npasses, const float* q, float* out,
     }
 #define TQ_CASE(DD)                                                                                        \
     case DD:                                                                                               \
-        attend_impl<DD>(pd, q, out, lse, B, H, G, Lq, bs, qpos, seq_lens, window, sink, nthreads, row_tile); \
+        attend_impl<DD>(pd, q, out, lse, B, H, G, Lq, bs, qpos, klim, seq_lens, window, sink, nthreads, row_tile); \
         return 0;
     switch (D) {
         TQ_CASE(8)
