@@ -55,6 +55,8 @@ async def _pooled(state: ServerState, request: Request, req: EmbeddingRequest, r
     """Each input's (or the chat's) pooled output: the model's embedding, or with pooling given that."""
     check_model(state, req.model)
     admit(state, [])
+    if req.messages is not None and any(m.images() for m in req.messages):
+        raise APIError(400, "embeddings of images are not supported (text only)", param="messages")
     inputs = req.inputs() if req.messages is None else [chat_prompt(state, req)[1]]
     ids = prompt_ids(state, inputs, req.add_special_tokens, req.truncate_prompt_tokens,
                      param="input" if req.messages is None else "messages")

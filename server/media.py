@@ -23,26 +23,25 @@ def fetch_timeout() -> float:
     return float(os.environ.get("VLLM_IMAGE_FETCH_TIMEOUT", "5"))
 
 
-async def load_images(state, messages) -> int:
+async def load_images(state, messages, param: str | None = None) -> int:
     """Decode every image part of `messages` onto the part (its `_image`);
-    returns how many. 400s: a model that takes no images, too many images
+    returns how many. 400s (param: the request field they name; default
+    messages.{i}): a model that takes no images, too many images
     (--limit-mm-per-prompt), a URL that cannot be read, bytes that are no image."""
-    parts = [(i, p) for i, m in enumerate(messages) for p in m.images()]
+    parts = [(param or f"messages.{i}", p) for i, m in enumerate(messages) for p in m.images()]
     if not parts:
         return 0
-    images = state.llm.images
     try:
-        images.check_count(len(parts))
+        state.llm.images.check_count(len(parts))
     except ValueError as e:
-        raise APIError(400, f"image_url content parts: {e}", param=f"messages.{parts[0][0]}") from None
+        raise APIError(400, f"image inputs: {e}", param=parts[0][0]) from None
     if state.llm.no_images:
-        raise APIError(400, f"image_url content parts: {state.llm.no_images}",
-                       param=f"messages.{parts[0][0]}")
+        raise APIError(400, f"image inputs: {state.llm.no_images}", param=parts[0][0])
     root = state.config.allowed_local_media_path
-    data = await asyncio.gather(*(_read(p.image_url.url, root, f"messages.{i}") for i, p in parts))
+    data = await asyncio.gather(*(_read(p.image_url.url, root, where) for where, p in parts))
     loop = asyncio.get_running_loop()
-    for (i, p), raw in zip(parts, data):
-        p._image = await loop.run_in_executor(None, _decode, raw, f"messages.{i}")
+    for (where, p), raw in zip(parts, data):
+        p._image = await loop.run_in_executor(None, _decode, raw, where)
     return len(parts)
 
 

@@ -25,6 +25,7 @@ from pydantic import ValidationError
 
 from server import serving
 from server.errors import APIError, from_validation_error
+from server.media import load_images
 from server.protocol import SAMPLING_EXTRAS, ChatCompletionRequest, MessagesRequest
 from server.state import ServerState
 
@@ -60,12 +61,15 @@ def chat_messages(system, messages: list[dict]) -> list[dict]:
         if not isinstance(blocks, list):
             raise _bad(f"{where}.content must be a string or a list of content blocks")
         msg: dict = {"role": role, "content": ""}
-        texts = []
+        texts, parts = [], []           # parts: text and images in order, when there are images
         for j, b in enumerate(blocks):
             kind = b.get("type") if isinstance(b, dict) else None
             at = f"{where}.content[{j}]"
             if kind == "text" and isinstance(b.get("text"), str):
                 texts.append(b["text"])
+                parts.append({"type": "text", "text": b["text"]})
+            elif kind == "image" and role == "user":
+                parts.append({"type": "image_url", "image_url": {"url": _image_url(b.get("source"), at)}})
             elif kind == "tool_result" and role == "user" and isinstance(b.get("tool_use_id"), str):
                 result = _texts(b.get("content", ""), at + ".content")
                 out.append({"role": "tool", "tool_call_id": b["tool_use_id"],
@@ -84,10 +88,21 @@ def chat_messages(system, messages: list[dict]) -> list[dict]:
                            "missing or of the wrong type")
             else:
                 raise _bad(f"{at}: content blocks of type {kind!r} are not supported")
-        msg["content"] = "\n".join(texts)
-        if role == "assistant" or texts:
+        images = len(parts) > len(texts)
+        msg["content"] = parts if images else "\n".join(texts)
+        if role == "assistant" or texts or images:
             out.append(msg)
     return out
+
+
+def _image_url(source, at: str) -> str:
+    """An Anthropic image block's source -> a URL for server.media (base64: a data: URL)."""
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64" and isinstance(source.get("data"), str) and isinstance(source.get("media_type"), str):
+        return f"data:{source['media_type']};base64,{source['data']}"
+    if kind == "url" and isinstance(source.get("url"), str):
+        return source["url"]
+    raise _bad(f"{at}: an image block's source must be {{type: base64, media_type, data}} or {{type: url, url}}")
 
 
 def chat_request(req, max_tokens: int | None = None) -> ChatCompletionRequest:
@@ -162,9 +177,10 @@ def _usage(final) -> dict:
 async def create_message(state: ServerState, request: Request, req: MessagesRequest,
                          rlog: serving.RequestLog) -> Response:
     chat = chat_request(req, req.max_tokens)
+    await load_images(state, chat.messages)
     run = serving.prepare_chat(state, chat, rlog)
     gen = serving.generate(state, run.prompt_ids, run.params, rlog.id, rlog, chat.priority,
-                           cache_salt=chat.cache_salt, model=chat.model)
+                           cache_salt=chat.cache_salt, model=chat.model, images=run.images)
     if req.stream:
         first = await serving.first_output(request, gen)
         events = _events(req, rlog, serving.ChoiceDeltas(gen, first, run.tools.stream()))

@@ -37,6 +37,7 @@ from pydantic import ValidationError
 from server import serving
 from server.errors import APIError, from_validation_error
 from server.protocol import SAMPLING_EXTRAS, ChatCompletionRequest, ResponsesRequest
+from server.media import load_images
 from server.response_store import EventLog, StoredResponse
 from server.state import ServerState
 
@@ -49,6 +50,26 @@ def _bad(message: str, param: str = "input") -> APIError:
 
 def _text(content, where: str) -> str:
     return serving.joined_text(content, where + ".content", _TEXT_PARTS, "input")
+
+
+def _content(content, where: str, role: str):
+    """A message's content: its text, or with input_image parts chat's text
+    and image_url parts in their order (images in user messages only)."""
+    if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") == "input_image"
+                                                for p in content):
+        return _text(content, where)
+    if role != "user":
+        raise _bad(f"{where}.content: input_image parts are taken in user messages only")
+    parts = []
+    for j, p in enumerate(content):
+        if isinstance(p, dict) and p.get("type") == "input_image":
+            url = p.get("image_url")
+            if not isinstance(url, str):
+                raise _bad(f"{where}.content[{j}].image_url must be a URL string (file_id is not supported)")
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        else:
+            parts.append({"type": "text", "text": _text([p], where)})
+    return parts
 
 
 def _str(item: dict, key: str, where: str) -> str:
@@ -71,7 +92,7 @@ def input_messages(items: str | list[dict]) -> list[dict]:
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise _bad(f"{where}.role must be user, system, developer or assistant, got {role!r}")
-            msg = {"role": role, "content": _text(item.get("content"), where)}
+            msg = {"role": role, "content": _content(item.get("content"), where, role)}
             if role == "assistant" and reasoning is not None:
                 msg["reasoning_content"], reasoning = reasoning, None
             out.append(msg)
@@ -303,9 +324,10 @@ async def create_response(state: ServerState, request: Request, req: ResponsesRe
                             "could never be read.", param="background")
     chat, conversation = chat_request(req, history)
     chat = fitted(state, req, chat, conversation)
+    await load_images(state, chat.messages, param="input")
     run = serving.prepare_chat(state, chat, rlog)
     gen = serving.generate(state, run.prompt_ids, run.params, rlog.id, rlog, chat.priority,
-                           cache_salt=chat.cache_salt, model=chat.model)
+                           cache_salt=chat.cache_salt, model=chat.model, images=run.images)
     turn = _Turn(rlog.id, req, req.model or state.model_name, int(time.time()), conversation, input_items(req.input))
     if req.background and not req.stream:
         queued = turn.body("queued", [])

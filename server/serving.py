@@ -484,8 +484,6 @@ def chat_prompt(state: ServerState, req) -> tuple[str, list[int]]:
         raise
     images = [p for m in req.messages for p in m.images()]
     if images:
-        if any(p._image is None for p in images):
-            raise APIError(400, "image_url content parts are taken by /v1/chat/completions only", param="messages")
         try:
             return text, tok.encode(state.llm.images.expand_text(text, len(images)), add_special_tokens=False)
         except ValueError as e:     # a template that places no image (or too few)
@@ -495,7 +493,10 @@ def chat_prompt(state: ServerState, req) -> tuple[str, list[int]]:
 
 def request_images(req) -> list:
     """The decoded images of a chat request's messages, in order (server.media.load_images)."""
-    return [p._image for m in req.messages for p in m.images()]
+    images = [p._image for m in req.messages for p in m.images()]
+    if any(im is None for im in images):
+        raise APIError(400, "image_url content parts are not taken by this route", param="messages")
+    return images
 
 
 def joined_text(content, where: str, kinds: tuple[str, ...], param: str) -> str:

@@ -387,3 +387,34 @@ def test_tensor_parallel_images_equal_one_rank(model):
     ref_tokens, ref = hf_reference(hf, ids, images, 8)
     assert out.outputs[0].token_ids == ref_tokens
     assert gap(out, ids, ref) < LOGPROB_TOL
+
+
+def test_responses_and_messages_apis_take_images(chat_model, chat_server):
+    """/v1/responses' input_image and /v1/messages' image blocks (Anthropic's
+    client) run the same prompt as chat's image_url parts: the same text."""
+    import anthropic
+    import openai
+    path, _, _ = chat_model
+    url = data_url(image(9))
+    client = openai.OpenAI(base_url=chat_server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    chat = client.chat.completions.create(model=str(path), max_tokens=6, temperature=0, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "Compare"}, {"type": "image_url", "image_url": {"url": url}},
+                                     {"type": "text", "text": "now."}]}]).choices[0].message.content
+    assert chat
+    r = client.responses.create(model=str(path), max_output_tokens=6, temperature=0, input=[
+        {"role": "user", "content": [{"type": "input_text", "text": "Compare"},
+                                     {"type": "input_image", "image_url": url, "detail": "auto"},
+                                     {"type": "input_text", "text": "now."}]}])
+    assert r.output_text == chat
+    listed = client.responses.input_items.list(r.id)
+    assert [p.type for p in listed.data[0].content] == ["input_text", "input_image", "input_text"]
+    a = anthropic.Anthropic(base_url=chat_server.url, api_key="none", max_retries=0, timeout=120)
+    m = a.messages.create(model=str(path), max_tokens=6, extra_body={"temperature": 0}, messages=[
+        {"role": "user", "content": [
+            {"type": "text", "text": "Compare"},
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": url.split(",", 1)[1]}},
+            {"type": "text", "text": "now."}]}])
+    assert m.content[0].text == chat
+    with pytest.raises(openai.BadRequestError, match="not supported"):
+        client.embeddings.create(model=str(path), input="x", extra_body={"messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}], "input": None})

@@ -230,7 +230,7 @@ def test_formats_choices_and_extras_reach_the_engine(served):
 
 @pytest.mark.parametrize("body, match", [
     ({"background": True, "store": False}, "background needs store"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input_image"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "takes no images"),
     ({"input": [{"type": "web_search_call"}]}, "web_search_call"),
     ({"input": [{"role": "narrator", "content": "x"}]}, "role"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "arguments"),
