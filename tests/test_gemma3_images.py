@@ -418,3 +418,29 @@ def test_responses_and_messages_apis_take_images(chat_model, chat_server):
     with pytest.raises(openai.BadRequestError, match="not supported"):
         client.embeddings.create(model=str(path), input="x", extra_body={"messages": [
             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}], "input": None})
+
+
+@pytest.mark.parametrize("preset", ["f16", "k8v4", "tq4", "tq3", "tq4:kv"])
+def test_kv_presets_keep_image_spans_bidirectional(model, preset):
+    """Every KV preset: the prompt's logprobs stay nearer transformers'
+    bidirectional image mask than its causal one (the compressed backends
+    honour the spans), and chunks that stop before each image give the
+    tokens of whole-prompt prefill."""
+    path, hf = model
+    kv, _, hot = preset.partition(":")
+    kw = dict(kv_cache_dtype=kv, **({"kv_hot": hot} if hot else {}))
+    ids, seeds = PROMPTS[1]
+    images = [image(s) for s in seeds]
+    prompt = {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
+    out = llm(path, **kw).generate(prompt, greedy(prompt_logprobs=1))[0]
+    _, bidir = hf_reference(hf, ids, images, 8)
+    _, causal = hf_reference(hf, ids, images, 8, bidirectional=False)
+
+    def mean_gap(ref):
+        return sum(abs(out.prompt_logprobs[i][ids[i]] - ref[i - 1, ids[i]].item())
+                   for i in range(1, len(ids))) / (len(ids) - 1)
+    print(f"{preset}: mean |prompt logprob - transformers| bidirectional {mean_gap(bidir):.3g}, "
+          f"causal {mean_gap(causal):.3g}")
+    assert mean_gap(bidir) < 0.5 * mean_gap(causal)
+    chunked = llm(path, max_num_batched_tokens=N_IMG + 3, enable_prefix_caching=False, **kw)
+    assert chunked.generate(prompt, greedy())[0].outputs[0].token_ids == out.outputs[0].token_ids
