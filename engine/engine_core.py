@@ -223,6 +223,9 @@ class EngineCore(Worker):
             if why:
                 log.warning("image inputs are refused: %s", why)
                 return f"images are not supported with this KV cache: {why}"
+        log.info("image inputs: %d tokens per image%s, --limit-mm-per-prompt %s", images.tokens_per_image,
+                 " (attending to each other)" if images.bidirectional else "",
+                 self.args.image_limit() if self.args.image_limit() is not None else "none")
         return None
 
     def _init_prefix_store(self) -> None:

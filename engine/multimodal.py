@@ -150,8 +150,8 @@ class PromptImages:
         if p is None:
             return ids if ids is not None else self.tokenizer.encode(text), []
         from PIL import Image
-        if not all(isinstance(im, Image.Image) for im in images):
-            raise ValueError("images are PIL images")
+        if not all(isinstance(im, (Image.Image, torch.Tensor)) for im in images):
+            raise ValueError("images are PIL images (or the processor's pixel tensors)")
         if text is not None:
             ids = self.tokenizer.encode(self.expand_text(text, len(images)))
         elif images and not any(t == p.image_token_id for t in ids):
@@ -162,7 +162,7 @@ class PromptImages:
                              f"tokens; {len(images)} image(s) given")
         items = []
         for (offset, n), image in zip(spans, images):
-            data = p.pixels(image)
+            data = image if isinstance(image, torch.Tensor) else p.pixels(image)
             items.append(MultiModalItem(offset, n, data, content_hash(data), p.bidirectional))
         check_items(items, len(ids), self.max_chunk)
         return ids, items

@@ -24,7 +24,8 @@ def fetch_timeout() -> float:
 
 
 async def load_images(state, messages, param: str | None = None) -> int:
-    """Decode every image part of `messages` onto the part (its `_image`);
+    """Decode and preprocess every image part of `messages` onto the part
+    (its `_image`: the model's pixel tensor);
     returns how many. 400s (param: the request field they name; default
     messages.{i}): a model that takes no images, too many images
     (--limit-mm-per-prompt), a URL that cannot be read, bytes that are no image."""
@@ -40,8 +41,10 @@ async def load_images(state, messages, param: str | None = None) -> int:
     root = state.config.allowed_local_media_path
     data = await asyncio.gather(*(_read(p.image_url.url, root, where) for where, p in parts))
     loop = asyncio.get_running_loop()
+    pixels = state.llm.images.processor.pixels
     for (where, p), raw in zip(parts, data):
-        p._image = await loop.run_in_executor(None, _decode, raw, where)
+        # Decoded and preprocessed off the event loop (a large image takes tens of ms).
+        p._image = await loop.run_in_executor(None, lambda: pixels(_decode(raw, where)))
     return len(parts)
 
 

@@ -84,7 +84,7 @@ class ImageURL(_Body):
 class ImagePart(_Body):
     type: Literal["image_url"]
     image_url: ImageURL
-    _image: Any = PrivateAttr(default=None)   # the decoded image (server.media.load_images)
+    _image: Any = PrivateAttr(default=None)   # its pixels, decoded and preprocessed (server.media.load_images)
 
 
 class OtherPart(_Body):
