@@ -69,14 +69,16 @@ def hf_pixels(images):
 
 
 def hf_reference(hf, ids, images, max_tokens, bidirectional=True):
-    """transformers' greedy tokens and the log-softmax over prompt + them."""
-    x = torch.tensor([ids])
-    kw = dict(pixel_values=hf_pixels(images)) if images else {}
+    """transformers' greedy tokens and the log-softmax over prompt + them
+    (on hf's device, the pixels in its dtype)."""
+    w = next(hf.parameters())
+    x = torch.tensor([ids], device=w.device)
+    kw = dict(pixel_values=hf_pixels(images).to(w.device, w.dtype)) if images else {}
     tt = (x == IMG).long()
     with torch.no_grad():
         got = hf.generate(x, attention_mask=torch.ones_like(x), token_type_ids=tt, max_new_tokens=max_tokens,
                           do_sample=False, eos_token_id=None, pad_token_id=0, **kw)[0, len(ids):].tolist()
-        full = torch.tensor([ids + got])
+        full = torch.tensor([ids + got], device=w.device)
         logits = hf(full, token_type_ids=(full == IMG).long() if bidirectional else None, **kw).logits[0]
     return got, torch.log_softmax(logits.float(), -1)
 
@@ -444,3 +446,28 @@ def test_kv_presets_keep_image_spans_bidirectional(model, preset):
     assert mean_gap(bidir) < 0.5 * mean_gap(causal)
     chunked = llm(path, max_num_batched_tokens=N_IMG + 3, enable_prefix_caching=False, **kw)
     assert chunked.generate(prompt, greedy())[0].outputs[0].token_ids == out.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("backends", ["dense-triton", "tq-triton"])
+def test_triton_backends_run_image_spans(model, monkeypatch, backends):
+    """The GPU backends (under Triton's interpreter here) through the engine:
+    dense-triton equals transformers' logprobs; tq-triton (tq4) stays nearer
+    the bidirectional mask than the causal one."""
+    path, hf = model
+    monkeypatch.setenv("TQSERVE_ATTN_BACKEND", "dense-triton,tq-triton")
+    ids, seeds = PROMPTS[0]
+    images = [image(s) for s in seeds]
+    kw = {"kv_cache_dtype": "tq4"} if backends == "tq-triton" else {}
+    engine = llm(path, **kw)
+    names = {c.backend.name for c in engine.core.runner.kv_caches}
+    assert backends in names and names <= {"dense-triton", "tq-triton"}   # (tq4 keeps some layers dense)
+    out = engine.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": images}},
+                          greedy(4, logprobs=1, prompt_logprobs=1))[0]
+    _, bidir = hf_reference(hf, ids, images, 4)
+    if backends == "dense-triton":
+        assert gap(out, ids, bidir) < LOGPROB_TOL
+    else:
+        _, causal = hf_reference(hf, ids, images, 4, bidirectional=False)
+        mean = [sum(abs(out.prompt_logprobs[i][ids[i]] - r[i - 1, ids[i]].item()) for i in range(1, len(ids)))
+                for r in (bidir, causal)]
+        assert mean[0] < 0.5 * mean[1]

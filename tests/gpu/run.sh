@@ -8,7 +8,7 @@
 # Stages:
 #   tests   pytest: tests/gpu (parity with transformers on CUDA, CUDA graphs = eager, batch
 #           invariance, seeded sampling, preemption / prefix hits, KV presets, NCCL, LoRA adapters
-#           eager and captured vs merged weights, sleep mode's device memory, a draft model), the CUDA
+#           eager and captured vs merged weights, sleep mode's device memory, a draft model, images), the CUDA
 #           cases of test_sampler / test_engine_device and DeepSeek-V4's kernels (test_dsv4_triton, bf16)
 #   graphs  tests/bench/gpu_engine.py sections 1 and 4 on the Llama-3.2-1B shape (roofline, batch
 #           1 with and without CUDA graphs): the quickest look at the engine's speed
@@ -18,8 +18,10 @@
 #   dsv4    tests/bench/dsv4_decode.py --device cuda (DeepSeek-V4 decode: batched + CUDA graphs vs
 #           per sequence, eager) and tests/bench/dsv4_attn_gpu.py (the dsv4-triton kernels vs the torch
 #           reference at DeepSeek-V4-Flash's shapes, 8K-128K context)
-# pytest (pure Python) may be missing there: carry its wheels in .gpu-wheels/
-# (`pip download pytest -d .gpu-wheels` here; the folder is git-ignored).
+# pytest (pure Python) and Pillow (the image test) may be missing there: carry their wheels in
+# .gpu-wheels/ (`pip download pytest -d .gpu-wheels` here, and Pillow's for the machine's Python:
+# `pip download pillow -d .gpu-wheels --only-binary=:all: --platform manylinux_2_28_x86_64
+# --python-version 3.12`, one per version it may have; the folder is git-ignored).
 set -uo pipefail
 OUT=${OUT:-/tmp/tqserve-gpu}
 mkdir -p "$OUT"
@@ -33,6 +35,7 @@ for stage in "${stages[@]}"; do
     case $stage in
     tests)
         python -c "import pytest" 2>/dev/null || python -m pip install -q --no-index --find-links .gpu-wheels pytest
+        python -c "import PIL" 2>/dev/null || python -m pip install -q --no-index --find-links .gpu-wheels pillow
         # -v: one line per test as it ends, so a stage cut by its timeout still says which passed.
         timeout 420 python -m pytest -v -ra tests/gpu tests/test_sampler.py tests/test_engine_device.py \
             tests/test_dsv4_triton.py 2>&1 \

@@ -360,6 +360,32 @@ def _kv_tensors(llm):
     return out
 
 
+# ---------------------------------------------------------------- images
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_images_match_transformers_on_gpu(tmp_path, dtype):
+    """Gemma 3 with its vision tower on CUDA (needs Pillow: run.sh installs
+    it from .gpu-wheels): the encoder's rows, the bidirectional image spans in
+    dense-triton's prefill and the decode graphs after them give
+    transformers' tokens on the same GPU; eager equals graphs."""
+    from test_gemma3_images import PROMPTS, greedy as g, hf_reference, image, save_tiny_gemma3_vision
+    hf = save_tiny_gemma3_vision(tmp_path).to("cuda", getattr(torch, dtype))
+    graphs = LLM(str(tmp_path), device="cuda", dtype=dtype, block_size=4)
+    eager = LLM(str(tmp_path), device="cuda", dtype=dtype, block_size=4, enforce_eager=True)
+    assert graphs.core.graphs is not None
+    for ids, seeds in PROMPTS:
+        images = [image(s) for s in seeds]
+        prompt = {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
+        out = graphs.generate(prompt, g(8, logprobs=0))[0]
+        ref_tokens, ref = hf_reference(hf, ids, images, 8)
+        worst = max(abs(lp[t] - ref[len(ids) - 1 + j, t].item())
+                    for j, (t, lp) in enumerate(zip(out.outputs[0].token_ids, out.outputs[0].logprobs)))
+        print(f"{dtype}: max |logprob - transformers| {worst:.2e}")
+        if dtype == "float32":
+            assert out.outputs[0].token_ids == ref_tokens
+        assert worst < TOL[dtype]
+        assert eager.generate(prompt, g(8))[0].outputs[0].token_ids == out.outputs[0].token_ids
+
+
 # ---------------------------------------------------------------- sleep mode
 @pytest.mark.parametrize("level", [1, 2])
 def test_sleep_gives_back_device_memory_and_wakes_with_graphs(family, level):
