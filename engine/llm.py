@@ -14,7 +14,7 @@ from engine.engine_args import EngineArgs
 from engine.engine_core import EngineCore, check_pooling, check_priority, check_request
 from engine.errors import InvalidRequest
 from engine.lora import LoRARequest
-from engine.multimodal import PromptImages
+from engine.multimodal import PromptImages, chat_images
 from engine.output_processor import OutputProcessor, child_params
 from engine.outputs import (ClassificationOutput, ClassificationRequestOutput, EmbeddingOutput,
                             EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput)
@@ -259,7 +259,14 @@ class LLM:
         from model_zoo.chat_template import render_chat
         if self.chat_template is None:
             raise InvalidRequest("this model has no chat template")
+        messages, images = chat_images(messages)
         text = render_chat(self.chat_template, messages, bos_token=self.tokenizer.bos_token,
                            eos_token=self.tokenizer.eos_token, **template_kwargs)
+        if images:          # (the template placed one placeholder per image: checked here)
+            try:
+                text = self.images.expand_text(text, len(images))
+            except ValueError as e:
+                raise InvalidRequest(str(e)) from None
         ids = self.tokenizer.encode(text, add_special_tokens=False)
-        return self.generate([ids], sampling_params, lora_request=lora_request)[0]
+        prompt = {"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images else ids
+        return self.generate([prompt], sampling_params, lora_request=lora_request)[0]

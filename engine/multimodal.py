@@ -206,3 +206,47 @@ class PromptImages:
         if items and no_images:
             raise InvalidRequest(no_images)
         return text, ids, items
+
+
+def chat_images(messages: list[dict]) -> tuple[list[dict], list]:
+    """LLM.chat's messages with their images taken out (vLLM's parts:
+    {"type": "image_pil", "image_pil": a PIL image} or {"type": "image_url",
+    "image_url": {"url": "data:...;base64,..."}}), each replaced by the
+    {"type": "image"} part chat templates read; the images in order."""
+    out, images = [], []
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if not isinstance(content, list):
+            out.append(m)
+            continue
+        parts = []
+        for p in content:
+            kind = p.get("type") if isinstance(p, dict) else None
+            if kind == "image_pil":
+                images.append(p["image_pil"])
+            elif kind == "image_url":
+                images.append(_data_url_image(p.get("image_url")))
+            else:
+                parts.append(p)
+                continue
+            parts.append({"type": "image"})
+        out.append({**m, "content": parts})
+    return out, images
+
+
+def _data_url_image(image_url):
+    import base64
+    import binascii
+    import io
+
+    from PIL import Image
+    url = image_url.get("url") if isinstance(image_url, dict) else image_url
+    head, sep, payload = url.partition(",") if isinstance(url, str) else ("", "", "")
+    if not (head.startswith("data:") and head.endswith(";base64") and sep):
+        raise InvalidRequest("LLM.chat takes images as data: URLs or image_pil parts (the server fetches others)")
+    try:
+        im = Image.open(io.BytesIO(base64.b64decode(payload, validate=True)))
+        im.load()
+        return im
+    except (binascii.Error, OSError, ValueError) as e:
+        raise InvalidRequest(f"the image data URL cannot be decoded: {e}") from None

@@ -471,3 +471,29 @@ def test_triton_backends_run_image_spans(model, monkeypatch, backends):
         mean = [sum(abs(out.prompt_logprobs[i][ids[i]] - r[i - 1, ids[i]].item()) for i in range(1, len(ids)))
                 for r in (bidir, causal)]
         assert mean[0] < 0.5 * mean[1]
+
+
+def test_offline_chat_takes_images(chat_model):
+    """LLM.chat with vLLM's image_pil and data-URL image_url parts: the prompt
+    Gemma3Processor builds, and transformers' tokens."""
+    from transformers.models.gemma3 import Gemma3Processor
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+    path, hf, tok = chat_model
+    engine = LLM(str(path), dtype="float32", quantization="none")
+    images = [image(11), image(12)]
+    out = engine.chat([{"role": "user", "content": [
+        {"type": "image_pil", "image_pil": images[0]}, {"type": "text", "text": "and"},
+        {"type": "image_url", "image_url": {"url": data_url(images[1])}}]}], greedy(5))
+    proc = Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": 32, "width": 32}),
+                           tokenizer=tok, image_seq_length=N_IMG, chat_template=GEMMA3_TEMPLATE)
+    text = proc.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and"},
+                                                                 {"type": "image"}]}], add_generation_prompt=True,
+                                    tokenize=False)
+    x = proc(text=[text], images=[images], return_tensors="pt")
+    assert out.prompt_token_ids == x["input_ids"][0].tolist()
+    with torch.no_grad():
+        want = hf.generate(**x, max_new_tokens=5, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)[0, x["input_ids"].shape[1]:].tolist()
+    assert out.outputs[0].token_ids == want
+    with pytest.raises(InvalidRequest, match="data: URLs"):
+        engine.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}])
