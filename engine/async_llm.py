@@ -62,7 +62,7 @@ class AsyncLLM:
         self._ranks = start_local_ranks(self.args, self.args.topology().node_ranks[1:])
         # The tokenizer and template load here while the core loads weights.
         source = await loop.run_in_executor(None, open_model, self.args.model, self.args.load_format != "dummy",
-                                            self.args.tokenizer)
+                                            self.args.tokenizer, self.args.mmproj)
         self.tokenizer, self.chat_template = source.tokenizer, source.chat_template
         self.model_type = source.config.get("model_type")
         self.default_sampling = self.args.sampling_defaults(source)

@@ -138,6 +138,8 @@ class EngineArgs:
         None, 'speculative decoding, as vLLM spells it: {"method": "ngram" | "mtp" | "draft_model", '
               '"num_speculative_tokens": k, "prompt_lookup_min": n, "prompt_lookup_max": n, "model": draft model '
               '(draft_model), "disable_by_batch_size": b}', type=parse_json_object)
+    mmproj: str | None = arg(None, "llama.cpp's --mmproj: the vision tower's GGUF (clip) beside a Gemma 3 GGUF "
+                                   "model, which then takes images", metavar="FILE")
     limit_mm_per_prompt: dict | None = arg(
         None, 'the most images one prompt may carry (vLLM\'s flag), e.g. {"image": 4}; default: no limit. '
               'Images only: there are no audio or video inputs', type=parse_json_object)

@@ -53,7 +53,8 @@ class Worker:
 
     def __init__(self, args: EngineArgs, source=None, rank: int = 0, start_local_ranks: bool = True):
         args.validate()
-        self.source = source or open_model(args.model, weights=args.load_format != "dummy", tokenizer=args.tokenizer)
+        self.source = source or open_model(args.model, weights=args.load_format != "dummy", tokenizer=args.tokenizer,
+                                            mmproj=args.mmproj)
         if args.hf_overrides:
             self.source.config.update(args.hf_overrides)
         self.args = args = args.resolved(self.source.stored, self.source.stored_splits)

@@ -616,7 +616,7 @@ def eos_ids(meta: dict, tokenizer: Tokenizer | None) -> list[int]:
     return out
 
 
-def _open_reader(path: Path) -> GGUFFile:
+def open_reader(path: Path) -> GGUFFile:
     if not path.exists():
         raise ModelLoadError(f"GGUF file {path} does not exist")
     if not path.is_file():
@@ -647,7 +647,7 @@ def _unmapped(path: Path, name: str, arch: str) -> ModelLoadError:
 
 def open_gguf(path: str | Path) -> ModelSource:
     path = Path(path)
-    reader = _open_reader(path)
+    reader = open_reader(path)
     # Vocab arrays are needed whole for the tokenizer; everything else is small.
     meta = reader.metadata
     arch = meta.get("general.architecture")

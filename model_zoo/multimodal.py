@@ -56,7 +56,8 @@ class Gemma3Images(ImageProcessor):
         from model_zoo import gemma3_vision as gv
         self._gv = gv
         self.outer = config.get("multimodal_config") or {}
-        self.processor_config = _read_json(folder, "preprocessor_config.json")
+        # A Hugging Face directory's preprocessor_config.json, or an mmproj file's mean / std.
+        self.processor_config = _read_json(folder, "preprocessor_config.json") or self.outer.get("processor_config")
         self.placeholder = gv.BOI_TOKEN
         self.image_token_id = int(self.outer.get("image_token_index", self.outer.get("image_token_id", 262144)))
         self.tokens_per_image = int(self.outer.get("mm_tokens_per_image", 256))
@@ -89,7 +90,7 @@ def image_processor_for(config: dict, folder: str | Path | None = None) -> Image
 
 
 def _read_json(folder: Path | None, name: str) -> dict | None:
-    if folder is None or not (folder / name).is_file():
+    if folder is None or not folder.is_dir() or not (folder / name).is_file():
         return None
     with open(folder / name) as f:
         return json.load(f)

@@ -138,10 +138,11 @@ def resolve_path(name_or_path: str | os.PathLike) -> Path:
 
 
 def open_model(name_or_path: str | os.PathLike, weights: bool = True,
-               tokenizer: str | os.PathLike | None = None) -> ModelSource:
+               tokenizer: str | os.PathLike | None = None, mmproj: str | os.PathLike | None = None) -> ModelSource:
     """weights False (load_format dummy): an HF directory needs only config.json
     (a GGUF file has its weights inside anyway; they are not read);
-    tokenizer: a directory whose tokenizer (and chat template) serve instead."""
+    tokenizer: a directory whose tokenizer (and chat template) serve instead;
+    mmproj: llama.cpp's vision-tower GGUF for a GGUF language model (model_zoo/mmproj.py)."""
     path = resolve_path(name_or_path)
     if path.is_dir():
         from model_zoo.hf_loader import open_hf_dir
@@ -154,4 +155,7 @@ def open_model(name_or_path: str | os.PathLike, weights: bool = True,
     if tokenizer is not None:
         from model_zoo.hf_loader import use_tokenizer
         use_tokenizer(source, tokenizer)
+    if mmproj is not None:
+        from model_zoo.mmproj import attach_mmproj
+        attach_mmproj(source, Path(mmproj).expanduser())
     return source

@@ -497,3 +497,103 @@ def test_offline_chat_takes_images(chat_model):
     assert out.outputs[0].token_ids == want
     with pytest.raises(InvalidRequest, match="data: URLs"):
         engine.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}])
+
+
+# --------------------------------------------------------------------------
+# llama.cpp's layout: a Gemma 3 GGUF plus its mmproj GGUF (--mmproj).
+# --------------------------------------------------------------------------
+def write_gguf_pair(folder, hf):
+    """hf (save_tiny_gemma3_vision's) as llama.cpp's converter writes it: the
+    language model as a gemma3 GGUF (norms w + 1, tied embedding) with a
+    token list that has Gemma 3's image tokens at their ids, and the tower as
+    an mmproj (clip) GGUF (projector norm w + 1, input projection F16)."""
+    import gguf
+    from test_gguf_hybrid import finish
+    text, vision = hf.config.text_config, hf.config.vision_config
+    L = text.num_hidden_layers
+    w = gguf.GGUFWriter(str(folder / "model.gguf"), "gemma3")
+    w.add_block_count(L)
+    w.add_context_length(text.max_position_embeddings)
+    w.add_embedding_length(text.hidden_size)
+    w.add_feed_forward_length(text.intermediate_size)
+    w.add_head_count(text.num_attention_heads)
+    w.add_head_count_kv(text.num_key_value_heads)
+    w.add_key_length(text.head_dim)
+    w.add_value_length(text.head_dim)
+    w.add_layer_norm_rms_eps(text.rms_norm_eps)
+    w.add_rope_freq_base(text.rope_parameters["full_attention"]["rope_theta"])
+    w.add_sliding_window(text.sliding_window)
+    w.add_sliding_window_pattern([t == "sliding_attention" for t in text.layer_types])
+    w.add_vocab_size(text.vocab_size)
+    special = {0: "<pad>", 1: "<bos>", 2: "<eos>", IMG: "<image_soft_token>", BOI: "<start_of_image>",
+               EOI: "<end_of_image>"}
+    tokens = [special.get(i, f"t{i}") for i in range(text.vocab_size)]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if i in special else 1 for i in range(text.vocab_size)])
+    w.add_token_merges([])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, L)
+    out = {}
+    for k, v in hf.state_dict().items():
+        if not k.startswith("model.language_model."):
+            continue
+        a = v.detach().float().numpy()
+        stem, suffix = k.replace("model.language_model.", "model.").rsplit(".", 1)
+        out[f"{names.get_name(stem)}.{suffix}"] = a + 1.0 if "norm" in stem else a
+    finish(w, out, "F32")
+
+    m = gguf.GGUFWriter(str(folder / "mmproj.gguf"), "clip")
+    m.add_bool("clip.has_vision_encoder", True)
+    m.add_string("clip.vision.projector_type", "gemma3")
+    for key, value in (("image_size", vision.image_size), ("patch_size", vision.patch_size),
+                       ("embedding_length", vision.hidden_size), ("feed_forward_length", vision.intermediate_size),
+                       ("block_count", vision.num_hidden_layers), ("attention.head_count", vision.num_attention_heads),
+                       ("projector.scale_factor", vision.image_size // vision.patch_size // int(N_IMG ** 0.5))):
+        m.add_uint32(f"clip.vision.{key}", value)
+    m.add_float32("clip.vision.attention.layer_norm_epsilon", vision.layer_norm_eps)
+    m.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
+    m.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+    vnames = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, vision.num_hidden_layers)
+    for k, v in hf.state_dict().items():
+        if "vision_tower." not in k and "multi_modal_projector." not in k:
+            continue
+        if ".head." in k:
+            continue
+        a = v.detach().float().numpy()
+        hub = k.replace("model.", "", 1).replace("vision_tower.", "vision_tower.vision_model.", 1) \
+            if "vision_tower.vision_model." not in k else k.replace("model.", "", 1)
+        stem, suffix = hub.replace("_weight", ".weight").rsplit(".", 1)
+        name = f"{vnames.get_name(stem)}.{suffix}"
+        if "soft_emb_norm" in name:
+            a = a + 1.0
+        m.add_tensor(name, a.astype(np.float16) if "input_projection" in name else a)
+    m.write_header_to_file()
+    m.write_kv_data_to_file()
+    m.write_tensors_to_file()
+    m.close()
+
+
+def test_gguf_with_mmproj_equals_transformers(model, tmp_path):
+    """--mmproj: the GGUF pair gives transformers' tokens and logprobs (its
+    input projection rounded to F16 as the converter stores it)."""
+    path, _ = model
+    from transformers import Gemma3ForConditionalGeneration
+    hf = Gemma3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        p = hf.model.multi_modal_projector.mm_input_projection_weight
+        p.copy_(p.half().float())
+    write_gguf_pair(tmp_path, hf)
+    engine = LLM(str(tmp_path / "model.gguf"), mmproj=str(tmp_path / "mmproj.gguf"), dtype="float32",
+                 quantization="none", block_size=4)
+    ids, seeds = PROMPTS[1]
+    images = [image(s) for s in seeds]
+    out = engine.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": images}},
+                          greedy(logprobs=1, prompt_logprobs=1))[0]
+    ref_tokens, ref = hf_reference(hf, ids, images, 8)
+    assert out.outputs[0].token_ids == ref_tokens
+    assert gap(out, ids, ref) < LOGPROB_TOL
+    with pytest.raises(Exception, match="not a multimodal projector"):
+        LLM(str(tmp_path / "model.gguf"), mmproj=str(tmp_path / "model.gguf"))
