@@ -149,8 +149,11 @@ class DraftModelProposer(Proposer):
                                self.d.caches, seq_lens_t=torch.tensor(seq_lens, dtype=torch.long, device=dev),
                                query_start_loc_t=torch.tensor(qsl, dtype=torch.long, device=dev))
         model = self.d.model
-        hidden = model(torch.tensor(ids, dtype=torch.long, device=dev),
-                       torch.tensor(pos, dtype=torch.long, device=dev), md)
+        ids_t = torch.tensor(ids, dtype=torch.long, device=dev)
+        # A target's image placeholders may lie past the draft's vocabulary (the
+        # draft reads text only): it sees id 0 there.
+        ids_t = ids_t.masked_fill(ids_t >= int(self.d.config["vocab_size"]), 0)
+        hidden = model(ids_t, torch.tensor(pos, dtype=torch.long, device=dev), md)
         last = torch.tensor(qsl[1:], dtype=torch.long, device=dev) - 1
         tokens = model.compute_logits(hidden.index_select(0, last))[:, :self.vocab_size].argmax(dim=-1).tolist()
         back = [0] * len(spans)

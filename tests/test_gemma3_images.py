@@ -597,3 +597,19 @@ def test_gguf_with_mmproj_equals_transformers(model, tmp_path):
     assert gap(out, ids, ref) < LOGPROB_TOL
     with pytest.raises(Exception, match="not a multimodal projector"):
         LLM(str(tmp_path / "model.gguf"), mmproj=str(tmp_path / "model.gguf"))
+
+
+def test_draft_model_speculation_with_images(model, tmp_path):
+    """A text draft model beside the vision target (its vocabulary ends before
+    the image tokens): the greedy tokens are the target's alone."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    path, _ = model
+    torch.manual_seed(4)
+    Gemma3ForCausalLM(Gemma3TextConfig(vocab_size=IMG, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                       bos_token_id=1, eos_token_id=2)).save_pretrained(tmp_path)
+    ids, seeds = PROMPTS[1]
+    prompt = {"prompt_token_ids": ids, "multi_modal_data": {"image": [image(s) for s in seeds]}}
+    want = llm(path).generate(prompt, greedy(10))[0].outputs[0].token_ids
+    spec = llm(path, speculative_config={"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 3})
+    assert spec.generate(prompt, greedy(10))[0].outputs[0].token_ids == want
