@@ -49,6 +49,7 @@ class RequestLog:
         self.t0 = time.monotonic()
         self.prompt_tokens = 0
         self.output_tokens = 0
+        self.images = 0
         self.first_token: float | None = None
         self._done = False
 
@@ -61,9 +62,9 @@ class RequestLog:
             return
         self._done = True
         ttft = f"{self.first_token - self.t0:.3f}s" if self.first_token is not None else "-"
-        log.info("%s %s prompt_tokens=%d output_tokens=%d ttft=%s total=%.3fs status=%s",
-                 self.id, self.kind, self.prompt_tokens, self.output_tokens, ttft,
-                 time.monotonic() - self.t0, status)
+        log.info("%s %s prompt_tokens=%d%s output_tokens=%d ttft=%s total=%.3fs status=%s",
+                 self.id, self.kind, self.prompt_tokens, f" images={self.images}" if self.images else "",
+                 self.output_tokens, ttft, time.monotonic() - self.t0, status)
 
 
 # --------------------------------------------------------------------------
@@ -84,6 +85,7 @@ async def generate(state: ServerState, prompt_ids: list[int], params: SamplingPa
     final = None
     rejected = False
     state.start_request(request_id)
+    rlog.images = len(images or ())
     prompt = {"prompt_token_ids": prompt_ids, "multi_modal_data": {"image": images}} if images else prompt_ids
     gen = llm.generate(prompt, params, request_id, priority, pooling=pooling, cache_salt=cache_salt,
                        lora_request=state.loras.get(model))

@@ -336,6 +336,7 @@ def test_chat_with_images_over_http_equals_transformers(chat_model, chat_server)
                                    pad_token_id=0)[0, x["input_ids"].shape[1]:].tolist()
             assert r.choices[0].token_ids == want
             assert r.usage.prompt_tokens == len(r.prompt_token_ids)
+        assert f"prompt_tokens={len(r.prompt_token_ids)} images=2 output_tokens=6" in chat_server.log()
     finally:
         httpd.shutdown()
 
