@@ -14,6 +14,7 @@
 #           1 with and without CUDA graphs): the quickest look at the engine's speed
 #   engine  tests/bench/gpu_engine.py, every section on both shapes (the issue's ~10 minutes)
 #   tq      tests/bench/tq_triton_gpu.py (TurboQuant kernels vs SDPA)
+#   images  tests/bench/image_encoder.py --device cuda (Gemma 3's vision tower per image vs transformers)
 #   quant   tests/bench/quant_gpu.py (quantized-weight kernels; --budget-s 240)
 #   dsv4    tests/bench/dsv4_decode.py --device cuda (DeepSeek-V4 decode: batched + CUDA graphs vs
 #           per sequence, eager) and tests/bench/dsv4_attn_gpu.py (the dsv4-triton kernels vs the torch
@@ -28,7 +29,7 @@ mkdir -p "$OUT"
 # conftest sets TRITON_INTERPRET=1 only when unset: 0 runs the kernels for real.
 export PYTHONPATH=. TRITON_INTERPRET=0
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(tests graphs engine tq quant dsv4)
+[ ${#stages[@]} -eq 0 ] && stages=(tests graphs engine tq images quant dsv4)
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 for stage in "${stages[@]}"; do
     echo "== $stage $(date -u +%T)"
@@ -48,6 +49,9 @@ for stage in "${stages[@]}"; do
     tq)
         timeout 360 python tests/bench/tq_triton_gpu.py --hot off,k --sweep 2>&1 | tee "$OUT/tq_triton_gpu.log"
         cp tests/bench/results/tq_triton_gpu.* "$OUT/" 2>/dev/null || true ;;
+    images)
+        timeout 180 python tests/bench/image_encoder.py --device cuda --repeat 5 --out "$OUT/image_encoder_cuda" 2>&1 \
+            | tee "$OUT/image_encoder.log" ;;
     quant)
         # GGUF / FP8 / MXFP4 / grouped MoE (MXFP4 and GGUF experts) vs bf16 cuBLAS and the copy-bandwidth
         # roofline; the script skips what is left past --budget-s 240, timeout is the hard stop.
@@ -57,7 +61,7 @@ for stage in "${stages[@]}"; do
         timeout 240 python tests/bench/dsv4_attn_gpu.py --out "$OUT/dsv4_attn_gpu" 2>&1 | tee "$OUT/dsv4_attn_gpu.log"
         cp tests/bench/results/dsv4_decode_cuda.* "$OUT/" 2>/dev/null || true ;;
     *)
-        echo "unknown stage $stage (tests, graphs, engine, tq, quant, dsv4)" >&2
+        echo "unknown stage $stage (tests, graphs, engine, tq, images, quant, dsv4)" >&2
         exit 2 ;;
     esac
 done
