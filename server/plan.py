@@ -136,7 +136,12 @@ def load_config(model: str) -> tuple[str, dict]:
     if not p.is_file():
         raise SystemExit(f"--model {model!r}: not a built-in name ({', '.join(BUILTIN)}) nor a config.json")
     cfg = json.loads(p.read_text())
-    return str(p), cfg.get("text_config", cfg) if "num_hidden_layers" not in cfg else cfg
+    if "num_hidden_layers" in cfg:
+        return str(p), cfg
+    if "vision_config" in cfg:      # a multimodal checkpoint the engine runs with its tower
+        from model_zoo.hf_loader import fill_derived_config
+        return str(p), fill_derived_config(cfg)
+    return str(p), cfg.get("text_config", cfg)
 
 
 # ---------------------------------------------------------------- accounting
@@ -455,6 +460,20 @@ def measure_weights(cfg: dict, tp: int, dtype: str = "bfloat16", quantization: s
     return resident_bytes(model)
 
 
+def tower_bytes(cfg: dict, dtype: str) -> int:
+    """A multimodal model's vision tower (its `vision` module), whole on every rank."""
+    import torch
+
+    from model_zoo.models import build_model
+    from model_zoo.multimodal import image_processor_for
+    if image_processor_for(cfg) is None:
+        return 0
+    with torch.device("meta"):
+        model = build_model(cfg)
+    size = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    return sum(t.numel() for t in model.vision.parameters()) * size
+
+
 def make_plan(model: str, tp: int = 2, kv_cache_dtype: str = "f16", rollback: int = 3,
               dtype: str | None = None, quantization: str | None = "auto") -> Plan:
     """The formulas' plan; with dtype, also the weights measured from a meta
@@ -471,6 +490,10 @@ def make_plan(model: str, tp: int = 2, kv_cache_dtype: str = "f16", rollback: in
         dtype = dtype or "bfloat16"          # no weight formula either: always measured
     else:
         p = plan_dense(name, cfg, tp, kv_cache_dtype)
+    vision = tower_bytes(cfg, dtype or "bfloat16")
+    if vision:
+        p.weight_parts["vision tower (replicated)"] = vision
+        p.weight_bytes += vision
     if dtype:
         auto = "fp8" if v4 else "gguf" if gguf is not None and gguf.stored else None
         quant = auto if quantization == "auto" else None if quantization in (None, "none") else quantization

@@ -150,3 +150,28 @@ def test_gguf_file_weights_measured_per_rank(model, tp, tmp_path, capsys):
     assert p.measured_weight_bytes < 0.5 * dense.measured_weight_bytes
     assert plan.main(["--model", str(path), "--tp", str(tp), "--max-model-len", "128", "--dtype", "float32"]) == 0
     assert "--quantization gguf" in capsys.readouterr().out
+
+
+def test_gemma3_multimodal_checkpoint_counts_its_vision_tower(tmp_path):
+    """A Gemma3ForConditionalGeneration config.json: the tower (replicated on
+    every rank) is in the formula and in the meta-built engine model alike."""
+    from transformers import Gemma3Config, Gemma3TextConfig, SiglipVisionConfig
+    cfg = Gemma3Config(text_config=Gemma3TextConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
+                                                    num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                                                    head_dim=32),
+                       vision_config=SiglipVisionConfig(image_size=32, patch_size=4, hidden_size=32,
+                                                        intermediate_size=64, num_hidden_layers=2,
+                                                        num_attention_heads=2, vision_use_head=False),
+                       mm_tokens_per_image=16)
+    cfg.architectures = ["Gemma3ForConditionalGeneration"]
+    cfg.save_pretrained(tmp_path / "mm")
+    cfg.text_config.architectures = ["Gemma3ForCausalLM"]
+    cfg.text_config.save_pretrained(tmp_path / "text")
+    vision = cfg.vision_config
+    per_layer = 4 * (32 * 32 + 32) + (32 * 64 + 64) + (64 * 32 + 32) + 4 * 32
+    params = (32 * 3 * 4 * 4 + 32) + 64 * 32 + vision.num_hidden_layers * per_layer + 2 * 32 + (32 * 64 + 32)
+    p = plan.make_plan(str(tmp_path / "mm"), 2, "f16", dtype="bfloat16")
+    assert p.weight_parts["vision tower (replicated)"] == 2 * params
+    text = plan.make_plan(str(tmp_path / "text"), 2, "f16", dtype="bfloat16")
+    assert p.weight_bytes - text.weight_bytes == 2 * params
+    assert p.measured_weight_bytes - text.measured_weight_bytes == 2 * params
