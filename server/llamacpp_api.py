@@ -21,6 +21,7 @@ request (an abort) and reports stop_type "limit".
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -32,7 +33,8 @@ from pydantic import ValidationError
 from model_zoo.fim import fim_token_ids, infill_prompt
 from server import serving, structured
 from server.errors import APIError, error_body, from_validation_error
-from server.protocol import CompletionRequest, InfillRequest, LlamaCompletionRequest
+from server.media import load_base64_images
+from server.protocol import CompletionRequest, InfillRequest, LlamaCompletionRequest, MediaPrompt
 from server.state import ServerState
 
 # llama.cpp's default batch (-b): /infill cuts the prefix and suffix to fit it.
@@ -62,8 +64,33 @@ def mixed_ids(state: ServerState, p, add_special: bool, param: str = "prompt") -
     return ids
 
 
-def prompt_ids(state: ServerState, req: LlamaCompletionRequest) -> list[list[int]]:
-    return [mixed_ids(state, p, add_special=True) for p in req.prompts()]
+def media_marker() -> str:
+    return os.environ.get("LLAMA_MEDIA_MARKER", "<__media__>")      # llama.cpp's (mtmd_default_marker)
+
+
+async def prompts_with_media(state: ServerState, req: LlamaCompletionRequest) -> tuple[list[list[int]], list[list]]:
+    """Each prompt's ids and images: a {prompt_string, multimodal_data} prompt's
+    markers become the model's image placeholder, expanded as its processor
+    does (Gemma 3: "\n\n<start_of_image>", its image tokens, "<end_of_image>\n\n",
+    where llama.cpp puts the bare begin / end tokens)."""
+    ids, images = [], []
+    for p in req.prompts():
+        if not isinstance(p, MediaPrompt):
+            ids.append(mixed_ids(state, p, add_special=True))
+            images.append([])
+            continue
+        pixels = await load_base64_images(state, p.multimodal_data, "prompt.multimodal_data")
+        text = p.prompt_string
+        if pixels:
+            text = text.replace(media_marker(), state.llm.images.processor.placeholder)
+            try:
+                text = state.llm.images.expand_text(text, len(pixels))
+            except ValueError as e:
+                raise APIError(400, f"prompt.prompt_string: {e} (one {media_marker()} per image)",
+                               param="prompt") from None
+        ids.append(_tokenizer(state, "prompt").encode(text, add_special_tokens=True))
+        images.append(pixels)
+    return ids, images
 
 
 def infill_ids(state: ServerState, req: InfillRequest, n_predict: int) -> list[list[int]]:
@@ -229,7 +256,8 @@ def _nested(fields: list[str], body: dict) -> dict:
 async def create_completion(state: ServerState, request: Request, req: LlamaCompletionRequest,
                             rlog: serving.RequestLog) -> Response:
     serving.admit(state, [])        # 503 while loading or draining, 429 when the queue is full
-    return await _run(state, request, req, rlog, prompt_ids(state, req))
+    ids, images = await prompts_with_media(state, req)
+    return await _run(state, request, req, rlog, ids, images)
 
 
 async def create_infill(state: ServerState, request: Request, req: InfillRequest,
@@ -239,7 +267,7 @@ async def create_infill(state: ServerState, request: Request, req: InfillRequest
 
 
 async def _run(state: ServerState, request: Request, req: LlamaCompletionRequest, rlog: serving.RequestLog,
-               ids: list[list[int]]) -> Response:
+               ids: list[list[int]], images: list[list] | None = None) -> Response:
     limit = req.limit()
     max_tokens = None if limit == -1 else limit
     for p in ids:
@@ -252,8 +280,9 @@ async def _run(state: ServerState, request: Request, req: LlamaCompletionRequest
                                      logprobs_param="n_probs")
     rids = [rlog.id if len(ids) == 1 else f"{rlog.id}-{i}" for i in range(len(ids))]
     serving.admit(state, rids)
-    gens = [serving.generate(state, p, params, rid, rlog, cache_salt=None, model=inner.model)
-            for p, rid in zip(ids, rids)]
+    images = images or [[] for _ in ids]
+    gens = [serving.generate(state, p, params, rid, rlog, cache_salt=None, model=inner.model, images=im)
+            for p, rid, im in zip(ids, rids, images)]
     merged = serving._merge(gens)
     t0 = time.monotonic()
     progress = [Progress(req.n_indent, req.t_max_predict_ms, t0) for _ in ids]

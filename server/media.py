@@ -48,6 +48,24 @@ async def load_images(state, messages, param: str | None = None) -> int:
     return len(parts)
 
 
+async def load_base64_images(state, datas: list[str], param: str) -> list:
+    """llama.cpp's multimodal_data (base64, or data: URLs) -> the model's
+    pixel tensors, with load_images' checks and 400s."""
+    try:
+        state.llm.images.check_count(len(datas))
+    except ValueError as e:
+        raise APIError(400, f"image inputs: {e}", param=param) from None
+    if datas and state.llm.no_images:
+        raise APIError(400, f"image inputs: {state.llm.no_images}", param=param)
+    loop = asyncio.get_running_loop()
+    pixels = state.llm.images.processor.pixels if datas else None
+    out = []
+    for d in datas:
+        raw = await _read(d if d.startswith("data:") else "data:;base64," + d, None, param)
+        out.append(await loop.run_in_executor(None, lambda: pixels(_decode(raw, param))))
+    return out
+
+
 async def _read(url: str, root: str | None, param: str) -> bytes:
     scheme = urlparse(url).scheme.lower()
     if scheme == "data":

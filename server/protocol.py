@@ -718,6 +718,14 @@ class CountTokensRequest(_Body):
 # llama.cpp's native API (/completion, /infill): its names and defaults.
 # --------------------------------------------------------------------------
 MixedPrompt = str | list[TokenId | str]     # text, token ids, or both in one list (llama.cpp's "mixed")
+MAX_PROMPT_MEDIA = 64
+
+
+class MediaPrompt(_Body):
+    """llama.cpp's multimodal prompt: its media marker (<__media__>, or
+    $LLAMA_MEDIA_MARKER) once per image of multimodal_data (base64 or data: URLs)."""
+    prompt_string: str
+    multimodal_data: list[str] = Field(default_factory=list, max_length=MAX_PROMPT_MEDIA)
 MAX_INPUT_EXTRA = 1024
 
 
@@ -738,7 +746,7 @@ class LlamaCompletionRequest(_Body):
     samplers (the order is fixed), n_keep, min_keep, t_max_prompt_ms.
     repeat_last_n is accepted, but the penalties see the whole context
     (vLLM's rule; llama.cpp's last 64 tokens)."""
-    prompt: MixedPrompt | list[MixedPrompt]
+    prompt: MixedPrompt | MediaPrompt | list[MixedPrompt | MediaPrompt]
     model: str | None = None            # a LoRA adapter's name selects it; other names are ignored (llama.cpp)
     n_predict: int | None = Field(None, ge=-1)      # -1: up to the context
     max_tokens: int | None = Field(None, ge=-1)     # llama.cpp's alias of n_predict
@@ -798,10 +806,10 @@ class LlamaCompletionRequest(_Body):
         """n_predict (or max_tokens); -1: up to the context."""
         return next((v for v in (self.n_predict, self.max_tokens) if v is not None), -1)
 
-    def prompts(self) -> list[MixedPrompt]:
-        """One prompt (text, ids, or mixed: a list with an id in it) or several."""
+    def prompts(self) -> list[MixedPrompt | MediaPrompt]:
+        """One prompt (text, ids, mixed: a list with an id in it, or with media) or several."""
         p = self.prompt
-        if isinstance(p, str) or any(isinstance(x, int) for x in p):
+        if isinstance(p, (str, MediaPrompt)) or any(isinstance(x, int) for x in p):
             return [p]
         return list(p)
 

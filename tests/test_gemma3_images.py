@@ -614,3 +614,31 @@ def test_draft_model_speculation_with_images(model, tmp_path):
     want = llm(path).generate(prompt, greedy(10))[0].outputs[0].token_ids
     spec = llm(path, speculative_config={"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 3})
     assert spec.generate(prompt, greedy(10))[0].outputs[0].token_ids == want
+
+
+def test_llamacpp_completion_with_multimodal_data(chat_model, chat_server):
+    """llama.cpp's /completion prompt {prompt_string, multimodal_data}: each
+    <__media__> an image (raw base64 or a data: URL), expanded as
+    Gemma3Processor expands <start_of_image>; transformers' tokens."""
+    import httpx
+    from transformers.models.gemma3 import Gemma3Processor
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+    path, hf, tok = chat_model
+    images = [image(13), image(14)]
+    urls = [data_url(im) for im in images]
+    r = httpx.post(chat_server.url + "/completion", timeout=120, json={
+        "prompt": {"prompt_string": "Compare <__media__> and <__media__> now.",
+                   "multimodal_data": [urls[0].split(",", 1)[1], urls[1]]},
+        "n_predict": 6, "temperature": 0, "return_tokens": True, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    proc = Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": 32, "width": 32}),
+                           tokenizer=tok, image_seq_length=N_IMG)
+    x = proc(text=["Compare <start_of_image> and <start_of_image> now."], images=[images], return_tensors="pt")
+    with torch.no_grad():
+        want = hf.generate(**x, max_new_tokens=6, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)[0, x["input_ids"].shape[1]:].tolist()
+    body = r.json()
+    assert body["tokens"] == want and body["tokens_evaluated"] == x["input_ids"].shape[1]
+    bad = httpx.post(chat_server.url + "/completion", timeout=60, json={
+        "prompt": {"prompt_string": "no marker", "multimodal_data": [urls[0]]}, "n_predict": 2})
+    assert bad.status_code == 400 and "<__media__>" in bad.json()["error"]["message"]
