@@ -285,6 +285,25 @@ def data_url(im: Image.Image) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
+def hf_processed(tok, images, text=None, parts=None):
+    """Gemma3Processor's inputs for text, or for one user message of parts
+    rendered by the chat template."""
+    from transformers.models.gemma3 import Gemma3Processor
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+    proc = Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": 32, "width": 32}),
+                           tokenizer=tok, image_seq_length=N_IMG, chat_template=GEMMA3_TEMPLATE)
+    if parts is not None:
+        text = proc.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True,
+                                        tokenize=False)
+    return proc(text=[text], images=[images], return_tensors="pt")
+
+
+def hf_generated(hf, x, n: int) -> list[int]:
+    with torch.no_grad():
+        return hf.generate(**x, max_new_tokens=n, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)[0, x["input_ids"].shape[1]:].tolist()
+
+
 def test_chat_with_images_over_http_equals_transformers(chat_model, chat_server):
     """Data URL, file:// and http:// images through OpenAI's client: the
     prompt ids equal transformers' Gemma3Processor's and the greedy tokens
@@ -293,8 +312,6 @@ def test_chat_with_images_over_http_equals_transformers(chat_model, chat_server)
     import threading
 
     import openai
-    from transformers.models.gemma3 import Gemma3Processor
-    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
     path, hf, tok = chat_model
     served = image(8, (40, 30))
 
@@ -313,8 +330,6 @@ def test_chat_with_images_over_http_equals_transformers(chat_model, chat_server)
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     client = openai.OpenAI(base_url=chat_server.url + "/v1", api_key="none", max_retries=0, timeout=120)
-    proc = Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": 32, "width": 32}),
-                           tokenizer=tok, image_seq_length=N_IMG, chat_template=GEMMA3_TEMPLATE)
     cases = [([image(6)], [data_url(image(6))]),
              ([image(7), served], ["file://" + str(chat_server.media / "seven.png"),
                                    f"http://127.0.0.1:{httpd.server_address[1]}/x.png"])]
@@ -325,16 +340,10 @@ def test_chat_with_images_over_http_equals_transformers(chat_model, chat_server)
             r = client.chat.completions.create(
                 model=str(path), messages=[{"role": "user", "content": parts}], max_tokens=6, temperature=0,
                 extra_body={"return_token_ids": True, "ignore_eos": True})
-            hf_parts = [{"type": "text", "text": "Compare"}] + [{"type": "image"}] * len(urls) + \
-                [{"type": "text", "text": "now."}]
-            text = proc.apply_chat_template([{"role": "user", "content": hf_parts}], add_generation_prompt=True,
-                                            tokenize=False)
-            x = proc(text=[text], images=[images], return_tensors="pt")
+            x = hf_processed(tok, images, parts=[{"type": "text", "text": "Compare"}] +
+                             [{"type": "image"}] * len(urls) + [{"type": "text", "text": "now."}])
             assert r.prompt_token_ids == x["input_ids"][0].tolist()
-            with torch.no_grad():
-                want = hf.generate(**x, max_new_tokens=6, do_sample=False, eos_token_id=None,
-                                   pad_token_id=0)[0, x["input_ids"].shape[1]:].tolist()
-            assert r.choices[0].token_ids == want
+            assert r.choices[0].token_ids == hf_generated(hf, x, 6)
             assert r.usage.prompt_tokens == len(r.prompt_token_ids)
         assert f"prompt_tokens={len(r.prompt_token_ids)} images=2 output_tokens=6" in chat_server.log()
     finally:
@@ -477,25 +486,15 @@ def test_triton_backends_run_image_spans(model, monkeypatch, backends):
 def test_offline_chat_takes_images(chat_model):
     """LLM.chat with vLLM's image_pil and data-URL image_url parts: the prompt
     Gemma3Processor builds, and transformers' tokens."""
-    from transformers.models.gemma3 import Gemma3Processor
-    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
     path, hf, tok = chat_model
     engine = LLM(str(path), dtype="float32", quantization="none")
     images = [image(11), image(12)]
     out = engine.chat([{"role": "user", "content": [
         {"type": "image_pil", "image_pil": images[0]}, {"type": "text", "text": "and"},
         {"type": "image_url", "image_url": {"url": data_url(images[1])}}]}], greedy(5))
-    proc = Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": 32, "width": 32}),
-                           tokenizer=tok, image_seq_length=N_IMG, chat_template=GEMMA3_TEMPLATE)
-    text = proc.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and"},
-                                                                 {"type": "image"}]}], add_generation_prompt=True,
-                                    tokenize=False)
-    x = proc(text=[text], images=[images], return_tensors="pt")
+    x = hf_processed(tok, images, parts=[{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}])
     assert out.prompt_token_ids == x["input_ids"][0].tolist()
-    with torch.no_grad():
-        want = hf.generate(**x, max_new_tokens=5, do_sample=False, eos_token_id=None,
-                           pad_token_id=0)[0, x["input_ids"].shape[1]:].tolist()
-    assert out.outputs[0].token_ids == want
+    assert out.outputs[0].token_ids == hf_generated(hf, x, 5)
     with pytest.raises(InvalidRequest, match="data: URLs"):
         engine.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}])
 
@@ -621,8 +620,6 @@ def test_llamacpp_completion_with_multimodal_data(chat_model, chat_server):
     <__media__> an image (raw base64 or a data: URL), expanded as
     Gemma3Processor expands <start_of_image>; transformers' tokens."""
     import httpx
-    from transformers.models.gemma3 import Gemma3Processor
-    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
     path, hf, tok = chat_model
     images = [image(13), image(14)]
     urls = [data_url(im) for im in images]
@@ -631,14 +628,9 @@ def test_llamacpp_completion_with_multimodal_data(chat_model, chat_server):
                    "multimodal_data": [urls[0].split(",", 1)[1], urls[1]]},
         "n_predict": 6, "temperature": 0, "return_tokens": True, "ignore_eos": True})
     assert r.status_code == 200, r.text
-    proc = Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": 32, "width": 32}),
-                           tokenizer=tok, image_seq_length=N_IMG)
-    x = proc(text=["Compare <start_of_image> and <start_of_image> now."], images=[images], return_tensors="pt")
-    with torch.no_grad():
-        want = hf.generate(**x, max_new_tokens=6, do_sample=False, eos_token_id=None,
-                           pad_token_id=0)[0, x["input_ids"].shape[1]:].tolist()
+    x = hf_processed(tok, images, text="Compare <start_of_image> and <start_of_image> now.")
     body = r.json()
-    assert body["tokens"] == want and body["tokens_evaluated"] == x["input_ids"].shape[1]
+    assert body["tokens"] == hf_generated(hf, x, 6) and body["tokens_evaluated"] == x["input_ids"].shape[1]
     bad = httpx.post(chat_server.url + "/completion", timeout=60, json={
         "prompt": {"prompt_string": "no marker", "multimodal_data": [urls[0]]}, "n_predict": 2})
     assert bad.status_code == 400 and "<__media__>" in bad.json()["error"]["message"]
