@@ -177,6 +177,7 @@ def _usage(final) -> dict:
 async def create_message(state: ServerState, request: Request, req: MessagesRequest,
                          rlog: serving.RequestLog) -> Response:
     chat = chat_request(req, req.max_tokens)
+    serving.admit(state, [])        # (before fetching images)
     await load_images(state, chat.messages)
     run = serving.prepare_chat(state, chat, rlog)
     gen = serving.generate(state, run.prompt_ids, run.params, rlog.id, rlog, chat.priority,

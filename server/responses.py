@@ -323,6 +323,7 @@ async def create_response(state: ServerState, request: Request, req: ResponsesRe
         raise APIError(400, "This server keeps no responses (--responses-store-size 0), so a background one "
                             "could never be read.", param="background")
     chat, conversation = chat_request(req, history)
+    serving.admit(state, [])        # (before the prompt is rendered and its images fetched)
     chat = fitted(state, req, chat, conversation)
     await load_images(state, chat.messages, param="input")
     run = serving.prepare_chat(state, chat, rlog)

@@ -657,6 +657,7 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest, rlog: RequestLo
 
 async def chat_completion(state: ServerState, request: Request, req: ChatCompletionRequest,
                           rlog: RequestLog) -> Response:
+    admit(state, [])                # (before fetching images: 503 while loading, 429 when full)
     await load_images(state, req.messages)
     run = prepare_chat(state, req, rlog)
     prompt_ids, tools, top_k = run.prompt_ids, run.tools, run.top_k
