@@ -74,8 +74,8 @@ def cache_token_ids(token_ids: list[int], items: list[MultiModalItem]) -> list[i
 def chunk_end(items: list[MultiModalItem], start: int, end: int) -> int:
     """Where a chunk [start, end) may end: not strictly inside a
     bidirectional span. It stops before a span it would cut, or, starting
-    inside one, runs to the span's end (the scheduler's budget allows it:
-    check_items); start when neither fits (nothing this step)."""
+    inside one, runs to the span's end (which the scheduler holds back to
+    the next step when this step's budget is short of it)."""
     for it in items:
         if it.bidirectional and it.offset < end < it.end:
             return it.offset if it.offset > start else it.end
