@@ -6,6 +6,8 @@ logprobs within 1e-4, with an image's tokens attending to each other
 the check can fail). Chunked prefill never cuts an image, prefix caching
 tells images apart, each image is encoded once, and bad inputs are refused
 with a clear message."""
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -233,7 +235,7 @@ def chat_model(tmp_path_factory):
     from tests.fixtures_models import hf_tokenizer
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
     d = tmp_path_factory.mktemp("gemma3_vision_chat")
-    tok = hf_tokenizer("smollm2-135m")
+    tok = copy.deepcopy(hf_tokenizer("smollm2-135m"))       # (the cached one other tests read stays as it is)
     tok.add_special_tokens({"additional_special_tokens": ["<start_of_image>", "<end_of_image>",
                                                          "<image_soft_token>"]})
     tok.chat_template = GEMMA3_TEMPLATE
