@@ -48,7 +48,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=3, help="timed encodes (median); preprocessing runs >= 10")
     ap.add_argument("--layers", type=int, default=27)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -70,8 +70,9 @@ def main():
     ours_px = preprocess(photo, cfg)
     hf_px = hf_proc(images=[photo], return_tensors="pt")["pixel_values"][0]
     assert torch.equal(ours_px, hf_px), "preprocessing differs from transformers'"
-    pre = {"tqserve_ms": 1e3 * timed(lambda: preprocess(photo, cfg), "cpu", args.repeat),
-           "transformers_ms": 1e3 * timed(lambda: hf_proc(images=[photo], return_tensors="pt"), "cpu", args.repeat)}
+    n = max(args.repeat, 10)        # (cheap: always enough runs for a stable median)
+    pre = {"tqserve_ms": 1e3 * timed(lambda: preprocess(photo, cfg), "cpu", n),
+           "transformers_ms": 1e3 * timed(lambda: hf_proc(images=[photo], return_tensors="pt"), "cpu", n)}
     log(f"preprocess: tqserve {pre['tqserve_ms']:.1f} ms, transformers {pre['transformers_ms']:.1f} ms")
 
     # 2. the encoder, same weights both sides
