@@ -408,12 +408,17 @@ def is_deepseek_v4(cfg: dict) -> bool:
     return cfg.get("model_type") == "deepseek_v4" or (cfg.get("architectures") or [""])[0] == "DeepseekV4ForCausalLM"
 
 
-def open_gguf_source(path):
-    """The file's ModelSource (header and tensor infos; no tensor read)."""
+def open_gguf_source(path, mmproj=None):
+    """The file's ModelSource (header and tensor infos; no tensor read), with
+    its vision tower's mmproj file (model_zoo/mmproj.py) when given."""
     from model_zoo.gguf_loader import open_gguf
+    from model_zoo.mmproj import attach_mmproj
     from model_zoo.source import ModelLoadError
     try:
-        return open_gguf(path)
+        source = open_gguf(path)
+        if mmproj is not None:
+            attach_mmproj(source, mmproj)
+        return source
     except ModelLoadError as e:
         raise SystemExit(f"--model {path}: {e}") from None
 
@@ -475,10 +480,13 @@ def tower_bytes(cfg: dict, dtype: str) -> int:
 
 
 def make_plan(model: str, tp: int = 2, kv_cache_dtype: str = "f16", rollback: int = 3,
-              dtype: str | None = None, quantization: str | None = "auto") -> Plan:
+              dtype: str | None = None, quantization: str | None = "auto", mmproj: str | None = None) -> Plan:
     """The formulas' plan; with dtype, also the weights measured from a meta
-    build (quantization "auto": fp8 for DeepSeek-V4, what it is served with)."""
-    gguf = open_gguf_source(model) if model.endswith(".gguf") and Path(model).is_file() else None
+    build (quantization "auto": fp8 for DeepSeek-V4, what it is served with).
+    mmproj: a .gguf model's vision tower file."""
+    gguf = open_gguf_source(model, mmproj) if model.endswith(".gguf") and Path(model).is_file() else None
+    if mmproj is not None and gguf is None:
+        raise SystemExit("--mmproj goes with a .gguf --model")
     name, cfg = (model, gguf.config) if gguf is not None else load_config(model)
     v4 = is_deepseek_v4(cfg)
     if v4:
@@ -561,13 +569,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default="auto",
                    help="fp8 (DeepSeek-V4's FP8 / FP4 kept as stored), gguf (a .gguf file's blocks, each rank "
                         "its part) or none; auto: fp8 for DeepSeek-V4, gguf for a .gguf file")
+    p.add_argument("--mmproj", default=None, metavar="FILE",
+                   help="a .gguf model's vision tower (llama.cpp's clip GGUF), counted with it")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
 
 
 def run(args: argparse.Namespace) -> int:
     dtype = None if args.dtype.lower() == "none" else args.dtype
     quant = None if args.quantization.lower() == "none" else args.quantization
-    plans = [make_plan(args.model, args.tp, kv, args.rollback, dtype if i == 0 else None, quant)
+    plans = [make_plan(args.model, args.tp, kv, args.rollback, dtype if i == 0 else None, quant, args.mmproj)
              for i, kv in enumerate(args.kv_cache_dtype)]
     for p in plans[1:]:
         p.measured_weight_bytes, p.measured_how = plans[0].measured_weight_bytes, plans[0].measured_how

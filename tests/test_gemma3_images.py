@@ -599,6 +599,15 @@ def test_gguf_with_mmproj_equals_transformers(model, tmp_path):
     assert gap(out, ids, ref) < LOGPROB_TOL
     with pytest.raises(Exception, match="not a multimodal projector"):
         LLM(str(tmp_path / "model.gguf"), mmproj=str(tmp_path / "model.gguf"))
+    # tqserve plan --mmproj counts the tower (float32 here) in the formula and the measured bytes.
+    from server import plan
+    tower = 4 * sum(p.numel() for n, p in hf.named_parameters()       # (SigLIP's unused pooling head: not)
+                    if ("vision_tower" in n or "multi_modal" in n) and ".head." not in n)
+    with_tower = plan.make_plan(str(tmp_path / "model.gguf"), 1, "f16", dtype="float32",
+                                mmproj=str(tmp_path / "mmproj.gguf"))
+    text = plan.make_plan(str(tmp_path / "model.gguf"), 1, "f16", dtype="float32")
+    assert with_tower.weight_parts["vision tower (replicated)"] == tower
+    assert with_tower.measured_weight_bytes - text.measured_weight_bytes == tower
 
 
 def test_draft_model_speculation_with_images(model, tmp_path):
@@ -636,3 +645,20 @@ def test_llamacpp_completion_with_multimodal_data(chat_model, chat_server):
     bad = httpx.post(chat_server.url + "/completion", timeout=60, json={
         "prompt": {"prompt_string": "no marker", "multimodal_data": [urls[0]]}, "n_predict": 2})
     assert bad.status_code == 400 and "<__media__>" in bad.json()["error"]["message"]
+
+
+def test_preemption_recomputes_images(model):
+    """A pool too small for every image prompt at once: preempted requests
+    recompute their prompts (images encoded again or from the encoder's
+    cache) and give the tokens they give alone; nothing stays allocated."""
+    path, _ = model
+    prompts = [{"prompt_token_ids": prompt_ids([5 + i], "img", [9, 10 + i], "img", [11]),
+                "multi_modal_data": {"image": [image(20 + i), image(30 + i)]}} for i in range(4)]
+    ref = [llm(path).generate(p, greedy(30))[0].outputs[0].token_ids for p in prompts]
+    # Room for ~2 of the 4 sequences (~71 tokens each, in the full and the sliding layers' blocks).
+    small = llm(path, kv_cache_memory=230_000, max_model_len=80, max_num_seqs=4)
+    assert small.core.plan.capacity_tokens < 200
+    outs = small.generate(prompts, greedy(30))
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert small.core.get_stats().num_preemptions_total > 0
+    assert small.core.kv.num_used_blocks == 0
