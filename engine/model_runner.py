@@ -114,7 +114,7 @@ class StepPlan:
     copies: tuple[int, int] = (0, 0)   # state slot copies (restores, snapshots) packed after the groups (_copy)
     lora_loads: list[tuple] = field(default_factory=list)   # (slot, adapter id, LoRAAdapter) to load first
     lora_rows: list[tuple[int, int, int]] = field(default_factory=list)    # (slot, first row, end row) per request
-    mm_rows: list[tuple] = field(default_factory=list)   # (first row, rows, MultiModalItem, its first row) per image part
+    mm_rows: list[tuple] = field(default_factory=list)   # per image part: (first row, rows, item, item's first row)
     key_limits: np.ndarray | None = None    # [T] bidirectional spans' key limits (kvcache.metadata), or None
 
 

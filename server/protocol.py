@@ -93,6 +93,9 @@ class OtherPart(_Body):
     type: str
 
 
+_PART_NEEDS = {"text": "a string `text`", "image_url": "an object `image_url` with a string `url`"}
+
+
 class ChatMessage(_Body):
     model_config = ConfigDict(extra="allow")   # name, tool_calls, tool_call_id, ... go to the template
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -102,9 +105,8 @@ class ChatMessage(_Body):
     def _check(self):
         if isinstance(self.content, list):
             for part in self.content:
-                if isinstance(part, OtherPart) and part.type in ("text", "image_url"):
-                    raise ValueError(f"a {part.type} content part needs "
-                                     f"{'a string `text`' if part.type == 'text' else 'an object `image_url` with a string `url`'}")
+                if isinstance(part, OtherPart) and part.type in _PART_NEEDS:
+                    raise ValueError(f"a {part.type} content part needs {_PART_NEEDS[part.type]}")
                 if isinstance(part, OtherPart):
                     raise ValueError(f"content part type {part.type!r} is not supported (text and image_url)")
                 if isinstance(part, ImagePart) and self.role != "user":
@@ -726,6 +728,8 @@ class MediaPrompt(_Body):
     $LLAMA_MEDIA_MARKER) once per image of multimodal_data (base64 or data: URLs)."""
     prompt_string: str
     multimodal_data: list[str] = Field(default_factory=list, max_length=MAX_PROMPT_MEDIA)
+
+
 MAX_INPUT_EXTRA = 1024
 
 

@@ -412,7 +412,8 @@ def test_responses_and_messages_apis_take_images(chat_model, chat_server):
     url = data_url(image(9))
     client = openai.OpenAI(base_url=chat_server.url + "/v1", api_key="none", max_retries=0, timeout=120)
     chat = client.chat.completions.create(model=str(path), max_tokens=6, temperature=0, messages=[
-        {"role": "user", "content": [{"type": "text", "text": "Compare"}, {"type": "image_url", "image_url": {"url": url}},
+        {"role": "user", "content": [{"type": "text", "text": "Compare"},
+                                     {"type": "image_url", "image_url": {"url": url}},
                                      {"type": "text", "text": "now."}]}]).choices[0].message.content
     assert chat
     r = client.responses.create(model=str(path), max_output_tokens=6, temperature=0, input=[
