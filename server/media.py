@@ -32,12 +32,7 @@ async def load_images(state, messages, param: str | None = None) -> int:
     parts = [(param or f"messages.{i}", p) for i, m in enumerate(messages) for p in m.images()]
     if not parts:
         return 0
-    try:
-        state.llm.images.check_count(len(parts))
-    except ValueError as e:
-        raise APIError(400, f"image inputs: {e}", param=parts[0][0]) from None
-    if state.llm.no_images:
-        raise APIError(400, f"image inputs: {state.llm.no_images}", param=parts[0][0])
+    _check(state, len(parts), parts[0][0])
     root = state.config.allowed_local_media_path
     data = await asyncio.gather(*(_read(p.image_url.url, root, where) for where, p in parts))
     loop = asyncio.get_running_loop()
@@ -51,12 +46,8 @@ async def load_images(state, messages, param: str | None = None) -> int:
 async def load_base64_images(state, datas: list[str], param: str) -> list:
     """llama.cpp's multimodal_data (base64, or data: URLs) -> the model's
     pixel tensors, with load_images' checks and 400s."""
-    try:
-        state.llm.images.check_count(len(datas))
-    except ValueError as e:
-        raise APIError(400, f"image inputs: {e}", param=param) from None
-    if datas and state.llm.no_images:
-        raise APIError(400, f"image inputs: {state.llm.no_images}", param=param)
+    if datas:
+        _check(state, len(datas), param)
     loop = asyncio.get_running_loop()
     pixels = state.llm.images.processor.pixels if datas else None
     out = []
@@ -64,6 +55,17 @@ async def load_base64_images(state, datas: list[str], param: str) -> list:
         raw = await _read(d if d.startswith("data:") else "data:;base64," + d, None, param)
         out.append(await loop.run_in_executor(None, lambda: pixels(_decode(raw, param))))
     return out
+
+
+def _check(state, n: int, param: str) -> None:
+    """400 unless the model takes n images (a model without images, --limit-mm-per-prompt, a KV cache
+    whose attention cannot run image spans)."""
+    try:
+        state.llm.images.check_count(n)
+    except ValueError as e:
+        raise APIError(400, f"image inputs: {e}", param=param) from None
+    if state.llm.no_images:
+        raise APIError(400, f"image inputs: {state.llm.no_images}", param=param)
 
 
 async def _read(url: str, root: str | None, param: str) -> bytes:
